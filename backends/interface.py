@@ -1,0 +1,56 @@
+"""What a topic or channel needs from the storage behind its memory queue.
+
+A store is opened once per broker (an LMDB environment, say) and hands out
+one queue per topic and per channel; the broker never knows which kind it
+holds. Everything moves in batches because the disk store commits once per
+batch, not once per message.
+"""
+
+from __future__ import annotations
+
+from zope.interface import Attribute, Interface
+
+
+class BackendError(Exception):
+    """A queue could not store what it was given (a full disk, a closed store).
+
+    The publisher gets E_PUB_FAILED (or HTTP 500) and the message is not
+    acknowledged, so nothing accepted is lost.
+    """
+
+
+class IBackendQueue(Interface):
+    """The overflow queue of one topic or channel, FIFO."""
+
+    name = Attribute("The queue's name: the topic, or 'topic:channel' as nsqd names it.")
+
+    def put(messages):
+        """Append a batch of `mqd.message.Message` in order; raise BackendError on failure."""
+
+    def read(count):
+        """Remove and return up to `count` messages from the head, oldest first."""
+
+    def depth():
+        """How many messages the queue holds."""
+
+    def empty():
+        """Drop every message; the queue stays usable."""
+
+    def delete():
+        """Drop every message and the queue's storage; the queue is unusable afterwards."""
+
+    def close():
+        """Release the queue, keeping what it holds for the next start."""
+
+    def sync():
+        """Make what was put durable, where the store can."""
+
+
+class IBackendStore(Interface):
+    """One kind of storage for a whole broker."""
+
+    def open_queue(name):
+        """The IBackendQueue called `name`, created if new, with what it held before."""
+
+    def close():
+        """Close every queue and the store itself."""

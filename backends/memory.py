@@ -1,0 +1,60 @@
+"""Unbounded overflow kept in RAM: fast, and gone when the process ends."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from zope.interface import implementer
+
+from .interface import IBackendQueue, IBackendStore
+
+
+@implementer(IBackendQueue)
+class MemoryQueue:
+    __slots__ = ("name", "_items")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._items: deque = deque()
+
+    def put(self, messages) -> None:
+        self._items.extend(messages)
+
+    def read(self, count: int) -> list:
+        items = self._items
+        if count >= len(items):
+            batch = list(items)
+            items.clear()
+            return batch
+        pop = items.popleft
+        return [pop() for _ in range(count)]
+
+    def depth(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> None:
+        self._items.clear()
+
+    def delete(self) -> None:
+        self._items.clear()
+
+    def close(self) -> None:
+        """Nothing to release; what the queue holds dies with the process."""
+
+    def sync(self) -> None:
+        """RAM has nothing to sync."""
+
+
+@implementer(IBackendStore)
+class MemoryStore:
+    def __init__(self, options=None) -> None:
+        self._queues: dict[str, MemoryQueue] = {}
+
+    def open_queue(self, name: str) -> MemoryQueue:
+        queue = self._queues.get(name)
+        if queue is None:
+            queue = self._queues[name] = MemoryQueue(name)
+        return queue
+
+    def close(self) -> None:
+        self._queues.clear()

@@ -1,0 +1,228 @@
+"""Start mqd under twistd, find its port in the log, and watch its memory and CPU.
+
+The broker is a separate process that the harness only observes from outside
+(/proc), so measuring it costs the broker nothing and works the same for an
+already running broker given by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Self
+
+from bench import wire
+
+REPO = Path(__file__).resolve().parent.parent
+_LISTEN = re.compile(rb"TCP: listening on (\S+)")
+_HTTP = re.compile(rb"HTTP: listening on (\S+)")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+class BrokerError(Exception):
+    """The broker did not start, or died; carries the tail of its log."""
+
+
+def broker_command(
+    backend: str, mem_queue_size: int, data_path: str, extra: list[str] | None = None
+) -> list[str]:
+    """The twistd command line; twistd from the running venv so the plugin is found."""
+    twistd = str(Path(sys.executable).parent / "twistd")
+    return [
+        twistd,
+        "-n",
+        "--pidfile=",
+        "mqd",
+        "--tcp-address=127.0.0.1:0",
+        "--http-address=127.0.0.1:0",
+        f"--data-path={data_path}",
+        f"--mem-queue-size={mem_queue_size}",
+        f"--backend={backend}",
+        *(extra or []),
+    ]
+
+
+class Broker:
+    """A broker subprocess with a private temporary data directory.
+
+    The log goes to a file rather than a pipe so a chatty broker can never block
+    on a full pipe while the harness is busy elsewhere.
+    """
+
+    def __init__(
+        self,
+        backend: str = "memory",
+        mem_queue_size: int = 1_000_000,
+        extra: list[str] | None = None,
+        argv: list[str] | None = None,
+        keep: bool = False,
+        startup_timeout: float = 20.0,
+    ) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="mqd-bench-"))
+        self.data_path = self.workdir / "data"
+        self.data_path.mkdir()
+        self.log_path = self.workdir / "broker.log"
+        self.argv = argv or broker_command(backend, mem_queue_size, str(self.data_path), extra)
+        self.keep = keep
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.address: tuple[str, int] | None = None
+        self.http_address: str | None = None
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def start(self) -> tuple[str, int]:
+        """Launch and wait for the ``TCP: listening on HOST:PORT`` log line."""
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_bytes()
+            match = _LISTEN.search(text)
+            if match:
+                self.address = wire.parse_address(match.group(1).decode())
+                http = _HTTP.search(text)
+                self.http_address = http.group(1).decode() if http else None
+                return self.address
+            if self.proc.poll() is not None:
+                raise BrokerError(
+                    f"broker exited with {self.proc.returncode} before listening:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+        tail = self.log_tail()
+        self.stop()
+        raise BrokerError(f"no 'TCP: listening on' line within {self.startup_timeout} s:\n{tail}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM and wait; a broker flushing a large backlog to disk may need a while."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.returncode = self.proc.returncode
+        if not self.keep:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.returncode
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def read_proc(pid: int) -> tuple[int, int, float] | None:
+    """(VmRSS kB, VmHWM kB, CPU seconds user+system) of ``pid``; None once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rss = hwm = 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1])
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1])
+    fields = stat[stat.rindex(")") + 2 :].split()
+    cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return rss, hwm, cpu
+
+
+class Sampler:
+    """Samples the broker's RSS every 100 ms in a thread and keeps per-window peaks.
+
+    VmHWM alone only gives the lifetime peak; sampling VmRSS gives a peak per
+    scenario, which is what differs between writer, reader and both.
+    """
+
+    def __init__(self, pid: int, interval: float = 0.1) -> None:
+        self.pid = pid
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._hwm = 0
+        self._stop = threading.Event()
+        self._window_start = (time.monotonic(), 0.0)
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def start(self) -> Sampler:
+        self.reset()
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        got = read_proc(self.pid)
+        if got is None:
+            return
+        rss, hwm, _ = got
+        with self._lock:
+            self._peak = max(self._peak, rss)
+            self._hwm = max(self._hwm, hwm)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def reset(self) -> None:
+        """Start a new measurement window (peak RSS and CPU time)."""
+        got = read_proc(self.pid)
+        with self._lock:
+            self._peak = got[0] if got else 0
+            self._window_start = (time.monotonic(), got[2] if got else 0.0)
+
+    def window(self) -> tuple[float, float]:
+        """(peak RSS MB, CPU % of one core) since the last reset."""
+        self._sample()
+        got = read_proc(self.pid)
+        with self._lock:
+            peak = self._peak
+            t0, cpu0 = self._window_start
+        elapsed = time.monotonic() - t0
+        cpu = (got[2] - cpu0) if got else 0.0
+        return peak / 1024, (100.0 * cpu / elapsed if elapsed > 0 else 0.0)
+
+    def lifetime_peak_mb(self) -> float:
+        """Largest VmHWM seen: the broker's all-time peak RSS while it was observed."""
+        self._sample()
+        with self._lock:
+            return self._hwm / 1024
+
+    def stop(self) -> None:
+        self._sample()
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()

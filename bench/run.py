@@ -1,0 +1,524 @@
+"""Scenario runner: NSQ's bench conditions (see /work/shared/BENCH.md) against mqd.
+
+Every scenario starts from a known channel state so repeated runs are
+comparable: ``writer`` and ``both`` start with an empty channel (a leftover
+backlog is drained first, untimed), ``reader`` starts with the backlog a
+``writer`` run left (or fills one, untimed). The parent process only
+orchestrates and samples /proc; all load comes from spawned children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import statistics
+import sys
+import time
+from array import array
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from bench import wire
+from bench.broker import Broker, BrokerError, Sampler
+from bench.reader import ReaderConfig, reader_main
+from bench.writer import WriterConfig, writer_main
+
+SCENARIOS = ("writer", "reader", "both")
+DRAIN_IDLE = 2.0  # seconds without messages that end a drain / backlog read
+
+
+class BenchError(Exception):
+    """A child process failed or the run could not proceed."""
+
+
+@dataclass
+class Result:
+    """One scenario run; rates in msgs/s, latencies in ms, RSS in MB, CPU in % of a core."""
+
+    scenario: str
+    msgs_in: int = 0
+    rate_in: float | None = None
+    msgs_out: int = 0
+    rate_out: float | None = None
+    lat_p50: float | None = None
+    lat_p99: float | None = None
+    ack_p50: float | None = None
+    ack_p99: float | None = None
+    rss_mb: float | None = None
+    cpu_pct: float | None = None
+    seconds: float = 0.0
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; enough for p50/p99 over thousands of samples."""
+    if not sorted_values:
+        return None
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+def median_result(runs: list[Result]) -> Result:
+    """Median of each metric on its own, as NSQ's 'median of 3' figures are reported."""
+    out = Result(runs[0].scenario)
+    for f in fields(Result):
+        if f.name == "scenario":
+            continue
+        values = [getattr(r, f.name) for r in runs if getattr(r, f.name) is not None]
+        if values:
+            value = statistics.median(values)
+            setattr(out, f.name, int(value) if f.type in ("int", int) else value)
+    return out
+
+
+def _fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def result_line(r: Result, label: str) -> str:
+    """The per-run line printed while the bench runs."""
+    return (
+        f"{label:<14} in {_fmt(r.rate_in):>9} msgs/s  out {_fmt(r.rate_out):>9} msgs/s  "
+        f"lat p50/p99 {_fmt(r.lat_p50, '.1f')}/{_fmt(r.lat_p99, '.1f')} ms  "
+        f"ack p50/p99 {_fmt(r.ack_p50, '.2f')}/{_fmt(r.ack_p99, '.2f')} ms  "
+        f"rss {_fmt(r.rss_mb)} MB  cpu {_fmt(r.cpu_pct)}%  "
+        f"({r.msgs_in:,} in / {r.msgs_out:,} out, {r.seconds:.1f} s)"
+    )
+
+
+class Session:
+    """One broker, a sequence of scenarios, and the bookkeeping of its channel backlog."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        address: tuple[str, int],
+        sampler: Sampler | None,
+        broker: Broker | None,
+    ) -> None:
+        self.args = args
+        self.address = address
+        self.sampler = sampler
+        self.broker = broker
+        self.ctx = mp.get_context("spawn")  # children never inherit the sampler thread
+        self.backlog = 0
+
+    # -- process plumbing -------------------------------------------------
+
+    def _check_broker(self) -> None:
+        if self.broker is not None and not self.broker.alive():
+            raise BrokerError(
+                f"broker exited with {self.broker.proc.returncode}:\n{self.broker.log_tail()}"
+            )
+
+    def _run(
+        self, writers: list[WriterConfig], readers: list[ReaderConfig]
+    ) -> tuple[list[dict], list[dict], float, float | None, float | None]:
+        """Start all children, release them together, collect their results.
+
+        Returns (writer results, reader results, wall seconds, peak RSS MB, CPU %).
+        """
+        self._check_broker()
+        ctx = self.ctx
+        q = ctx.Queue()
+        start = ctx.Event()
+        progress = ctx.Array("q", max(1, len(readers)), lock=False)
+        procs = [
+            ctx.Process(target=writer_main, args=(i, cfg, q, start), daemon=True)
+            for i, cfg in enumerate(writers)
+        ]
+        procs += [
+            ctx.Process(target=reader_main, args=(i, cfg, q, start, progress), daemon=True)
+            for i, cfg in enumerate(readers)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            self._collect(q, procs, "ready", timeout=30.0)
+            if self.sampler is not None:
+                self.sampler.reset()
+            t0 = time.monotonic()
+            start.set()
+            got = self._collect(q, procs, "result", timeout=self.args.timeout)
+            seconds = time.monotonic() - t0
+            rss, cpu = self.sampler.window() if self.sampler is not None else (None, None)
+        finally:
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.terminate()
+                    p.join()
+        wres = [got[f"w{i}"] for i in range(len(writers))]
+        rres = [got[f"r{i}"] for i in range(len(readers))]
+        return wres, rres, seconds, rss, cpu
+
+    def _collect(self, q: Any, procs: list, kind: str, timeout: float) -> dict[str, Any]:
+        """Wait for one ``kind`` message per child; any child error aborts the run."""
+        want = len(procs)
+        got: dict[str, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < want:
+            if time.monotonic() > deadline:
+                raise BenchError(f"children did not report {kind!r} within {timeout:.0f} s")
+            try:
+                msg_kind, index, data = q.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise BenchError(f"child process died (exit code {dead[0].exitcode})") from None
+                self._check_broker()
+                continue
+            if msg_kind == "error":
+                raise BenchError(data)
+            if msg_kind == kind:
+                got[index] = data
+        return got
+
+    # -- configurations ---------------------------------------------------
+
+    def _writer_cfgs(self, total: int | None) -> list[WriterConfig]:
+        a = self.args
+        n = a.writers
+        counts: list[int | None] = [None] * n
+        if total is not None:
+            counts = [total // n + (1 if i < total % n else 0) for i in range(n)]
+        return [
+            WriterConfig(
+                address=self.address,
+                topic=a.topic,
+                size=a.size,
+                batch=1 if a.mode == "pub" else a.batch,
+                mode=a.mode,
+                pipeline=a.pipeline,
+                duration=a.duration,
+                count=c,
+            )
+            for c in counts
+        ]
+
+    def _reader_cfgs(
+        self, duration: float | None, expected: int | None, idle: float | None
+    ) -> list[ReaderConfig]:
+        a = self.args
+        return [
+            ReaderConfig(
+                address=self.address,
+                topic=a.topic,
+                channel=a.channel,
+                rdy=a.rdy,
+                duration=duration,
+                expected=expected,
+                idle_timeout=idle,
+                sample_every=a.sample_every,
+                client_id=f"bench-{i}",
+            )
+            for i in range(a.readers)
+        ]
+
+    # -- aggregation -----------------------------------------------------
+
+    @staticmethod
+    def _rate(results: list[dict]) -> tuple[int, float | None]:
+        msgs = sum(r["messages"] for r in results)
+        if not results or not msgs:
+            return msgs, None
+        span = max(r["t_end"] for r in results) - min(r["t_start"] for r in results)
+        return msgs, (msgs / span if span > 0 else None)
+
+    @staticmethod
+    def _latencies(results: list[dict], key: str, scale: float) -> tuple[float | None, ...]:
+        values: list[float] = []
+        for r in results:
+            arr = array("q" if key == "latency_ns" else "I")
+            arr.frombytes(r[key])
+            values.extend(v / scale for v in arr)
+        values.sort()
+        return percentile(values, 0.50), percentile(values, 0.99)
+
+    def _result(
+        self, name: str, wres: list[dict], rres: list[dict], seconds: float, rss: Any, cpu: Any
+    ) -> Result:
+        msgs_in, rate_in = self._rate(wres)
+        msgs_out, rate_out = self._rate(rres)
+        lat50, lat99 = self._latencies(rres, "latency_ns", 1e6)
+        ack50, ack99 = self._latencies(wres, "ack_us", 1e3)
+        fin_errors = sum(r["fin_errors"] for r in rres)
+        if fin_errors:
+            print(f"  warning: {fin_errors} E_FIN_FAILED errors", flush=True)
+        return Result(
+            scenario=name,
+            msgs_in=msgs_in,
+            rate_in=rate_in,
+            msgs_out=msgs_out,
+            rate_out=rate_out,
+            lat_p50=lat50,
+            lat_p99=lat99,
+            ack_p50=ack50,
+            ack_p99=ack99,
+            rss_mb=rss,
+            cpu_pct=cpu,
+            seconds=seconds,
+        )
+
+    # -- untimed helpers -----------------------------------------------------
+
+    def drain(self, idle: float = DRAIN_IDLE) -> int:
+        """Empty the channel so the next scenario starts clean; not part of any figure."""
+        expected = self.backlog or None
+        t0 = time.monotonic()
+        _, rres, _, _, _ = self._run([], self._reader_cfgs(None, expected, idle))
+        consumed = sum(r["messages"] + r["late"] for r in rres)
+        took = time.monotonic() - t0
+        print(f"  (drain: {consumed:,} msgs in {took:.1f} s)", flush=True)
+        if expected and consumed < expected:
+            print(
+                f"  warning: expected {expected:,} messages in the channel, "
+                f"got {consumed:,} before {idle:.0f} s of silence",
+                flush=True,
+            )
+        self.backlog = 0
+        return consumed
+
+    def fill(self) -> None:
+        """Give a lone ``reader`` scenario a backlog, the same way ``writer`` would."""
+        wres, _, seconds, _, _ = self._run(self._writer_cfgs(self.args.count), [])
+        msgs = sum(r["messages"] for r in wres)
+        self.backlog += msgs
+        print(f"  (fill: {msgs:,} msgs in {seconds:.1f} s)", flush=True)
+
+    # -- scenarios ---------------------------------------------------------
+
+    def writer(self) -> Result:
+        if self.backlog:
+            self.drain()
+        wres, rres, seconds, rss, cpu = self._run(self._writer_cfgs(self.args.count), [])
+        res = self._result("writer", wres, rres, seconds, rss, cpu)
+        self.backlog += res.msgs_in
+        return res
+
+    def reader(self) -> Result:
+        if not self.backlog:
+            self.fill()
+        duration = None if self.args.count is not None else self.args.duration
+        cfgs = self._reader_cfgs(duration, self.backlog, DRAIN_IDLE)
+        wres, rres, seconds, rss, cpu = self._run([], cfgs)
+        res = self._result("reader", wres, rres, seconds, rss, cpu)
+        self.backlog = max(0, self.backlog - sum(r["messages"] + r["late"] for r in rres))
+        return res
+
+    def both(self) -> Result:
+        if self.backlog:
+            self.drain()
+        a = self.args
+        if a.count is not None:
+            rcfgs = self._reader_cfgs(None, a.count, DRAIN_IDLE)
+        else:
+            rcfgs = self._reader_cfgs(a.duration, None, None)
+        wres, rres, seconds, rss, cpu = self._run(self._writer_cfgs(a.count), rcfgs)
+        res = self._result("both", wres, rres, seconds, rss, cpu)
+        consumed = sum(r["messages"] + r["late"] for r in rres)
+        self.backlog = max(0, self.backlog + res.msgs_in - consumed)
+        return res
+
+
+# -- reporting ---------------------------------------------------------------
+
+
+def machine() -> str:
+    """'N cores, CPU model' as ``nproc`` and /proc/cpuinfo see it."""
+    cores = len(os.sched_getaffinity(0))
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cores} cores" + (f" ({model})" if model else "")
+
+
+def markdown(medians: list[Result], args: argparse.Namespace, broker_desc: str) -> str:
+    """A table ready to paste into the top-level README, with date, machine and flags."""
+    load = (
+        f"{args.writers} writers ({args.mode.upper()}"
+        + (f" x{args.batch}" if args.mode == "mpub" else "")
+        + f", {args.size} B bodies, pipeline {args.pipeline}), "
+        f"{args.readers} readers (RDY {args.rdy}), "
+        + (f"{args.count:,} msgs" if args.count is not None else f"{args.duration:g} s runs")
+        + f", median of {args.repeat}"
+    )
+    lines = [
+        (
+            f"mqd bench, {datetime.date.today().isoformat()}, {machine()}, "
+            f"Python {platform.python_version()}"
+        ),
+        "",
+        f"- broker: `{broker_desc}`",
+        f"- load: {load}",
+        "",
+        (
+            "| run | msgs/s in | msgs/s out | latency p50 / p99 (ms) | ack p50 / p99 (ms) "
+            "| broker peak RSS (MB) | broker CPU |"
+        ),
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in medians:
+        lines.append(
+            f"| {r.scenario} | {_fmt(r.rate_in)} | {_fmt(r.rate_out)} "
+            f"| {_fmt(r.lat_p50, '.1f')} / {_fmt(r.lat_p99, '.1f')} "
+            f"| {_fmt(r.ack_p50, '.2f')} / {_fmt(r.ack_p99, '.2f')} "
+            f"| {_fmt(r.rss_mb)} | {_fmt(r.cpu_pct)}% |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Load generator for mqd under NSQ's benchmark conditions.",
+        epilog="Broker flags that start with '-' need the '=' form: --broker-arg=--sync-every=1",
+    )
+    p.add_argument("scenario", nargs="?", default="all", choices=(*SCENARIOS, "all"))
+    p.add_argument("--backend", default="memory", help="broker --backend (memory, lmdb, ...)")
+    p.add_argument("--mem-queue-size", type=int, default=1_000_000)
+    p.add_argument(
+        "--broker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra broker flag, repeatable",
+    )
+    p.add_argument(
+        "--nsqd-address",
+        metavar="HOST:PORT",
+        help="bench an already running broker instead of starting one",
+    )
+    p.add_argument("--pid", type=int, help="pid of that broker, to measure its RSS and CPU")
+    p.add_argument("--size", type=int, default=200, help="message body bytes")
+    p.add_argument("--batch", type=int, default=100, help="messages per MPUB")
+    p.add_argument("--mode", choices=("mpub", "pub"), default="mpub")
+    p.add_argument("--pipeline", type=int, default=1, help="commands each writer keeps outstanding")
+    p.add_argument("--writers", type=int, default=2)
+    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--rdy", type=int, default=2500)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per run")
+    p.add_argument(
+        "--count",
+        type=int,
+        help="publish exactly this many messages (all writers) instead of timing",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="runs per scenario; median reported")
+    p.add_argument("--topic", default="bench")
+    p.add_argument("--channel", default="ch")
+    p.add_argument(
+        "--sample-every",
+        type=int,
+        default=100,
+        help="readers sample latency from every Nth message",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="abort a run whose children have not finished after this many seconds",
+    )
+    p.add_argument("--keep-data", action="store_true", help="keep the broker's data dir and log")
+    p.add_argument("--json", metavar="PATH", help="also write all results as JSON")
+    args = p.parse_args(argv)
+    if args.pid and not args.nsqd_address:
+        p.error("--pid only makes sense with --nsqd-address")
+    if args.writers < 1 or args.readers < 1 or args.repeat < 1 or args.pipeline < 1:
+        p.error("--writers, --readers, --repeat and --pipeline must be at least 1")
+    if args.size < 8:
+        p.error("--size must be at least 8: bodies carry an 8-byte timestamp")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the scenarios; returns the process exit status."""
+    args = parse_args(argv)
+    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
+    broker: Broker | None = None
+    sampler: Sampler | None = None
+    runs: dict[str, list[Result]] = {s: [] for s in scenarios}
+    try:
+        if args.nsqd_address:
+            address = wire.parse_address(args.nsqd_address)
+            broker_desc = f"external broker at {args.nsqd_address}"
+            pid = args.pid
+        else:
+            broker = Broker(args.backend, args.mem_queue_size, args.broker_arg, keep=args.keep_data)
+            broker_desc = "twistd -n mqd " + " ".join(
+                a
+                for a in broker.argv[4:]
+                if not a.startswith(("--tcp-address", "--http-address", "--data-path"))
+            )
+            print(f"starting: {' '.join(broker.argv)}", flush=True)
+            address = broker.start()
+            pid = broker.pid
+            print(
+                f"broker pid {pid} listening on {address[0]}:{address[1]}"
+                + (f" (HTTP {broker.http_address})" if broker.http_address else ""),
+                flush=True,
+            )
+        if pid:
+            sampler = Sampler(pid).start()
+        wire.create_topic_channel(address, args.topic, args.channel)
+        session = Session(args, address, sampler, broker)
+        if broker is None:
+            session.drain(idle=1.0)  # unknown leftovers of an external broker
+        for rep in range(args.repeat):
+            for name in scenarios:
+                res = getattr(session, name)()
+                runs[name].append(res)
+                print(result_line(res, f"{name} {rep + 1}/{args.repeat}"), flush=True)
+    except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if broker is not None and not isinstance(exc, BrokerError):
+            print(f"broker log (tail):\n{broker.log_tail()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    finally:
+        hwm = sampler.lifetime_peak_mb() if sampler is not None else None
+        if sampler is not None:
+            sampler.stop()
+        if broker is not None:
+            code = broker.stop()
+            print(
+                f"broker stopped (exit code {code})"
+                + (f"; data kept in {broker.workdir}" if args.keep_data else ""),
+                flush=True,
+            )
+    medians = [median_result(runs[s]) for s in scenarios if runs[s]]
+    print()
+    for r in medians:
+        print(result_line(r, f"{r.scenario} median"))
+    if hwm is not None:
+        print(f"broker lifetime peak RSS (VmHWM): {hwm:,.0f} MB")
+    print()
+    print(markdown(medians, args, broker_desc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date": datetime.date.today().isoformat(),
+                    "machine": machine(),
+                    "broker": broker_desc,
+                    "args": vars(args),
+                    "runs": {s: [asdict(r) for r in rs] for s, rs in runs.items()},
+                    "median": [asdict(r) for r in medians],
+                    "peak_rss_mb": hwm,
+                },
+                f,
+                indent=2,
+            )
+    return 0

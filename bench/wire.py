@@ -1,0 +1,127 @@
+"""Minimal NSQ V2 wire helpers shared by the bench processes.
+
+Only the slow, once-per-connection parts live here (handshakes, topic setup);
+the hot loops in writer.py and reader.py parse frames inline, because a
+function call per frame would make the load generator the bottleneck.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+MAGIC = b"  V2"
+FRAME_RESPONSE = 0
+FRAME_ERROR = 1
+FRAME_MESSAGE = 2
+HEARTBEAT = b"_heartbeat_"
+NOP = b"NOP\n"
+
+HEADER = struct.Struct(">ii")  # frame size (counts the type field), frame type
+SIZE = struct.Struct(">i")
+
+
+class ProtocolError(Exception):
+    """The broker said something a correct nsqd would not (or sent an error frame)."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` allowed) so CLI input and log lines share one parser."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not a HOST:PORT address: {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def connect(address: tuple[str, int], timeout: float = 10.0) -> socket.socket:
+    """Open a V2 connection in blocking mode.
+
+    TCP_NODELAY matters: FIN batches, NOPs and single PUBs are small writes that
+    Nagle would otherwise hold back behind unacknowledged data.
+    """
+    sock = socket.create_connection(address, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)  # hot loops rely on blocking sockets (no poll before each recv)
+    sock.sendall(MAGIC)
+    return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(n)
+        if not chunk:
+            raise ProtocolError("connection closed by broker")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """Read exactly one frame; never reads past it, so the hot loop can take over after."""
+    size, ftype = HEADER.unpack(_recv_exact(sock, 8))
+    if size < 4:
+        raise ProtocolError(f"invalid frame size {size}")
+    return ftype, _recv_exact(sock, size - 4)
+
+
+def read_response(sock: socket.socket, what: str) -> bytes:
+    """Return the next response payload, answering heartbeats and failing on errors."""
+    while True:
+        ftype, payload = read_frame(sock)
+        if ftype == FRAME_RESPONSE and payload == HEARTBEAT:
+            sock.sendall(NOP)
+            continue
+        if ftype == FRAME_RESPONSE:
+            return payload
+        if ftype == FRAME_ERROR:
+            raise ProtocolError(f"{what}: broker error {payload.decode(errors='replace')}")
+        raise ProtocolError(f"{what}: unexpected frame type {ftype}")
+
+
+def expect(sock: socket.socket, expected: bytes, what: str) -> None:
+    payload = read_response(sock, what)
+    if payload != expected:
+        raise ProtocolError(f"{what}: expected {expected!r}, got {payload[:200]!r}")
+
+
+def identify(sock: socket.socket, client_id: str = "bench") -> dict:
+    """Send IDENTIFY with feature negotiation and return the broker's JSON answer.
+
+    Checking the JSON (rather than accepting any OK) catches brokers that ignore
+    feature_negotiation, which real clients such as go-nsq depend on.
+    """
+    body = json.dumps(
+        {
+            "feature_negotiation": True,
+            "client_id": client_id,
+            "hostname": "bench",
+            "user_agent": "mqd-bench/0.1",
+        }
+    ).encode()
+    sock.sendall(b"IDENTIFY\n" + SIZE.pack(len(body)) + body)
+    payload = read_response(sock, "IDENTIFY")
+    try:
+        answer = json.loads(payload)
+    except ValueError as exc:
+        raise ProtocolError(f"IDENTIFY: response is not JSON: {payload[:200]!r}") from exc
+    if not isinstance(answer, dict):
+        raise ProtocolError(f"IDENTIFY: response is not a JSON object: {payload[:200]!r}")
+    return answer
+
+
+def create_topic_channel(address: tuple[str, int], topic: str, channel: str) -> None:
+    """Make sure topic and channel exist before writers start, so messages accumulate.
+
+    NSQ's bench uses /topic/create and /channel/create over HTTP; a SUB followed by
+    CLS has the same effect over TCP and needs no HTTP address.
+    """
+    sock = connect(address)
+    try:
+        sock.sendall(f"SUB {topic} {channel}\n".encode())
+        expect(sock, b"OK", "SUB")
+        sock.sendall(b"CLS\n")
+        expect(sock, b"CLOSE_WAIT", "CLS")
+    finally:
+        sock.close()

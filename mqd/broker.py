@@ -1,0 +1,226 @@
+"""Broker: owns the topics, knows the clients, keeps the metadata file.
+
+The metadata file is nsqd's `nsqd.dat` (same name, same JSON), rewritten
+atomically whenever a non-ephemeral topic or channel appears, goes, or is
+paused, so a restart comes back with the same topics and channels.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import backends
+
+from .channel import Channel
+from .logs import get_logger
+from .names import is_valid_name
+from .options import ConfigError, Settings
+from .topic import Topic
+
+__all__ = ["Broker", "METADATA_FILE"]
+
+METADATA_FILE = "nsqd.dat"
+
+log = get_logger(__name__)
+
+
+class Broker:
+    def __init__(self, options: Settings, clock=None) -> None:
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.options = options
+        self.clock = clock
+        self.start_time = int(time.time())
+        self.topics: dict[str, Topic] = {}
+        self.clients: set = set()
+        self.health: str | None = None
+        # Objects told when topics and channels come and go (the lookupd
+        # peers); each has topic_created/topic_deleted/channel_created/channel_deleted.
+        self.observers: list[Any] = []
+        self.data_path = options.data_path or "."
+        self.metadata_path = os.path.join(self.data_path, METADATA_FILE)
+        self._client_ids = itertools.count(1)
+        self._loading = False
+        self._persist_call = None
+        self.store = None
+        self._ephemeral_store = backends.open_store("dummy", options)
+
+    def open(self) -> None:
+        """Open the store and bring back the last run's topics and channels.
+
+        Separate from __init__ so that twistd opens storage in the process
+        that will serve (after daemonising), and so a store that cannot be
+        opened stops start-up before any port is listening.
+        """
+        try:
+            os.makedirs(self.data_path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"data-path {self.data_path}: {e.strerror}") from None
+        self.store = backends.open_store(self.options.backend, self.options)
+        self.load_metadata()
+        self.persist_metadata()
+
+    # -- queues --------------------------------------------------------------
+
+    def open_queue(self, name: str, ephemeral: bool):
+        return (self._ephemeral_store if ephemeral else self.store).open_queue(name)
+
+    # -- topics ----------------------------------------------------------------
+
+    def topic(self, name: str) -> Topic:
+        """The topic called `name`, created if new (names are checked by the caller)."""
+        topic = self.topics.get(name)
+        if topic is None:
+            topic = self.topics[name] = Topic(self, name)
+            log.info("TOPIC({topic}): created", topic=name)
+            for observer in self.observers:
+                observer.topic_created(topic)
+            self._metadata_changed(topic.ephemeral)
+        return topic
+
+    def delete_topic(self, name: str) -> bool:
+        topic = self.topics.pop(name, None)
+        if topic is None:
+            return False
+        topic.delete()
+        log.info("TOPIC({topic}): deleted", topic=name)
+        for observer in self.observers:
+            observer.topic_deleted(topic)
+        self._metadata_changed(topic.ephemeral)
+        return True
+
+    def channel_created(self, topic: Topic, channel: Channel) -> None:
+        log.info("TOPIC({topic}): new channel({channel})", topic=topic.name, channel=channel.name)
+        for observer in self.observers:
+            observer.channel_created(topic, channel)
+        self._metadata_changed(channel.ephemeral)
+
+    def channel_deleted(self, topic: Topic, channel: Channel) -> None:
+        log.info("TOPIC({topic}): deleted channel({channel})", topic=topic.name, channel=channel.name)
+        for observer in self.observers:
+            observer.channel_deleted(topic, channel)
+        self._metadata_changed(channel.ephemeral)
+
+    def channels(self) -> Iterator[Channel]:
+        for topic in list(self.topics.values()):
+            yield from list(topic.channels.values())
+
+    # -- clients -----------------------------------------------------------------
+
+    def next_client_id(self) -> int:
+        return next(self._client_ids)
+
+    def client_connected(self, client) -> None:
+        self.clients.add(client)
+
+    def client_disconnected(self, client) -> None:
+        self.clients.discard(client)
+
+    # -- health --------------------------------------------------------------------
+
+    def set_health(self, error: str | None) -> None:
+        """Record a storage failure (or its end); logged once per incident."""
+        if error and self.health is None:
+            log.error("broker unhealthy: {error}", error=error)
+        elif not error and self.health is not None:
+            log.info("broker healthy again")
+        self.health = error or None
+
+    # -- metadata ------------------------------------------------------------------
+
+    def _metadata_changed(self, ephemeral: bool) -> None:
+        """Schedule one metadata write for however many changes this reactor turn makes."""
+        if ephemeral or self._loading or self._persist_call is not None:
+            return
+        self._persist_call = self.clock.callLater(0, self.persist_metadata)
+
+    def metadata(self) -> dict[str, Any]:
+        topics = []
+        for topic in self.topics.values():
+            if topic.ephemeral:
+                continue
+            channels = [
+                {"name": c.name, "paused": c.paused}
+                for c in topic.channels.values()
+                if not c.ephemeral
+            ]
+            topics.append({"name": topic.name, "paused": topic.paused, "channels": channels or None})
+        from .protocol.v2 import NSQ_VERSION
+
+        return {"topics": topics or None, "version": NSQ_VERSION}
+
+    def persist_metadata(self) -> None:
+        """Write nsqd.dat atomically: temp file, fsync, rename."""
+        if self._persist_call is not None and self._persist_call.active():
+            self._persist_call.cancel()
+        self._persist_call = None
+        data = json.dumps(self.metadata(), separators=(",", ":")).encode()
+        os.makedirs(self.data_path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=METADATA_FILE + ".", suffix=".tmp", dir=self.data_path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.metadata_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+    def load_metadata(self) -> None:
+        """Recreate the topics and channels of the last run, with their paused flags."""
+        try:
+            with open(self.metadata_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise ConfigError(f"{self.metadata_path}: cannot read metadata: {e.strerror}") from None
+        try:
+            meta = json.loads(raw)
+            topics = meta.get("topics") or []
+            if not isinstance(topics, list):
+                raise ValueError("'topics' is not a list")
+        except (ValueError, AttributeError) as e:
+            raise ConfigError(f"{self.metadata_path}: corrupt metadata file: {e}") from None
+        self._loading = True
+        try:
+            for entry in topics:
+                name = entry.get("name", "") if isinstance(entry, dict) else ""
+                if not is_valid_name(name) or name.endswith("#ephemeral"):
+                    log.warn("skipping topic {name!r} in metadata: invalid name", name=name)
+                    continue
+                topic = self.topic(name)
+                if entry.get("paused"):
+                    topic.pause()
+                for ch in entry.get("channels") or []:
+                    ch_name = ch.get("name", "") if isinstance(ch, dict) else ""
+                    if not is_valid_name(ch_name) or ch_name.endswith("#ephemeral"):
+                        log.warn("skipping channel {name!r} in metadata: invalid name", name=ch_name)
+                        continue
+                    channel = topic.channel(ch_name)
+                    if ch.get("paused"):
+                        channel.pause()
+        finally:
+            self._loading = False
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Clean shutdown: clients off, metadata saved, queues flushed to their backends."""
+        for client in list(self.clients):
+            client.transport.loseConnection()
+        self.persist_metadata()
+        for topic in list(self.topics.values()):
+            topic.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,381 @@
+"""Channel: one consumer group's copy of a topic's stream.
+
+A channel owns its queues (memory deque, backend overflow, in-flight and
+deferred heaps) and knows its subscribed clients. Delivery is pushed, not
+polled: whatever can make a message deliverable (a put, a RDY change, a FIN
+freeing a slot, an expiry) calls `deliver()`, which hands messages to ready
+clients in batches until either side runs out.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import TYPE_CHECKING
+
+from backends import BackendError
+
+from .pqueue import PriorityQueue
+
+if TYPE_CHECKING:
+    from .message import Message
+    from .topic import Topic
+
+__all__ = ["Channel", "ChannelError"]
+
+# How many messages one refill takes from the backend into memory: enough to
+# amortise a backend read, small enough not to stall the reactor.
+BACKEND_READ_BATCH = 1024
+
+
+class ChannelError(Exception):
+    """A FIN/REQ/TOUCH/SUB the channel refuses; the text is nsqd's reason."""
+
+
+class Channel:
+    __slots__ = (
+        "topic",
+        "name",
+        "ephemeral",
+        "paused",
+        "exiting",
+        "clients",
+        "message_count",
+        "requeue_count",
+        "timeout_count",
+        "_mem",
+        "_mem_size",
+        "_backend",
+        "_in_flight",
+        "_in_flight_pq",
+        "_deferred",
+        "_rr",
+        "_clock",
+        "_max_msg_timeout",
+        "_max_consumers",
+        "__weakref__",
+    )
+
+    def __init__(self, topic: Topic, name: str, backend, options, clock) -> None:
+        self.topic = topic
+        self.name = name
+        self.ephemeral = name.endswith("#ephemeral")
+        self.paused = False
+        self.exiting = False
+        self.clients: list = []
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        self._mem: deque[Message] = deque()
+        self._mem_size = options.mem_queue_size
+        self._backend = backend
+        self._in_flight: dict[bytes, Message] = {}
+        self._in_flight_pq = PriorityQueue()
+        self._deferred = PriorityQueue()
+        self._rr = 0
+        self._clock = clock
+        self._max_msg_timeout = options.max_msg_timeout
+        self._max_consumers = options.max_channel_consumers
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.topic.name}:{self.name}>"
+
+    # -- what /stats reports -------------------------------------------------
+
+    def depth(self) -> int:
+        return len(self._mem) + self._backend.depth()
+
+    def backend_depth(self) -> int:
+        return self._backend.depth()
+
+    def in_flight_count(self) -> int:
+        return len(self._in_flight)
+
+    def deferred_count(self) -> int:
+        return len(self._deferred)
+
+    # -- queueing ------------------------------------------------------------
+
+    def put(self, msgs: list[Message]) -> None:
+        """Messages from the topic; delivered at once if a client is ready."""
+        self.message_count += len(msgs)
+        self._enqueue(msgs)
+        self.deliver()
+
+    def put_deferred(self, msgs: list[Message]) -> None:
+        """Messages from the topic that are due only at their `deferred_until`."""
+        self.message_count += len(msgs)
+        push = self._deferred.push
+        for msg in msgs:
+            push(msg, msg.deferred_until)
+
+    def _enqueue(self, msgs: list[Message]) -> None:
+        """Append to the memory queue, spilling to the backend once it is full.
+
+        Once anything sits in the backend, new messages go there too, so the
+        channel stays FIFO (nsqd reads memory and disk in random order).
+        """
+        mem = self._mem
+        backend = self._backend
+        room = self._mem_size - len(mem)
+        if room >= len(msgs) and not backend.depth():
+            mem.extend(msgs)
+            return
+        if room > 0 and not backend.depth():
+            mem.extend(msgs[:room])
+            msgs = msgs[room:]
+        backend.put(msgs)
+
+    def _requeue(self, msgs: list[Message]) -> None:
+        """Put messages the channel already accepted back in line.
+
+        They were acknowledged to their publisher long ago, so a failing
+        backend must not lose them: they stay in memory beyond the bound.
+        """
+        try:
+            self._enqueue(msgs)
+        except BackendError:
+            self._mem.extend(msgs)
+
+    def _refill(self) -> int:
+        backend = self._backend
+        if not backend.depth():
+            return 0
+        batch = backend.read(BACKEND_READ_BATCH)
+        self._mem.extend(batch)
+        return len(batch)
+
+    # -- delivery ------------------------------------------------------------
+
+    def deliver(self) -> None:
+        """Hand queued messages to ready clients until one side runs out.
+
+        With several ready clients the queue is split among them in turn,
+        starting with a different client each time, so a channel spreads
+        its messages evenly whatever the clients' RDY windows are.
+        """
+        if self.paused or self.exiting:
+            return
+        clients = self.clients
+        if not clients:
+            return
+        mem = self._mem
+        send = self._send
+        while True:
+            pending = len(mem)
+            if not pending:
+                pending = self._refill()
+                if not pending:
+                    return
+            if len(clients) == 1:
+                client = clients[0]
+                window = client.ready()
+                if window <= 0:
+                    return
+                send(client, _take(mem, window if window < pending else pending))
+                continue
+            windows = [(c, w) for c in clients if (w := c.ready()) > 0]
+            if not windows:
+                return
+            count = len(windows)
+            start = self._rr % count
+            self._rr += 1
+            share = -(-pending // count)
+            for i in range(count):
+                client, window = windows[(start + i) % count]
+                n = min(window, share, len(mem))
+                if n <= 0:
+                    break
+                send(client, _take(mem, n))
+
+    def _send(self, client, batch: list[Message]) -> None:
+        now = self._clock.seconds()
+        rate = client.sample_rate
+        if rate:
+            # nsqd draws r in [0,100) and drops the message when r > rate; the
+            # dropped ones are consumed for this channel, not requeued.
+            randrange = random.randrange
+            batch = [m for m in batch if randrange(100) <= rate]
+            if not batch:
+                return
+        in_flight = self._in_flight
+        for msg in batch:
+            msg.attempts += 1
+            msg.client = client
+            msg.delivered_at = now
+            in_flight[msg.id] = msg
+        self._in_flight_pq.push_batch(batch, now + client.msg_timeout)
+        n = len(batch)
+        client.in_flight_count += n
+        client.message_count += n
+        client.send_messages(batch)
+
+    # -- FIN / REQ / TOUCH ---------------------------------------------------
+
+    def _owned(self, client, msg_id: bytes) -> Message:
+        msg = self._in_flight.get(msg_id)
+        if msg is None:
+            raise ChannelError("ID not in flight")
+        if msg.client is not client:
+            raise ChannelError("client does not own message")
+        return msg
+
+    def _pop_in_flight(self, client, msg_id: bytes) -> Message:
+        msg = self._owned(client, msg_id)
+        del self._in_flight[msg_id]
+        self._in_flight_pq.discard(msg)
+        msg.client = None
+        client.in_flight_count -= 1
+        return msg
+
+    def finish(self, client, msg_id: bytes) -> None:
+        """FIN: the message is done for good. The caller runs `deliver()` once per batch."""
+        self._pop_in_flight(client, msg_id)
+        client.finish_count += 1
+
+    def requeue(self, client, msg_id: bytes, delay: float) -> None:
+        """REQ: back to the tail now, or into the deferred queue for `delay` seconds."""
+        if self.exiting:
+            raise ChannelError("exiting")
+        msg = self._pop_in_flight(client, msg_id)
+        client.requeue_count += 1
+        self.requeue_count += 1
+        if delay > 0:
+            msg.deferred_until = due = self._clock.seconds() + delay
+            self._deferred.push(msg, due)
+        else:
+            self._requeue([msg])
+
+    def touch(self, client, msg_id: bytes) -> None:
+        """TOUCH: a fresh msg_timeout, but never past delivery + max-msg-timeout."""
+        msg = self._owned(client, msg_id)
+        deadline = self._clock.seconds() + client.msg_timeout
+        latest = msg.delivered_at + self._max_msg_timeout
+        self._in_flight_pq.push(msg, deadline if deadline < latest else latest)
+
+    # -- timeouts and deferred, driven by the queue scan ----------------------
+
+    def process_in_flight(self, now: float) -> bool:
+        """Requeue messages whose deadline passed; True if there were any."""
+        expired = self._in_flight_pq.pop_due(now)
+        if not expired:
+            return False
+        in_flight = self._in_flight
+        for msg in expired:
+            del in_flight[msg.id]
+            msg.client.in_flight_count -= 1
+            msg.client = None
+        self.timeout_count += len(expired)
+        self._requeue(expired)
+        self.deliver()
+        return True
+
+    def process_deferred(self, now: float) -> bool:
+        """Queue deferred messages that are due; True if there were any."""
+        due = self._deferred.pop_due(now)
+        if not due:
+            return False
+        for msg in due:
+            msg.deferred_until = 0.0
+        self._requeue(due)
+        self.deliver()
+        return True
+
+    def has_timers(self) -> bool:
+        return bool(self._in_flight) or bool(len(self._deferred))
+
+    # -- clients -------------------------------------------------------------
+
+    def add_client(self, client) -> None:
+        if self.exiting:
+            raise ChannelError("exiting")
+        if self._max_consumers and len(self.clients) >= self._max_consumers:
+            raise ChannelError(
+                f"channel consumers for {self.topic.name}:{self.name} exceeds limit of {self._max_consumers}"
+            )
+        self.clients.append(client)
+
+    def remove_client(self, client) -> None:
+        """Forget a client that left; its in-flight messages go straight back to the queue.
+
+        nsqd leaves them in flight until they time out; handing them on now
+        costs nothing and spares consumers a msg_timeout of latency.
+        """
+        try:
+            self.clients.remove(client)
+        except ValueError:
+            return
+        if self.exiting:
+            return
+        orphans = [msg for msg in self._in_flight.values() if msg.client is client]
+        if orphans:
+            discard = self._in_flight_pq.discard
+            for msg in orphans:
+                del self._in_flight[msg.id]
+                discard(msg)
+                msg.client = None
+            client.in_flight_count -= len(orphans)
+            self._requeue(orphans)
+        if self.ephemeral and not self.clients:
+            self.topic.delete_channel(self.name)
+        else:
+            self.deliver()
+
+    # -- administration ------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self.deliver()
+
+    def empty(self) -> None:
+        """Drop queued, in-flight and deferred messages (nsqd's /channel/empty)."""
+        self._mem.clear()
+        self._backend.empty()
+        for msg in self._in_flight.values():
+            msg.client = None
+        self._in_flight.clear()
+        self._in_flight_pq.drain()
+        self._deferred.drain()
+        for client in self.clients:
+            client.in_flight_count = 0
+
+    def delete(self) -> None:
+        """Drop everything and the backend storage, and disconnect the clients."""
+        self.exiting = True
+        self.empty()
+        self._backend.delete()
+        clients, self.clients = self.clients, []
+        for client in clients:
+            client.channel_gone()
+
+    def close(self) -> None:
+        """Clean shutdown: everything held in memory goes to the backend.
+
+        Memory queue first, then in-flight, then deferred, as nsqd flushes;
+        attempts and deferral deadlines travel with each message so a
+        persistent backend can give them back after a restart.
+        """
+        self.exiting = True
+        held = list(self._mem)
+        self._mem.clear()
+        in_flight = self._in_flight_pq.drain()
+        self._in_flight.clear()
+        for msg in in_flight:
+            msg.client = None
+        held.extend(in_flight)
+        held.extend(self._deferred.drain())
+        if held:
+            self._backend.put(held)
+        self._backend.close()
+
+
+def _take(mem: deque, n: int) -> list:
+    if n >= len(mem):
+        batch = list(mem)
+        mem.clear()
+        return batch
+    pop = mem.popleft
+    return [pop() for _ in range(n)]

@@ -1,0 +1,1 @@
+"""nsqd's HTTP API on twisted.web."""

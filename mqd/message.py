@@ -1,0 +1,137 @@
+"""Messages, their ids, and the bytes a message frame puts on the wire.
+
+A message is created once per publish and, for a topic with several
+channels, copied once per extra channel: the copies share id, body and
+timestamp but count their own attempts (NSQ behaviour A2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import zlib
+
+__all__ = ["Message", "IdFactory", "default_node_id", "frame_message", "MESSAGE_HEADER"]
+
+# [size][frame type 2][timestamp ns][attempts][16-byte id]: everything of a
+# message frame but its body, packed in one call on the delivery path.
+MESSAGE_HEADER = struct.Struct(">iiqH16s")
+FRAME_TYPE_MESSAGE = 2
+_HEADER_OVERHEAD = MESSAGE_HEADER.size - 4  # what the size field counts besides the body
+
+
+class Message:
+    """One message in one queue.
+
+    The delivery bookkeeping lives on the message itself (owner, deadline,
+    heap sequence) so that FIN/REQ/TOUCH are one dict lookup and the
+    in-flight heap can drop entries lazily without a second index.
+    """
+
+    __slots__ = (
+        "id",
+        "body",
+        "timestamp",
+        "attempts",
+        "deferred_until",
+        "client",
+        "delivered_at",
+        "deadline",
+        "pq_seq",
+    )
+
+    def __init__(
+        self,
+        id: bytes,
+        body: bytes,
+        timestamp: int,
+        attempts: int = 0,
+        deferred_until: float = 0.0,
+    ) -> None:
+        self.id = id
+        self.body = body
+        self.timestamp = timestamp
+        self.attempts = attempts
+        # Absolute reactor time at which a deferred message becomes due; 0
+        # means "deliverable now". Absolute rather than a duration so that a
+        # DPUB held at a topic without channels keeps its original due time.
+        self.deferred_until = deferred_until
+        self.client = None
+        self.delivered_at = 0.0
+        self.deadline = 0.0
+        self.pq_seq = -1
+
+    def copy(self) -> Message:
+        """A fresh copy for another channel: same id/body/timestamp, own attempts."""
+        return Message(self.id, self.body, self.timestamp, self.attempts, self.deferred_until)
+
+    def __repr__(self) -> str:
+        return (
+            f"Message(id={self.id!r}, attempts={self.attempts}, "
+            f"body={self.body[:32]!r}{'...' if len(self.body) > 32 else ''})"
+        )
+
+
+def frame_message(msg: Message) -> bytes:
+    """The complete message frame, for callers off the hot path (tests, tools)."""
+    return (
+        MESSAGE_HEADER.pack(
+            _HEADER_OVERHEAD + len(msg.body), FRAME_TYPE_MESSAGE, msg.timestamp, msg.attempts, msg.id
+        )
+        + msg.body
+    )
+
+
+def default_node_id() -> int:
+    """nsqd's default --node-id: crc32(md5(hostname)) mod 1024."""
+    digest = hashlib.md5(socket.gethostname().encode()).digest()
+    return zlib.crc32(digest) % 1024
+
+
+# nsqd's snowflake layout: (pseudo-ms since twepoch) << 22 | node << 12 | seq,
+# where a "pseudo-ms" is UnixNano >> 20 (about 1.05 ms).
+_TWEPOCH = 1288834974657
+_SEQ_BITS = 12
+_NODE_BITS = 10
+_SEQ_MASK = (1 << _SEQ_BITS) - 1
+
+
+class IdFactory:
+    """Unique 16-character hex message ids, laid out as nsqd lays them out.
+
+    nsqd refuses to publish when a pseudo-millisecond's 4096 sequence numbers
+    run out and retries later; here the factory borrows the next
+    pseudo-millisecond instead, so ids stay unique and increasing without
+    ever failing a publish.
+    """
+
+    __slots__ = ("_node", "_last_ts", "_seq")
+
+    def __init__(self, node_id: int) -> None:
+        if not 0 <= node_id < (1 << _NODE_BITS):
+            raise ValueError(f"node-id must be in [0,1024), got {node_id}")
+        self._node = node_id << _SEQ_BITS
+        self._last_ts = 0
+        self._seq = 0
+
+    def new_ids(self, count: int, now_ns: int) -> list[bytes]:
+        """`count` fresh ids: one call per publish batch, not per message."""
+        ts = (now_ns >> 20) - _TWEPOCH
+        if ts > self._last_ts:
+            self._last_ts = ts
+            self._seq = 0
+        ids: list[bytes] = []
+        while count:
+            room = _SEQ_MASK + 1 - self._seq
+            if room <= 0:
+                self._last_ts += 1
+                self._seq = 0
+                room = _SEQ_MASK + 1
+            take = count if count < room else room
+            base = (self._last_ts << (_SEQ_BITS + _NODE_BITS)) | self._node
+            seq = self._seq
+            ids.extend([b"%016x" % (base | s) for s in range(seq, seq + take)])
+            self._seq = seq + take
+            count -= take
+        return ids

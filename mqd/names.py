@@ -1,0 +1,16 @@
+"""nsqd's rule for topic and channel names, shared by TCP, HTTP, lookupd and metadata."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["is_valid_name", "EPHEMERAL_SUFFIX"]
+
+EPHEMERAL_SUFFIX = "#ephemeral"
+# fullmatch, not `$`: Python's `$` would also accept a trailing newline.
+_NAME = re.compile(r"[.a-zA-Z0-9_-]+(#ephemeral)?")
+
+
+def is_valid_name(name: str) -> bool:
+    """1-64 characters of [.a-zA-Z0-9_-], optionally ending in '#ephemeral'."""
+    return 0 < len(name) <= 64 and _NAME.fullmatch(name) is not None

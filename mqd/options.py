@@ -1,0 +1,339 @@
+"""The option table: every setting's name, type and NSQ default, and how they resolve.
+
+One table serves the command line, the YAML file and the defaults, so a
+setting has one name everywhere (nsqd's own: `mem-queue-size`), and the
+precedence is nsqd's: flag > config file > default. Values are checked
+once, here, and any problem is reported as one line naming where it came
+from (the flag, or the file and key) and what is wrong.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from .message import default_node_id
+
+__all__ = [
+    "ConfigError",
+    "Option",
+    "Settings",
+    "parse_duration",
+    "resolve",
+    "to_endpoint",
+    "MQD_OPTIONS",
+]
+
+
+class ConfigError(Exception):
+    """A configuration problem, worded for the operator who has to fix it."""
+
+
+# -- value parsers -----------------------------------------------------------
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: Any) -> float:
+    """Go's duration syntax ('250ms', '1m30s', '1h'), as nsqd's flags take it, in seconds."""
+    if isinstance(value, bool):
+        raise ValueError(f'expected a duration like "60s" or "250ms", got {value!r}')
+    if value == 0 or value == "0":
+        return 0.0
+    if not isinstance(value, str) or not value:
+        raise ValueError(f'expected a duration like "60s" or "250ms", got {value!r}')
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    text = text.lstrip("+-")
+    pos, total = 0, 0.0
+    while pos < len(text):
+        m = _DURATION_PART.match(text, pos)
+        if m is None:
+            raise ValueError(f'expected a duration like "60s" or "250ms", got {value!r}')
+        total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        pos = m.end()
+    return sign * total
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"[+-]?\d+", value.strip()):
+        return int(value)
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a number, got {value!r}") from None
+
+
+_TRUE = {"1", "t", "true", "yes", "on"}
+_FALSE = {"0", "f", "false", "no", "off"}
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _parse_str(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str | int | float) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"expected a string, got {value!r}")
+
+
+def _parse_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(f"expected a list of strings, got {value!r}")
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "int": _parse_int,
+    "float": _parse_float,
+    "bool": _parse_bool,
+    "str": _parse_str,
+    "duration": parse_duration,
+    "list": _parse_list,
+}
+
+
+# -- listening addresses -----------------------------------------------------
+
+_ENDPOINT_TYPES = ("tcp", "tcp6", "unix", "ssl", "systemd", "tls")
+_HOST_PORT = re.compile(r"^(\[[^\]]*\]|[^:\[\]]*):(\d+)$")
+
+
+def to_endpoint(address: str) -> str:
+    """A Twisted server endpoint string for an address in nsqd's or Twisted's form.
+
+    nsqd takes `host:port` (an empty host or 0.0.0.0 meaning every
+    interface) or a filesystem path for a unix socket; anything that
+    already names an endpoint type (`tcp:4150:interface=...`) passes as is.
+    """
+    if address.split(":", 1)[0] in _ENDPOINT_TYPES and ":" in address:
+        return address
+    if address.startswith(("/", "./")):
+        return "unix:" + address.replace(":", r"\:")
+    m = _HOST_PORT.match(address)
+    if m is None:
+        raise ValueError(f"expected HOST:PORT or a Twisted endpoint string, got {address!r}")
+    host, port = m.group(1), m.group(2)
+    if host.startswith("["):
+        host = host[1:-1]
+        return f"tcp6:{port}:interface={host.replace(':', chr(92) + ':')}" if host else f"tcp6:{port}"
+    if host in ("", "0.0.0.0"):
+        return f"tcp:{port}"
+    return f"tcp:{port}:interface={host}"
+
+
+def _parse_address(value: Any) -> str:
+    text = _parse_str(value)
+    if text:
+        to_endpoint(text)
+    return text
+
+
+_PARSERS["address"] = _parse_address
+
+
+# -- the table -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    kind: str
+    default: Any
+    help: str
+    check: Callable[[Any], str | None] | None = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def attr(self) -> str:
+        return self.name.replace("-", "_")
+
+    def parse(self, value: Any) -> Any:
+        parsed = _PARSERS[self.kind](value)
+        if self.check is not None:
+            problem = self.check(parsed)
+            if problem:
+                raise ValueError(problem)
+        return parsed
+
+
+def _at_least(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be at least {low:g}, got {v:g}"
+
+
+def _between(low: float, high: float) -> Callable[[Any], str | None]:
+    return lambda v: None if low <= v <= high else f"must be in {low:g}..{high:g}, got {v:g}"
+
+
+def _one_of(*choices: str) -> Callable[[Any], str | None]:
+    return lambda v: None if v in choices else f"must be one of {', '.join(choices)}, got {v!r}"
+
+
+def _backend_check(value: str) -> str | None:
+    import backends
+
+    names = backends.available()
+    return None if value in names else f"must be one of {', '.join(names)}, got {value!r}"
+
+
+_positive_duration = _at_least(0.001)
+
+MQD_OPTIONS: tuple[Option, ...] = (
+    Option("log-level", "str", "info", "debug, info, warn, error or fatal",
+           _one_of("debug", "info", "warn", "error", "fatal")),
+    Option("node-id", "int", None, "unique part of message ids, 0-1023 (default: from the hostname, as nsqd)",
+           _between(0, 1023), aliases=("id",)),
+    Option("tcp-address", "address", "0.0.0.0:4150", "TCP clients: HOST:PORT, a unix socket path, or a Twisted endpoint string"),
+    Option("http-address", "address", "0.0.0.0:4151", "HTTP clients: HOST:PORT or a Twisted endpoint string; empty disables"),
+    Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
+    Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
+    Option("broadcast-http-port", "int", 0, "HTTP port announced to lookupd (0: the bound port)", _between(0, 65535)),
+    Option("data-path", "str", "", "directory for the metadata file and the disk store (default: the current directory)"),
+    Option("backend", "str", "memory", "store behind the memory queues", _backend_check),
+    Option("mem-queue-size", "int", 10000, "messages kept in memory per topic and per channel", _at_least(0)),
+    Option("msg-timeout", "duration", 60.0, "time a message may stay in flight before it is requeued", _positive_duration),
+    Option("max-msg-timeout", "duration", 900.0, "highest msg_timeout a client may ask for", _positive_duration),
+    Option("max-msg-size", "int", 1048576, "largest message body in bytes", _at_least(1)),
+    Option("max-body-size", "int", 5242880, "largest command body in bytes (IDENTIFY, MPUB)", _at_least(1)),
+    Option("max-req-timeout", "duration", 3600.0, "longest REQ or DPUB delay", _at_least(0)),
+    Option("max-rdy-count", "int", 2500, "highest RDY a client may send", _at_least(1)),
+    Option("max-heartbeat-interval", "duration", 60.0, "longest heartbeat_interval a client may ask for", _at_least(1.0)),
+    Option("max-channel-consumers", "int", 0, "subscribers allowed per channel (0: no limit)", _at_least(0)),
+    Option("max-output-buffer-size", "int", 65536, "largest output_buffer_size a client may ask for", _at_least(64)),
+    Option("max-output-buffer-timeout", "duration", 30.0, "longest output_buffer_timeout a client may ask for", _positive_duration),
+    Option("min-output-buffer-timeout", "duration", 0.025, "shortest output_buffer_timeout a client may ask for", _at_least(0)),
+    Option("output-buffer-timeout", "duration", 0.25, "default output_buffer_timeout", _at_least(0)),
+    Option("queue-scan-interval", "duration", 0.1, "how often in-flight and deferred queues are scanned", _positive_duration),
+    Option("queue-scan-refresh-interval", "duration", 5.0, "how often the list of channels to scan is rebuilt", _positive_duration),
+    Option("queue-scan-selection-count", "int", 20, "channels sampled per scan", _at_least(1)),
+    Option("queue-scan-dirty-percent", "float", 0.25, "rescan at once when more than this share of sampled channels had work",
+           _between(0.0, 1.0)),
+    Option("queue-scan-worker-pool-max", "int", 4, "accepted for nsqd compatibility; the scan runs on the reactor", _at_least(1)),
+    Option("deflate", "bool", True, "allow deflate compression (negotiated as off until compression lands)"),
+    Option("max-deflate-level", "int", 6, "highest deflate level a client may ask for", _between(1, 9)),
+    Option("snappy", "bool", True, "allow snappy compression (negotiated as off until compression lands)"),
+)
+
+
+class Settings:
+    """Resolved options, read once; attribute names are the option names with '_'."""
+
+    def __init__(self, values: Mapping[str, Any], explicit: Iterable[str] = ()) -> None:
+        self.__dict__.update(values)
+        self.__dict__["_explicit"] = frozenset(explicit)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Settings are read-only; run-time changes go through Settings.replace")
+
+    def replace(self, **changes: Any) -> Settings:
+        values = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        values.update(changes)
+        return Settings(values, self._explicit)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    def __repr__(self) -> str:
+        return f"Settings({self.as_dict()!r})"
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def resolve(
+    table: Iterable[Option],
+    flags: Mapping[str, Any],
+    config_path: str | None = None,
+) -> Settings:
+    """Settings from command-line flags (already split), a YAML file, and the defaults.
+
+    Keys in the file may use '-' or '_' and nsqd's config-file aliases;
+    an unknown key is an error, as a typo there would otherwise pass
+    silently.
+    """
+    options = {opt.name: opt for opt in table}
+    by_key: dict[str, Option] = {}
+    for opt in options.values():
+        by_key[opt.name] = opt
+        for alias in opt.aliases:
+            by_key[alias.replace("_", "-")] = opt
+
+    file_values: dict[str, Any] = {}
+    if config_path:
+        for key, value in load_yaml(config_path).items():
+            opt = by_key.get(str(key).replace("_", "-"))
+            if opt is None:
+                raise ConfigError(f"{config_path}: unknown option {key!r}")
+            try:
+                file_values[opt.name] = opt.parse(value)
+            except ValueError as e:
+                raise ConfigError(f"{config_path}: {key}: {e}") from None
+
+    values: dict[str, Any] = {}
+    explicit: list[str] = []
+    for opt in options.values():
+        if opt.name in flags and flags[opt.name] is not None:
+            try:
+                values[opt.attr] = opt.parse(flags[opt.name])
+            except ValueError as e:
+                raise ConfigError(f"--{opt.name}: {e}") from None
+            explicit.append(opt.name)
+        elif opt.name in file_values:
+            values[opt.attr] = file_values[opt.name]
+            explicit.append(opt.name)
+        else:
+            values[opt.attr] = opt.default
+    _fill_defaults(values)
+    return Settings(values, explicit)
+
+
+def _fill_defaults(values: dict[str, Any]) -> None:
+    """Defaults nsqd computes from the machine rather than states."""
+    if "node_id" in values and values["node_id"] is None:
+        values["node_id"] = default_node_id()
+    if "broadcast_address" in values and not values["broadcast_address"]:
+        values["broadcast_address"] = socket.gethostname()

@@ -1,0 +1,103 @@
+"""The priority queues of a channel: in-flight (by deadline) and deferred (by due time).
+
+Both are `heapq` heaps of ``(priority, seq, message)`` with lazy removal: a
+FIN or TOUCH does not search the heap, it only changes the message's
+``pq_seq`` so the old entry no longer matches and is skipped when it
+surfaces. Removal is O(1), push and pop O(log n); when dead entries
+outnumber live ones the heap is rebuilt (O(n), so amortised O(1) per
+removal), which keeps memory bounded however long the timeouts are.
+
+One sequence counter is shared by every queue of the process, so a message
+moving from in-flight to deferred (REQ with a delay) can never make its
+stale in-flight entry look live again.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from .message import Message
+
+__all__ = ["PriorityQueue"]
+
+_sequence = itertools.count()
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+
+# Rebuild when the heap holds this many more entries than live messages and
+# at least twice as many: below it, skipping dead entries is cheaper.
+_COMPACT_SLACK = 1024
+
+
+class PriorityQueue:
+    __slots__ = ("_heap", "_live")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Message]] = []
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, msg: Message, priority: float) -> None:
+        """Enter `msg` due at `priority`, replacing any entry it already has here."""
+        seq = next(_sequence)
+        if msg.pq_seq < 0:
+            self._live += 1
+        msg.pq_seq = seq
+        _heappush(self._heap, (priority, seq, msg))
+
+    def push_batch(self, msgs: list[Message], priority: float) -> None:
+        """Enter messages that are not in this queue yet, all due at `priority`.
+
+        The delivery path's form of `push`: one call per batch handed to a
+        client, not one per message.
+        """
+        heap = self._heap
+        counter = _sequence
+        for msg in msgs:
+            msg.pq_seq = seq = next(counter)
+            _heappush(heap, (priority, seq, msg))
+        self._live += len(msgs)
+
+    def discard(self, msg: Message) -> None:
+        """Forget `msg` (which must be in this queue); its heap entry dies lazily."""
+        msg.pq_seq = -1
+        self._live -= 1
+        heap = self._heap
+        if len(heap) > _COMPACT_SLACK + 2 * self._live:
+            self._heap = [entry for entry in heap if entry[2].pq_seq == entry[1]]
+            heapq.heapify(self._heap)
+
+    def pop_due(self, now: float) -> list[Message]:
+        """Remove and return every live message whose priority is <= `now`, earliest first."""
+        heap = self._heap
+        due: list[Message] = []
+        while heap and heap[0][0] <= now:
+            _, seq, msg = _heappop(heap)
+            if msg.pq_seq == seq:
+                msg.pq_seq = -1
+                due.append(msg)
+        self._live -= len(due)
+        return due
+
+    def next_due(self) -> float | None:
+        """The earliest live priority, or None when empty."""
+        heap = self._heap
+        while heap and heap[0][2].pq_seq != heap[0][1]:
+            _heappop(heap)
+        return heap[0][0] if heap else None
+
+    def drain(self) -> list[Message]:
+        """Remove and return every live message, earliest first."""
+        live = sorted(entry for entry in self._heap if entry[2].pq_seq == entry[1])
+        for _, _, msg in live:
+            msg.pq_seq = -1
+        self._heap = []
+        self._live = 0
+        return [msg for _, _, msg in live]
+
+    def __iter__(self) -> Iterator[Message]:
+        return (entry[2] for entry in self._heap if entry[2].pq_seq == entry[1])

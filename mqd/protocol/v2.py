@@ -1,0 +1,656 @@
+"""The broker side of nsqd's TCP protocol V2, one instance per connection.
+
+The protocol holds per-connection state only (state, RDY, in-flight count,
+negotiated features) and calls into topics and channels for everything
+else. Parsing works on whole buffers: every complete command in a chunk is
+handled in one pass, and work that a batch of commands shares (asking the
+channel to deliver after many FINs) happens once at the end of the pass.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.task import LoopingCall
+from twisted.protocols.policies import TimeoutMixin
+from zope.interface import implementer
+
+from backends import BackendError
+
+from ..channel import ChannelError
+from ..consumer import IConsumer
+from ..logs import get_logger
+from ..message import MESSAGE_HEADER
+from ..names import is_valid_name
+from .errors import ProtocolError, fatal, go_quote, nonfatal
+from .framing import CLOSE_WAIT, FRAME_TYPE_ERROR, FRAME_TYPE_RESPONSE, HEARTBEAT, INT32, OK, frame
+
+__all__ = ["V2Protocol", "V2Factory", "NSQ_VERSION", "STATE_INIT", "STATE_SUBSCRIBED", "STATE_CLOSING"]
+
+MAGIC_V2 = b"  V2"
+# The nsqd release whose protocol and API mqd reproduces; clients and tools
+# read it from IDENTIFY and /info.
+NSQ_VERSION = "1.3.0"
+
+# nsqd's numeric client states, as /stats reports them.
+STATE_INIT = 0
+STATE_SUBSCRIBED = 3
+STATE_CLOSING = 4
+
+# nsqd's fixed client timeout (not a flag): heartbeats default to half of it.
+CLIENT_TIMEOUT = 60.0
+DEFAULT_OUTPUT_BUFFER_SIZE = 16 * 1024
+# A line longer than this without a newline is not a command; nsqd's reader
+# gives up at its buffer size the same way (it closes without a frame).
+MAX_LINE = 64 * 1024
+
+_MSG_HEADER_PACK = MESSAGE_HEADER.pack
+_MSG_OVERHEAD = MESSAGE_HEADER.size - 4
+_unpack_int32 = INT32.unpack_from
+_NEED_MORE = -1
+
+log = get_logger(__name__)
+
+
+def _base10(raw: bytes) -> int | None:
+    """nsqd's ByteToBase10: decimal digits only, no sign; empty is 0."""
+    if raw and not raw.isdigit():
+        return None
+    if raw and not raw.isascii():
+        return None
+    return int(raw) if raw else 0
+
+
+@implementer(IConsumer)
+class V2Protocol(Protocol, TimeoutMixin):
+    """One client connection speaking V2."""
+
+    def __init__(self, broker) -> None:
+        self.broker = broker
+        options = broker.options
+        self.clock = broker.clock
+        self.callLater = broker.clock.callLater  # TimeoutMixin schedules with this
+        self.id = broker.next_client_id()
+        self.state = STATE_INIT
+        self.channel = None
+        self.client_id = ""
+        self.hostname = ""
+        self.user_agent = ""
+        self.remote_address = ""
+        self.connect_ts = 0
+        self.heartbeat_interval = CLIENT_TIMEOUT / 2
+        self.msg_timeout = options.msg_timeout
+        self.output_buffer_size = DEFAULT_OUTPUT_BUFFER_SIZE
+        self.output_buffer_timeout = options.output_buffer_timeout
+        self.sample_rate = 0
+        self.deflate = False
+        self.deflate_level = 0
+        self.snappy = False
+        self.tls = False
+        self.authorized = False
+        self.ready_count = 0
+        self.in_flight_count = 0
+        self.message_count = 0
+        self.finish_count = 0
+        self.requeue_count = 0
+        self.pub_counts: dict[str, int] = {}
+        self._identified = False
+        self._magic_ok = False
+        self._closed = False
+        self._heartbeat: LoopingCall | None = None
+        self._pending: list[bytes] = []
+        self._pending_len = 0
+        self._need = 0
+        self._deliver_needed = False
+
+    # -- connection lifecycle -------------------------------------------------
+
+    def connectionMade(self) -> None:
+        peer = self.transport.getPeer()
+        host = getattr(peer, "host", None) or str(getattr(peer, "name", "") or "")
+        port = getattr(peer, "port", None)
+        self.remote_address = f"{host}:{port}" if port is not None else host
+        self.client_id = self.hostname = host
+        self.connect_ts = int(self.clock.seconds())
+        self.broker.client_connected(self)
+        self._start_heartbeats()
+
+    def connectionLost(self, reason=None) -> None:
+        self._closed = True
+        self._stop_heartbeats()
+        channel, self.channel = self.channel, None
+        if channel is not None:
+            channel.remove_client(self)
+        self.broker.client_disconnected(self)
+
+    def _start_heartbeats(self) -> None:
+        self._stop_heartbeats()
+        interval = self.heartbeat_interval
+        if interval > 0:
+            self._heartbeat = LoopingCall(self._send_heartbeat)
+            self._heartbeat.clock = self.clock
+            self._heartbeat.start(interval, now=False)
+            # Two heartbeats without a word back and the client is gone.
+            self.setTimeout(interval * 2)
+        else:
+            self.setTimeout(None)
+
+    def _stop_heartbeats(self) -> None:
+        if self._heartbeat is not None and self._heartbeat.running:
+            self._heartbeat.stop()
+        self._heartbeat = None
+        self.setTimeout(None)
+
+    def _send_heartbeat(self) -> None:
+        self.transport.write(HEARTBEAT)
+
+    def timeoutConnection(self) -> None:
+        log.info("client {remote} missed two heartbeats; closing", remote=self.remote_address)
+        self._closed = True
+        self.transport.abortConnection()
+
+    # -- reading commands ------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self.resetTimeout()
+        if self._pending:
+            self._pending.append(data)
+            self._pending_len += len(data)
+            if self._pending_len < self._need:
+                return
+            data = b"".join(self._pending)
+            self._pending = []
+        pos = 0
+        if not self._magic_ok:
+            if len(data) < 4:
+                self._keep(data, 4)
+                return
+            if data[:4] != MAGIC_V2:
+                self._fail(fatal("E_BAD_PROTOCOL"))
+                return
+            self._magic_ok = True
+            pos = 4
+        end = len(data)
+        handlers = self._HANDLERS
+        try:
+            while pos < end:
+                eol = data.find(b"\n", pos)
+                if eol < 0:
+                    if end - pos > MAX_LINE:
+                        log.warn("client {remote} sent a line over {max} bytes; closing",
+                                 remote=self.remote_address, max=MAX_LINE)
+                        self._closed = True
+                        self.transport.loseConnection()
+                        return
+                    self._keep(data[pos:], end - pos + 1)
+                    break
+                line_end = eol - 1 if eol > pos and data[eol - 1] == 13 else eol
+                params = data[pos:line_end].split(b" ")
+                handler = handlers.get(params[0])
+                if handler is None:
+                    raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
+                try:
+                    nxt = handler(self, params, data, eol + 1)
+                except ProtocolError as err:
+                    if err.fatal:
+                        raise
+                    self.transport.write(frame(FRAME_TYPE_ERROR, err.payload))
+                    nxt = eol + 1
+                if nxt == _NEED_MORE:
+                    self._keep(data[pos:], self._need - pos)
+                    break
+                pos = nxt
+                if self._closed:
+                    return
+        except ProtocolError as err:
+            self._fail(err)
+            return
+        finally:
+            if self._deliver_needed:
+                self._deliver_needed = False
+                if self.channel is not None:
+                    self.channel.deliver()
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        """Hold an incomplete command until `need` bytes of it have arrived."""
+        self._pending = [rest]
+        self._pending_len = len(rest)
+        self._need = need
+
+    def _fail(self, err: ProtocolError) -> None:
+        log.info("client {remote}: {error}", remote=self.remote_address, error=str(err))
+        self.transport.write(frame(FRAME_TYPE_ERROR, err.payload))
+        self._closed = True
+        self._pending = []
+        self.transport.loseConnection()
+
+    def _read_body_size(self, data: bytes, start: int) -> int | None:
+        """The 4-byte size at `start`, or None (with `_need` set) if not here yet."""
+        if start + 4 > len(data):
+            self._need = start + 4
+            return None
+        return _unpack_int32(data, start)[0]
+
+    # -- IConsumer ---------------------------------------------------------------
+
+    def ready(self) -> int:
+        if self.state != STATE_SUBSCRIBED:
+            return 0
+        return self.ready_count - self.in_flight_count
+
+    def send_messages(self, messages: list) -> None:
+        out: list[bytes] = []
+        append = out.append
+        pack = _MSG_HEADER_PACK
+        for msg in messages:
+            body = msg.body
+            append(pack(len(body) + _MSG_OVERHEAD, 2, msg.timestamp, msg.attempts, msg.id))
+            append(body)
+        self.transport.writeSequence(out)
+
+    def channel_gone(self) -> None:
+        self.channel = None
+        self._closed = True
+        self.transport.loseConnection()
+
+    # -- commands ----------------------------------------------------------------
+    # Each takes (params, data, body_start) and returns where the next command
+    # starts, or _NEED_MORE once it has set self._need to the index it waits for.
+
+    def _cmd_nop(self, params, data, start):
+        return start
+
+    def _cmd_identify(self, params, data, start):
+        if self.state != STATE_INIT:
+            raise fatal("E_INVALID", "cannot IDENTIFY in current state")
+        size = self._read_body_size(data, start)
+        if size is None:
+            return _NEED_MORE
+        max_body = self.broker.options.max_body_size
+        if size > max_body:
+            raise fatal("E_BAD_BODY", f"IDENTIFY body too big {size} > {max_body}")
+        if size <= 0:
+            raise fatal("E_BAD_BODY", f"IDENTIFY invalid body size {size}")
+        end = start + 4 + size
+        if end > len(data):
+            self._need = end
+            return _NEED_MORE
+        try:
+            body = json.loads(data[start + 4:end])
+        except (ValueError, UnicodeDecodeError):
+            raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
+        if not isinstance(body, dict):
+            raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+        response = self._identify(body)
+        self.transport.write(frame(FRAME_TYPE_RESPONSE, response))
+        return end
+
+    def _identify(self, body: dict[str, Any]) -> bytes:
+        """Validate and apply IDENTIFY; nsqd's checks, order and texts."""
+        opts = self.broker.options
+        ints = {}
+        for key in ("heartbeat_interval", "output_buffer_size", "output_buffer_timeout",
+                    "sample_rate", "msg_timeout", "deflate_level"):
+            value = body.get(key, 0)
+            if value is None:
+                value = 0
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+            ints[key] = value
+        strs = {}
+        for key in ("client_id", "hostname", "user_agent"):
+            value = body.get(key) or ""
+            if not isinstance(value, str):
+                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+            strs[key] = value
+        flags = {}
+        for key in ("feature_negotiation", "tls_v1", "snappy", "deflate"):
+            value = body.get(key) or False
+            if not isinstance(value, bool):
+                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
+            flags[key] = value
+
+        heartbeat = ints["heartbeat_interval"]
+        if heartbeat == -1:
+            heartbeat_interval = 0.0
+        elif heartbeat == 0:
+            heartbeat_interval = self.heartbeat_interval
+        elif 1000 <= heartbeat <= opts.max_heartbeat_interval * 1000:
+            heartbeat_interval = heartbeat / 1000
+        else:
+            raise fatal("E_BAD_BODY", f"IDENTIFY heartbeat interval ({heartbeat}) is invalid")
+
+        buf_timeout = ints["output_buffer_timeout"]
+        output_buffer_timeout = self.output_buffer_timeout
+        if buf_timeout == -1:
+            output_buffer_timeout = 0.0
+        elif buf_timeout == 0:
+            pass
+        elif (int(opts.min_output_buffer_timeout * 1000) <= buf_timeout
+              <= int(opts.max_output_buffer_timeout * 1000)):
+            output_buffer_timeout = buf_timeout / 1000
+        else:
+            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer timeout ({buf_timeout}) is invalid")
+        buf_size = ints["output_buffer_size"]
+        output_buffer_size = self.output_buffer_size
+        if buf_size == -1:
+            output_buffer_size = 1
+            output_buffer_timeout = 0.0
+        elif buf_size == 0:
+            pass
+        elif 64 <= buf_size <= opts.max_output_buffer_size:
+            output_buffer_size = buf_size
+        else:
+            raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({buf_size}) is invalid")
+
+        sample_rate = ints["sample_rate"]
+        if not 0 <= sample_rate <= 99:
+            raise fatal("E_BAD_BODY", f"IDENTIFY sample rate ({sample_rate}) is invalid")
+
+        msg_timeout = ints["msg_timeout"]
+        if msg_timeout == 0:
+            client_msg_timeout = opts.msg_timeout
+        elif 1000 <= msg_timeout <= opts.max_msg_timeout * 1000:
+            client_msg_timeout = msg_timeout / 1000
+        else:
+            raise fatal("E_BAD_BODY", f"IDENTIFY msg timeout ({msg_timeout}) is invalid")
+
+        self.client_id = strs["client_id"]
+        self.hostname = strs["hostname"]
+        self.user_agent = strs["user_agent"]
+        self.heartbeat_interval = heartbeat_interval
+        self.output_buffer_size = output_buffer_size
+        self.output_buffer_timeout = output_buffer_timeout
+        self.sample_rate = sample_rate
+        self.msg_timeout = client_msg_timeout
+        self._identified = True
+        self._start_heartbeats()
+
+        if not flags["feature_negotiation"]:
+            return b"OK"
+        # TLS and compression are negotiated as off until they are built
+        # (issue #5); clients then simply carry on without them.
+        deflate_level = ints["deflate_level"] if ints["deflate_level"] > 0 else 6
+        deflate_level = min(deflate_level, opts.max_deflate_level)
+        self.deflate_level = deflate_level
+        response = {
+            "max_rdy_count": opts.max_rdy_count,
+            "version": NSQ_VERSION,
+            "max_msg_timeout": int(opts.max_msg_timeout * 1000),
+            "msg_timeout": int(self.msg_timeout * 1000),
+            "tls_v1": False,
+            "deflate": False,
+            "deflate_level": deflate_level,
+            "max_deflate_level": opts.max_deflate_level,
+            "snappy": False,
+            "sample_rate": self.sample_rate,
+            "auth_required": False,
+            "output_buffer_size": self.output_buffer_size,
+            "output_buffer_timeout": int(self.output_buffer_timeout * 1000),
+            "topology_region": "",
+            "topology_zone": "",
+        }
+        return json.dumps(response, separators=(",", ":")).encode()
+
+    def _cmd_auth(self, params, data, start):
+        if self.state != STATE_INIT:
+            raise fatal("E_INVALID", "cannot AUTH in current state")
+        if len(params) != 1:
+            raise fatal("E_INVALID", "AUTH invalid number of parameters")
+        size = self._read_body_size(data, start)
+        if size is None:
+            return _NEED_MORE
+        max_body = self.broker.options.max_body_size
+        if size > max_body:
+            raise fatal("E_BAD_BODY", f"AUTH body too big {size} > {max_body}")
+        if size <= 0:
+            raise fatal("E_BAD_BODY", f"AUTH invalid body size {size}")
+        if start + 4 + size > len(data):
+            self._need = start + 4 + size
+            return _NEED_MORE
+        raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+
+    def _cmd_sub(self, params, data, start):
+        if self.state != STATE_INIT:
+            raise fatal("E_INVALID", "cannot SUB in current state")
+        if self.heartbeat_interval <= 0:
+            raise fatal("E_INVALID", "cannot SUB with heartbeats disabled")
+        if len(params) < 3:
+            raise fatal("E_INVALID", "SUB insufficient number of parameters")
+        topic_name = _name(params[1])
+        if topic_name is None:
+            raise fatal("E_BAD_TOPIC", f"SUB topic name {go_quote(params[1])} is not valid")
+        channel_name = _name(params[2])
+        if channel_name is None:
+            raise fatal("E_BAD_CHANNEL", f"SUB channel name {go_quote(params[2])} is not valid")
+        channel = self.broker.topic(topic_name).channel(channel_name)
+        try:
+            channel.add_client(self)
+        except ChannelError as e:
+            raise fatal("E_SUB_FAILED", f"SUB failed {e}") from None
+        self.state = STATE_SUBSCRIBED
+        self.channel = channel
+        self.transport.write(OK)
+        return start
+
+    def _cmd_rdy(self, params, data, start):
+        state = self.state
+        if state == STATE_CLOSING:
+            return start
+        if state != STATE_SUBSCRIBED:
+            raise fatal("E_INVALID", "cannot RDY in current state")
+        count = 1
+        if len(params) > 1:
+            count = _base10(params[1])
+            if count is None:
+                raise fatal("E_INVALID", f"RDY could not parse count {params[1].decode('utf-8', 'replace')}")
+        max_rdy = self.broker.options.max_rdy_count
+        if count > max_rdy:
+            raise fatal("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
+        self.ready_count = count
+        self._deliver_needed = True
+        return start
+
+    def _message_id(self, verb: str, params) -> bytes:
+        state = self.state
+        if state != STATE_SUBSCRIBED and state != STATE_CLOSING:
+            raise fatal("E_INVALID", f"cannot {verb} in current state")
+        if len(params) < (3 if verb == "REQ" else 2):
+            raise fatal("E_INVALID", f"{verb} insufficient number of params")
+        msg_id = params[1]
+        if len(msg_id) != 16:
+            raise fatal("E_INVALID", "invalid message ID")
+        return msg_id
+
+    def _cmd_fin(self, params, data, start):
+        msg_id = params[1] if len(params) > 1 else b""
+        if len(msg_id) != 16 or self.state != STATE_SUBSCRIBED:
+            msg_id = self._message_id("FIN", params)
+        try:
+            self.channel.finish(self, msg_id)
+        except ChannelError as e:
+            raise nonfatal("E_FIN_FAILED", f"FIN {msg_id.decode('latin-1')} failed {e}") from None
+        self._deliver_needed = True
+        return start
+
+    def _cmd_req(self, params, data, start):
+        msg_id = self._message_id("REQ", params)
+        timeout_ms = _base10(params[2])
+        if timeout_ms is None:
+            raise fatal("E_INVALID", f"REQ could not parse timeout {params[2].decode('utf-8', 'replace')}")
+        max_req = self.broker.options.max_req_timeout
+        delay = timeout_ms / 1000
+        if delay > max_req:
+            log.info("client {remote} REQ timeout {ms} out of range 0-{max}; clamped",
+                     remote=self.remote_address, ms=timeout_ms, max=int(max_req * 1000))
+            delay = max_req
+        try:
+            self.channel.requeue(self, msg_id, delay)
+        except ChannelError as e:
+            raise nonfatal("E_REQ_FAILED", f"REQ {msg_id.decode('latin-1')} failed {e}") from None
+        self._deliver_needed = True
+        return start
+
+    def _cmd_touch(self, params, data, start):
+        msg_id = self._message_id("TOUCH", params)
+        try:
+            self.channel.touch(self, msg_id)
+        except ChannelError as e:
+            raise nonfatal("E_TOUCH_FAILED", f"TOUCH {msg_id.decode('latin-1')} failed {e}") from None
+        return start
+
+    def _cmd_cls(self, params, data, start):
+        if self.state != STATE_SUBSCRIBED:
+            raise fatal("E_INVALID", "cannot CLS in current state")
+        self.ready_count = 0
+        self.state = STATE_CLOSING
+        self.transport.write(CLOSE_WAIT)
+        return start
+
+    def _publish_topic(self, verb: str, params, min_params: int, code_prefix: str = "") -> str:
+        if len(params) < min_params:
+            raise fatal("E_INVALID", f"{verb} insufficient number of parameters")
+        topic_name = _name(params[1])
+        if topic_name is None:
+            raise fatal("E_BAD_TOPIC", f"{code_prefix}{verb} topic name {go_quote(params[1])} is not valid")
+        return topic_name
+
+    def _single_body(self, verb: str, data: bytes, start: int):
+        """PUB/DPUB's body: (body, end), or None while it is still arriving."""
+        size = self._read_body_size(data, start)
+        if size is None:
+            return None
+        if size <= 0:
+            raise fatal("E_BAD_MESSAGE", f"{verb} invalid message body size {size}")
+        max_msg = self.broker.options.max_msg_size
+        if size > max_msg:
+            raise fatal("E_BAD_MESSAGE", f"{verb} message too big {size} > {max_msg}")
+        end = start + 4 + size
+        if end > len(data):
+            self._need = end
+            return None
+        return data[start + 4:end], end
+
+    def _publish(self, verb: str, topic_name: str, bodies: list[bytes], defer: float = 0.0) -> None:
+        try:
+            self.broker.topic(topic_name).publish(bodies, defer)
+        except BackendError as e:
+            self.broker.set_health(str(e))
+            raise fatal(f"E_{verb}_FAILED", f"{verb} failed {e}") from None
+        counts = self.pub_counts
+        counts[topic_name] = counts.get(topic_name, 0) + len(bodies)
+        self.transport.write(OK)
+
+    def _cmd_pub(self, params, data, start):
+        topic_name = self._publish_topic("PUB", params, 2)
+        got = self._single_body("PUB", data, start)
+        if got is None:
+            return _NEED_MORE
+        body, end = got
+        self._publish("PUB", topic_name, [body])
+        return end
+
+    def _cmd_dpub(self, params, data, start):
+        topic_name = self._publish_topic("DPUB", params, 3)
+        timeout_ms = _base10(params[2])
+        if timeout_ms is None:
+            raise fatal("E_INVALID", f"DPUB could not parse timeout {params[2].decode('utf-8', 'replace')}")
+        max_ms = int(self.broker.options.max_req_timeout * 1000)
+        if timeout_ms > max_ms:
+            raise fatal("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
+        got = self._single_body("DPUB", data, start)
+        if got is None:
+            return _NEED_MORE
+        body, end = got
+        self._publish("DPUB", topic_name, [body], timeout_ms / 1000)
+        return end
+
+    def _cmd_mpub(self, params, data, start):
+        topic_name = self._publish_topic("MPUB", params, 2, code_prefix="E_BAD_TOPIC ")
+        self.broker.topic(topic_name)  # nsqd creates the topic before reading the body
+        size = self._read_body_size(data, start)
+        if size is None:
+            return _NEED_MORE
+        opts = self.broker.options
+        if size <= 0:
+            raise fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
+        if size > opts.max_body_size:
+            raise fatal("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
+        pos = start + 4
+        end = pos + size
+        if end > len(data):
+            self._need = end
+            return _NEED_MORE
+        if size < 4:
+            raise fatal("E_BAD_BODY", "MPUB failed to read message count")
+        count = _unpack_int32(data, pos)[0]
+        if count <= 0 or count > (opts.max_body_size - 4) // 5:
+            raise fatal("E_BAD_BODY", f"MPUB invalid message count {count}")
+        pos += 4
+        max_msg = opts.max_msg_size
+        bodies: list[bytes] = []
+        append = bodies.append
+        for i in range(count):
+            if pos + 4 > end:
+                raise fatal("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
+            msg_size = _unpack_int32(data, pos)[0]
+            if msg_size <= 0:
+                raise fatal("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {msg_size}")
+            if msg_size > max_msg:
+                raise fatal("E_BAD_MESSAGE", f"MPUB message too big {msg_size} > {max_msg}")
+            pos += 4
+            nxt = pos + msg_size
+            if nxt > end:
+                raise fatal("E_BAD_MESSAGE", "MPUB failed to read message body")
+            append(data[pos:nxt])
+            pos = nxt
+        # The declared body size frames the command, as every client sends
+        # it; bytes left over inside it would otherwise be read as commands.
+        if pos != end:
+            raise fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
+        self._publish("MPUB", topic_name, bodies)
+        return end
+
+    _HANDLERS = {
+        b"NOP": _cmd_nop,
+        b"IDENTIFY": _cmd_identify,
+        b"AUTH": _cmd_auth,
+        b"SUB": _cmd_sub,
+        b"RDY": _cmd_rdy,
+        b"FIN": _cmd_fin,
+        b"REQ": _cmd_req,
+        b"TOUCH": _cmd_touch,
+        b"CLS": _cmd_cls,
+        b"PUB": _cmd_pub,
+        b"MPUB": _cmd_mpub,
+        b"DPUB": _cmd_dpub,
+    }
+
+
+def _name(raw: bytes) -> str | None:
+    """A topic/channel name from the wire if it is valid, else None."""
+    try:
+        name = raw.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    return name if is_valid_name(name) else None
+
+
+class V2Factory(Factory):
+    """Builds a V2Protocol per connection, all sharing one broker."""
+
+    noisy = False
+
+    def __init__(self, broker) -> None:
+        self.broker = broker
+
+    def buildProtocol(self, addr) -> V2Protocol:
+        proto = V2Protocol(self.broker)
+        proto.factory = self
+        return proto

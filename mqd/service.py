@@ -1,0 +1,83 @@
+"""The services a broker is composed of under twistd."""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.application import service
+from twisted.python.failure import Failure
+
+from .logs import get_logger
+from .options import ConfigError
+
+__all__ = ["BrokerService", "ListeningService"]
+
+log = get_logger(__name__)
+
+
+class ListeningService(service.Service):
+    """Listens on an endpoint and logs the bound address as nsqd does.
+
+    `TCP: listening on 127.0.0.1:4150` is the line scripts look for to
+    find a port chosen at start-up (port 0). A port that cannot be bound
+    stops start-up with the error, before the reactor runs.
+    """
+
+    def __init__(self, label: str, endpoint, factory, ports: dict | None = None) -> None:
+        self.label = label
+        self.endpoint = endpoint
+        self.factory = factory
+        self.ports = ports if ports is not None else {}
+        self.port = None
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        failures: list[Failure] = []
+        self.endpoint.listen(self.factory).addCallbacks(self._listening, failures.append)
+        if failures:
+            log.critical("{label}: cannot listen: {error}", label=self.label,
+                         error=failures[0].getErrorMessage())
+            failures[0].raiseException()
+
+    def _listening(self, port) -> None:
+        self.port = port
+        host = port.getHost()
+        if hasattr(host, "port"):
+            address = f"[{host.host}]:{host.port}" if ":" in host.host else f"{host.host}:{host.port}"
+            self.ports[self.label] = host.port
+        else:
+            address = str(getattr(host, "name", host))
+        log.info("{label}: listening on {address}", label=self.label, address=address)
+
+    def stopService(self):
+        super().stopService()
+        port, self.port = self.port, None
+        if port is not None:
+            return port.stopListening()
+        return None
+
+
+class BrokerService(service.Service):
+    """Opens the broker's storage at start-up and shuts it down cleanly.
+
+    It is the first child of the broker's MultiService, so it opens before
+    the listeners bind and, stopping in reverse order, closes after they
+    have stopped accepting: clients off, metadata saved, queues flushed.
+    """
+
+    name = "broker"
+
+    def __init__(self, broker) -> None:
+        self.broker = broker
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        try:
+            self.broker.open()
+        except ConfigError as e:
+            print(f"mqd: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+    def stopService(self):
+        super().stopService()
+        self.broker.close()

@@ -1,0 +1,137 @@
+"""`twistd mqd`: command-line options and the service tree of a broker."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+
+from twisted.application import service
+from twisted.internet import endpoints
+from twisted.python import usage
+from twisted.web import server
+
+from . import __version__
+from .broker import Broker
+from .http.api import NsqdAPI
+from .logs import set_log_level
+from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve, to_endpoint
+from .protocol.v2 import NSQ_VERSION, V2Factory
+from .queuescan import QueueScanner
+from .service import BrokerService, ListeningService
+
+__all__ = ["Options", "makeService", "make_options_class", "settings_from"]
+
+
+def make_options_class(table: Sequence[Option], program: str) -> type[usage.Options]:
+    """A usage.Options for an option table, accepting nsqd's flag forms.
+
+    Go's flag package, which nsqd uses, takes `-name=value` as well as
+    `--name=value` and `--flag=false` for booleans; scripts written for
+    nsqd use all three, so they are rewritten into getopt's forms before
+    parsing. Values stay strings here: they are checked, with the YAML
+    file's, by `resolve`, so every bad value gets the same one-line error.
+    """
+    params = [[o.name, None, None, o.help] for o in table if o.kind not in ("bool", "list")]
+    flags = [[o.name, None, o.help] for o in table if o.kind == "bool"]
+    lists = [o for o in table if o.kind == "list"]
+    long_names = {o.name for o in table} | {"config", "version", "help"}
+    bool_names = {o.name for o in table if o.kind == "bool"}
+
+    class _Options(usage.Options):
+        synopsis = f"[options]  (nsqd's flags; see config/{program}.yaml)"
+        optParameters = [["config", "c", None, "YAML config file (flags override it)"], *params]
+        optFlags = flags
+
+        def __init__(self) -> None:
+            super().__init__()
+            for opt in lists:
+                self[opt.name] = []
+
+        def opt_version(self) -> None:
+            print(f"{program} v{__version__} (nsq protocol {NSQ_VERSION})")
+            sys.exit(0)
+
+        def parseOptions(self, options: Iterable[str] | None = None) -> None:
+            if options is None:
+                options = sys.argv[1:]
+            self._false_flags: set[str] = set()
+            super().parseOptions(list(self._rewrite(options)))
+
+        def _rewrite(self, args: Iterable[str]):
+            for arg in args:
+                if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
+                    name = arg[1:].split("=", 1)[0]
+                    if name in long_names:
+                        arg = "-" + arg
+                if arg.startswith("--") and "=" in arg:
+                    name, value = arg[2:].split("=", 1)
+                    if name in bool_names:
+                        if value.strip().lower() in ("0", "f", "false", "no", "off"):
+                            self._false_flags.add(name)
+                            continue
+                        arg = "--" + name
+                yield arg
+
+        def flag_values(self) -> dict:
+            """What the command line set explicitly, by option name."""
+            given = {}
+            for opt in table:
+                value = self.get(opt.name)
+                if opt.kind == "bool":
+                    if opt.name in self._false_flags:
+                        given[opt.name] = False
+                    elif value:
+                        given[opt.name] = True
+                elif opt.kind == "list":
+                    if value:
+                        given[opt.name] = list(value)
+                elif value is not None:
+                    given[opt.name] = value
+            return given
+
+    for opt in lists:
+        def _append(self, value: str, _name: str = opt.name) -> None:
+            self[_name].append(value)
+
+        _append.__doc__ = f"{opt.help} (repeatable)"
+        setattr(_Options, "opt_" + opt.attr, _append)
+
+    _Options.__name__ = f"{program.capitalize()}Options"
+    return _Options
+
+
+Options = make_options_class(MQD_OPTIONS, "mqd")
+
+
+def settings_from(options: usage.Options, table: Sequence[Option], program: str) -> Settings:
+    """Resolve flags > YAML > defaults, or stop with one line saying what is wrong."""
+    try:
+        return resolve(table, options.flag_values(), options["config"])
+    except ConfigError as e:
+        print(f"{program}: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def build_service(settings: Settings, reactor=None) -> service.MultiService:
+    """The broker's services: storage first, listeners last (so they stop first)."""
+    if reactor is None:
+        from twisted.internet import reactor
+    set_log_level(settings.log_level)
+    broker = Broker(settings, clock=reactor)
+    top = service.MultiService()
+    top.broker = broker
+    BrokerService(broker).setServiceParent(top)
+    QueueScanner(broker).setServiceParent(top)
+    ports: dict[str, int] = {}
+    tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
+    ListeningService("TCP", tcp, V2Factory(broker), ports).setServiceParent(top)
+    if settings.http_address:
+        http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
+        site = server.Site(NsqdAPI(broker, ports))
+        site.noisy = False
+        ListeningService("HTTP", http, site, ports).setServiceParent(top)
+    return top
+
+
+def makeService(options: usage.Options) -> service.MultiService:
+    return build_service(settings_from(options, MQD_OPTIONS, "mqd"))

@@ -1,0 +1,1 @@
+"""The Spark bridge: LMDB snapshots read with PySpark (issue #7)."""

@@ -1,0 +1,14 @@
+"""twistd plugins: `twistd mqd` (the broker).
+
+No __init__.py lives in twisted/ or twisted/plugins/: on install this file
+joins Twisted's own plugin package, which is how twistd finds it.
+"""
+
+from twisted.application.service import ServiceMaker
+
+mqd = ServiceMaker(
+    "mqd",
+    "mqd.tap",
+    "A message broker that speaks NSQ's protocols (a drop-in nsqd).",
+    "mqd",
+)
