@@ -70,7 +70,10 @@ class Broker:
         self.data_path = self.workdir / "data"
         self.data_path.mkdir()
         self.log_path = self.workdir / "broker.log"
-        self.argv = argv or broker_command(backend, mem_queue_size, str(self.data_path), extra)
+        if argv:
+            self.argv = [a.replace("{data}", str(self.data_path)) for a in argv]
+        else:
+            self.argv = broker_command(backend, mem_queue_size, str(self.data_path), extra)
         self.keep = keep
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
@@ -85,6 +88,10 @@ class Broker:
 
     def start(self) -> tuple[str, int]:
         """Launch and wait for the ``TCP: listening on HOST:PORT`` log line."""
+        # The working tree first on the path: twistd then finds twisted/plugins/mqd_plugins.py
+        # and benches this checkout's code even when mqd is not (or differently) installed.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -92,6 +99,7 @@ class Broker:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=REPO,
+                env=env,
             )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -17,6 +17,8 @@ import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
+import shlex
+import signal
 import statistics
 import sys
 import time
@@ -80,13 +82,17 @@ def _fmt(value: float | None, spec: str = ",.0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}%"
+
+
 def result_line(r: Result, label: str) -> str:
     """The per-run line printed while the bench runs."""
     return (
         f"{label:<14} in {_fmt(r.rate_in):>9} msgs/s  out {_fmt(r.rate_out):>9} msgs/s  "
         f"lat p50/p99 {_fmt(r.lat_p50, '.1f')}/{_fmt(r.lat_p99, '.1f')} ms  "
         f"ack p50/p99 {_fmt(r.ack_p50, '.2f')}/{_fmt(r.ack_p99, '.2f')} ms  "
-        f"rss {_fmt(r.rss_mb)} MB  cpu {_fmt(r.cpu_pct)}%  "
+        f"rss {_fmt(r.rss_mb)} MB  cpu {_pct(r.cpu_pct)}  "
         f"({r.msgs_in:,} in / {r.msgs_out:,} out, {r.seconds:.1f} s)"
     )
 
@@ -374,7 +380,7 @@ def markdown(medians: list[Result], args: argparse.Namespace, broker_desc: str) 
             f"| {r.scenario} | {_fmt(r.rate_in)} | {_fmt(r.rate_out)} "
             f"| {_fmt(r.lat_p50, '.1f')} / {_fmt(r.lat_p99, '.1f')} "
             f"| {_fmt(r.ack_p50, '.2f')} / {_fmt(r.ack_p99, '.2f')} "
-            f"| {_fmt(r.rss_mb)} | {_fmt(r.cpu_pct)}% |"
+            f"| {_fmt(r.rss_mb)} | {_pct(r.cpu_pct)} |"
         )
     return "\n".join(lines)
 
@@ -399,6 +405,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--nsqd-address",
         metavar="HOST:PORT",
         help="bench an already running broker instead of starting one",
+    )
+    p.add_argument(
+        "--broker-cmd",
+        metavar="CMD",
+        help="start this command instead of twistd mqd (e.g. a real nsqd, for reference "
+        "figures); it must log 'TCP: listening on HOST:PORT'; {data} becomes a fresh data dir",
     )
     p.add_argument("--pid", type=int, help="pid of that broker, to measure its RSS and CPU")
     p.add_argument("--size", type=int, default=200, help="message body bytes")
@@ -434,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.pid and not args.nsqd_address:
         p.error("--pid only makes sense with --nsqd-address")
+    if args.broker_cmd and args.nsqd_address:
+        p.error("--broker-cmd and --nsqd-address exclude each other")
     if args.writers < 1 or args.readers < 1 or args.repeat < 1 or args.pipeline < 1:
         p.error("--writers, --readers, --repeat and --pipeline must be at least 1")
     if args.size < 8:
@@ -454,12 +468,18 @@ def main(argv: list[str] | None = None) -> int:
             broker_desc = f"external broker at {args.nsqd_address}"
             pid = args.pid
         else:
-            broker = Broker(args.backend, args.mem_queue_size, args.broker_arg, keep=args.keep_data)
-            broker_desc = "twistd -n mqd " + " ".join(
-                a
-                for a in broker.argv[4:]
-                if not a.startswith(("--tcp-address", "--http-address", "--data-path"))
+            cmd = shlex.split(args.broker_cmd) + args.broker_arg if args.broker_cmd else None
+            broker = Broker(
+                args.backend, args.mem_queue_size, args.broker_arg, argv=cmd, keep=args.keep_data
             )
+            if args.broker_cmd:
+                broker_desc = " ".join(broker.argv)
+            else:  # the flags that matter; addresses and data path are per run
+                broker_desc = "twistd -n mqd " + " ".join(
+                    a
+                    for a in broker.argv[4:]
+                    if not a.startswith(("--tcp-address", "--http-address", "--data-path"))
+                )
             print(f"starting: {' '.join(broker.argv)}", flush=True)
             address = broker.start()
             pid = broker.pid
@@ -493,8 +513,12 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
         if broker is not None:
             code = broker.stop()
+            # twistd re-raises the SIGTERM it handled, so -15 is a clean shutdown.
+            status = f"exit code {code}"
+            if code == -signal.SIGTERM:
+                status += ": SIGTERM, as twistd exits after a graceful stop"
             print(
-                f"broker stopped (exit code {code})"
+                f"broker stopped ({status})"
                 + (f"; data kept in {broker.workdir}" if args.keep_data else ""),
                 flush=True,
             )

@@ -190,6 +190,14 @@ class Broker:
             topics = meta.get("topics") or []
             if not isinstance(topics, list):
                 raise ValueError("'topics' is not a list")
+            # nsqd refuses a file whose fields have the wrong JSON types.
+            for entry in topics:
+                channels = entry.get("channels") or []
+                if not isinstance(entry.get("name", ""), str) or not isinstance(channels, list):
+                    raise ValueError(f"bad topic entry {entry!r}")
+                for ch in channels:
+                    if not isinstance(ch.get("name", ""), str):
+                        raise ValueError(f"bad channel entry {ch!r}")
         except (ValueError, AttributeError) as e:
             raise ConfigError(f"{self.metadata_path}: corrupt metadata file: {e}") from None
         self._loading = True

@@ -10,11 +10,9 @@ clients in batches until either side runs out.
 from __future__ import annotations
 
 import random
-from collections import deque
 from typing import TYPE_CHECKING
 
-from backends import BackendError
-
+from .overflow import OverflowQueue, take
 from .pqueue import PriorityQueue
 
 if TYPE_CHECKING:
@@ -43,9 +41,7 @@ class Channel:
         "message_count",
         "requeue_count",
         "timeout_count",
-        "_mem",
-        "_mem_size",
-        "_backend",
+        "_queue",
         "_in_flight",
         "_in_flight_pq",
         "_deferred",
@@ -66,9 +62,7 @@ class Channel:
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
-        self._mem: deque[Message] = deque()
-        self._mem_size = options.mem_queue_size
-        self._backend = backend
+        self._queue = OverflowQueue(options.mem_queue_size, backend)
         self._in_flight: dict[bytes, Message] = {}
         self._in_flight_pq = PriorityQueue()
         self._deferred = PriorityQueue()
@@ -83,10 +77,10 @@ class Channel:
     # -- what /stats reports -------------------------------------------------
 
     def depth(self) -> int:
-        return len(self._mem) + self._backend.depth()
+        return len(self._queue)
 
     def backend_depth(self) -> int:
-        return self._backend.depth()
+        return self._queue.backend_depth()
 
     def in_flight_count(self) -> int:
         return len(self._in_flight)
@@ -99,7 +93,7 @@ class Channel:
     def put(self, msgs: list[Message]) -> None:
         """Messages from the topic; delivered at once if a client is ready."""
         self.message_count += len(msgs)
-        self._enqueue(msgs)
+        self._queue.put(msgs)
         self.deliver()
 
     def put_deferred(self, msgs: list[Message]) -> None:
@@ -108,42 +102,6 @@ class Channel:
         push = self._deferred.push
         for msg in msgs:
             push(msg, msg.deferred_until)
-
-    def _enqueue(self, msgs: list[Message]) -> None:
-        """Append to the memory queue, spilling to the backend once it is full.
-
-        Once anything sits in the backend, new messages go there too, so the
-        channel stays FIFO (nsqd reads memory and disk in random order).
-        """
-        mem = self._mem
-        backend = self._backend
-        room = self._mem_size - len(mem)
-        if room >= len(msgs) and not backend.depth():
-            mem.extend(msgs)
-            return
-        if room > 0 and not backend.depth():
-            mem.extend(msgs[:room])
-            msgs = msgs[room:]
-        backend.put(msgs)
-
-    def _requeue(self, msgs: list[Message]) -> None:
-        """Put messages the channel already accepted back in line.
-
-        They were acknowledged to their publisher long ago, so a failing
-        backend must not lose them: they stay in memory beyond the bound.
-        """
-        try:
-            self._enqueue(msgs)
-        except BackendError:
-            self._mem.extend(msgs)
-
-    def _refill(self) -> int:
-        backend = self._backend
-        if not backend.depth():
-            return 0
-        batch = backend.read(BACKEND_READ_BATCH)
-        self._mem.extend(batch)
-        return len(batch)
 
     # -- delivery ------------------------------------------------------------
 
@@ -159,12 +117,17 @@ class Channel:
         clients = self.clients
         if not clients:
             return
-        mem = self._mem
+        queue = self._queue
+        mem = queue.mem
         send = self._send
         while True:
             pending = len(mem)
             if not pending:
-                pending = self._refill()
+                # Read the backend only for a client that can take messages
+                # now, so the memory queue stays within mem-queue-size.
+                if not any(c.ready() > 0 for c in clients):
+                    return
+                pending = queue.refill(BACKEND_READ_BATCH)
                 if not pending:
                     return
             if len(clients) == 1:
@@ -172,7 +135,7 @@ class Channel:
                 window = client.ready()
                 if window <= 0:
                     return
-                send(client, _take(mem, window if window < pending else pending))
+                send(client, take(mem, window if window < pending else pending))
                 continue
             windows = [(c, w) for c in clients if (w := c.ready()) > 0]
             if not windows:
@@ -186,7 +149,7 @@ class Channel:
                 n = min(window, share, len(mem))
                 if n <= 0:
                     break
-                send(client, _take(mem, n))
+                send(client, take(mem, n))
 
     def _send(self, client, batch: list[Message]) -> None:
         now = self._clock.seconds()
@@ -244,7 +207,7 @@ class Channel:
             msg.deferred_until = due = self._clock.seconds() + delay
             self._deferred.push(msg, due)
         else:
-            self._requeue([msg])
+            self._queue.put_accepted([msg])
 
     def touch(self, client, msg_id: bytes) -> None:
         """TOUCH: a fresh msg_timeout, but never past delivery + max-msg-timeout."""
@@ -266,7 +229,7 @@ class Channel:
             msg.client.in_flight_count -= 1
             msg.client = None
         self.timeout_count += len(expired)
-        self._requeue(expired)
+        self._queue.put_accepted(expired)
         self.deliver()
         return True
 
@@ -277,7 +240,7 @@ class Channel:
             return False
         for msg in due:
             msg.deferred_until = 0.0
-        self._requeue(due)
+        self._queue.put_accepted(due)
         self.deliver()
         return True
 
@@ -291,7 +254,7 @@ class Channel:
             raise ChannelError("exiting")
         if self._max_consumers and len(self.clients) >= self._max_consumers:
             raise ChannelError(
-                f"channel consumers for {self.topic.name}:{self.name} exceeds limit of {self._max_consumers}"
+                f"consumers for {self.topic.name}:{self.name} exceeds limit of {self._max_consumers}"
             )
         self.clients.append(client)
 
@@ -315,7 +278,7 @@ class Channel:
                 discard(msg)
                 msg.client = None
             client.in_flight_count -= len(orphans)
-            self._requeue(orphans)
+            self._queue.put_accepted(orphans)
         if self.ephemeral and not self.clients:
             self.topic.delete_channel(self.name)
         else:
@@ -332,8 +295,7 @@ class Channel:
 
     def empty(self) -> None:
         """Drop queued, in-flight and deferred messages (nsqd's /channel/empty)."""
-        self._mem.clear()
-        self._backend.empty()
+        self._queue.empty()
         for msg in self._in_flight.values():
             msg.client = None
         self._in_flight.clear()
@@ -346,7 +308,7 @@ class Channel:
         """Drop everything and the backend storage, and disconnect the clients."""
         self.exiting = True
         self.empty()
-        self._backend.delete()
+        self._queue.delete()
         clients, self.clients = self.clients, []
         for client in clients:
             client.channel_gone()
@@ -359,23 +321,9 @@ class Channel:
         persistent backend can give them back after a restart.
         """
         self.exiting = True
-        held = list(self._mem)
-        self._mem.clear()
         in_flight = self._in_flight_pq.drain()
         self._in_flight.clear()
         for msg in in_flight:
             msg.client = None
-        held.extend(in_flight)
-        held.extend(self._deferred.drain())
-        if held:
-            self._backend.put(held)
-        self._backend.close()
+        self._queue.close(in_flight + self._deferred.drain())
 
-
-def _take(mem: deque, n: int) -> list:
-    if n >= len(mem):
-        batch = list(mem)
-        mem.clear()
-        return batch
-    pop = mem.popleft
-    return [pop() for _ in range(n)]

@@ -37,7 +37,6 @@ class Message:
         "deferred_until",
         "client",
         "delivered_at",
-        "deadline",
         "pq_seq",
     )
 
@@ -59,7 +58,6 @@ class Message:
         self.deferred_until = deferred_until
         self.client = None
         self.delivered_at = 0.0
-        self.deadline = 0.0
         self.pq_seq = -1
 
     def copy(self) -> Message:

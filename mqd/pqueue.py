@@ -27,8 +27,10 @@ _heappush = heapq.heappush
 _heappop = heapq.heappop
 
 # Rebuild when the heap holds this many more entries than live messages and
-# at least twice as many: below it, skipping dead entries is cheaper.
+# at least four times as many: rebuilding less often costs less per FIN than
+# the memory the dead entries hold.
 _COMPACT_SLACK = 1024
+_COMPACT_FACTOR = 4
 
 
 class PriorityQueue:
@@ -44,10 +46,13 @@ class PriorityQueue:
     def push(self, msg: Message, priority: float) -> None:
         """Enter `msg` due at `priority`, replacing any entry it already has here."""
         seq = next(_sequence)
-        if msg.pq_seq < 0:
+        replacing = msg.pq_seq >= 0
+        if not replacing:
             self._live += 1
         msg.pq_seq = seq
         _heappush(self._heap, (priority, seq, msg))
+        if replacing:
+            self._compact_if_sparse()
 
     def push_batch(self, msgs: list[Message], priority: float) -> None:
         """Enter messages that are not in this queue yet, all due at `priority`.
@@ -66,8 +71,11 @@ class PriorityQueue:
         """Forget `msg` (which must be in this queue); its heap entry dies lazily."""
         msg.pq_seq = -1
         self._live -= 1
+        self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
         heap = self._heap
-        if len(heap) > _COMPACT_SLACK + 2 * self._live:
+        if len(heap) > _COMPACT_SLACK + _COMPACT_FACTOR * self._live:
             self._heap = [entry for entry in heap if entry[2].pq_seq == entry[1]]
             heapq.heapify(self._heap)
 

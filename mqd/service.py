@@ -19,11 +19,17 @@ class ListeningService(service.Service):
     """Listens on an endpoint and logs the bound address as nsqd does.
 
     `TCP: listening on 127.0.0.1:4150` is the line scripts look for to
-    find a port chosen at start-up (port 0). A port that cannot be bound
-    stops start-up with the error, before the reactor runs.
+    find a port chosen at start-up (port 0). It is logged once the reactor
+    runs, so that when a script sees it the broker also handles SIGTERM
+    cleanly (twistd installs its signal handlers as the reactor starts).
+    A port that cannot be bound stops start-up with the error, before the
+    reactor runs.
     """
 
-    def __init__(self, label: str, endpoint, factory, ports: dict | None = None) -> None:
+    def __init__(self, label: str, endpoint, factory, ports: dict | None = None, reactor=None) -> None:
+        if reactor is None:
+            from twisted.internet import reactor
+        self.reactor = reactor
         self.label = label
         self.endpoint = endpoint
         self.factory = factory
@@ -47,7 +53,9 @@ class ListeningService(service.Service):
             self.ports[self.label] = host.port
         else:
             address = str(getattr(host, "name", host))
-        log.info("{label}: listening on {address}", label=self.label, address=address)
+        self.reactor.callWhenRunning(
+            log.info, "{label}: listening on {address}", label=self.label, address=address
+        )
 
     def stopService(self):
         super().stopService()

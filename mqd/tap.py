@@ -124,12 +124,12 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     QueueScanner(broker).setServiceParent(top)
     ports: dict[str, int] = {}
     tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
-    ListeningService("TCP", tcp, V2Factory(broker), ports).setServiceParent(top)
+    ListeningService("TCP", tcp, V2Factory(broker), ports, reactor).setServiceParent(top)
     if settings.http_address:
         http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
         site = server.Site(NsqdAPI(broker, ports))
         site.noisy = False
-        ListeningService("HTTP", http, site, ports).setServiceParent(top)
+        ListeningService("HTTP", http, site, ports, reactor).setServiceParent(top)
     return top
 
 

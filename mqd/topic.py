@@ -8,11 +8,11 @@ channels in the same call: there is no topic pump to wake.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 from .channel import Channel
 from .message import IdFactory, Message
+from .overflow import OverflowQueue
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -35,9 +35,7 @@ class Topic:
         "message_count",
         "message_bytes",
         "ids",
-        "_mem",
-        "_mem_size",
-        "_backend",
+        "_queue",
         "_drain_call",
         "__weakref__",
     )
@@ -52,9 +50,7 @@ class Topic:
         self.message_count = 0
         self.message_bytes = 0
         self.ids = IdFactory(broker.options.node_id)
-        self._mem: deque[Message] = deque()
-        self._mem_size = broker.options.mem_queue_size
-        self._backend = broker.open_queue(name, self.ephemeral)
+        self._queue = OverflowQueue(broker.options.mem_queue_size, broker.open_queue(name, self.ephemeral))
         self._drain_call = None
 
     def __repr__(self) -> str:
@@ -63,10 +59,10 @@ class Topic:
     # -- stats ---------------------------------------------------------------
 
     def depth(self) -> int:
-        return len(self._mem) + self._backend.depth()
+        return len(self._queue)
 
     def backend_depth(self) -> int:
-        return self._backend.depth()
+        return self._queue.backend_depth()
 
     # -- publishing ----------------------------------------------------------
 
@@ -87,65 +83,54 @@ class Topic:
         self.put(msgs)
 
     def put(self, msgs: list[Message]) -> None:
-        self.message_count += len(msgs)
-        self.message_bytes += sum([len(m.body) for m in msgs])
-        if self.channels and not self.paused and not self._mem and not self._backend.depth():
+        if self.channels and not self.paused and not self._queue:
             self._fan_out(msgs)
         else:
-            self._enqueue(msgs)
+            self._queue.put(msgs)
             if self.channels and not self.paused:
                 self._schedule_drain()
-
-    def _enqueue(self, msgs: list[Message]) -> None:
-        mem = self._mem
-        backend = self._backend
-        room = self._mem_size - len(mem)
-        if room >= len(msgs) and not backend.depth():
-            mem.extend(msgs)
-            return
-        if room > 0 and not backend.depth():
-            mem.extend(msgs[:room])
-            msgs = msgs[room:]
-        backend.put(msgs)
+        # Counted once stored: a publish the backend refused is not (as nsqd).
+        self.message_count += len(msgs)
+        self.message_bytes += sum([len(m.body) for m in msgs])
 
     def _fan_out(self, msgs: list[Message]) -> None:
-        """One copy per channel; the first channel takes the originals."""
+        """One copy per channel; the last channel takes the originals.
+
+        Copies are taken from originals no channel has seen yet: a put may
+        deliver at once, and a delivery's attempts+1 must not be inherited
+        by the next channel's copy (each copy counts its own attempts, A2).
+        """
         if msgs[0].deferred_until or msgs[-1].deferred_until:
             now_due = [m for m in msgs if not m.deferred_until]
             later = [m for m in msgs if m.deferred_until]
         else:
             now_due, later = msgs, None
-        first = True
-        for channel in list(self.channels.values()):
-            if first:
-                first = False
+        channels = list(self.channels.values())
+        last = len(channels) - 1
+        for i, channel in enumerate(channels):
+            if i < last:
+                due = [m.copy() for m in now_due]
+                deferred = [m.copy() for m in later] if later else later
             else:
-                now_due = [m.copy() for m in now_due]
-                if later:
-                    later = [m.copy() for m in later]
-            if later:
-                channel.put_deferred(later)
-            if now_due:
-                channel.put(now_due)
+                due, deferred = now_due, later
+            if deferred:
+                channel.put_deferred(deferred)
+            if due:
+                channel.put(due)
 
     def _drain(self) -> None:
         """Move what waited at the topic to the channels, a batch per reactor turn."""
         self._drain_call = None
         if not self.channels or self.paused or self.exiting:
             return
-        mem = self._mem
-        if mem:
-            n = min(len(mem), DRAIN_BATCH)
-            batch = [mem.popleft() for _ in range(n)]
-        else:
-            batch = self._backend.read(DRAIN_BATCH)
+        batch = self._queue.take(DRAIN_BATCH)
         if batch:
             self._fan_out(batch)
-        if mem or self._backend.depth():
+        if self._queue:
             self._drain_call = self.broker.clock.callLater(0, self._drain)
 
     def _schedule_drain(self) -> None:
-        if self._drain_call is None and (self._mem or self._backend.depth()):
+        if self._drain_call is None and self._queue:
             self._drain()
 
     # -- channels ------------------------------------------------------------
@@ -187,8 +172,7 @@ class Topic:
 
     def empty(self) -> None:
         """Drop what waits at the topic; channels keep theirs (F2)."""
-        self._mem.clear()
-        self._backend.empty()
+        self._queue.empty()
 
     def delete(self) -> None:
         self.exiting = True
@@ -198,8 +182,7 @@ class Topic:
             channel = self.channels.pop(name)
             channel.delete()
             self.broker.channel_deleted(self, channel)
-        self.empty()
-        self._backend.delete()
+        self._queue.delete()
 
     def close(self) -> None:
         """Clean shutdown: channels flush to their backends, then the topic's memory to its own."""
@@ -208,7 +191,4 @@ class Topic:
             self._drain_call.cancel()
         for channel in self.channels.values():
             channel.close()
-        if self._mem:
-            self._backend.put(list(self._mem))
-            self._mem.clear()
-        self._backend.close()
+        self._queue.close()

@@ -58,8 +58,6 @@ def _base10(raw: bytes) -> int | None:
     """nsqd's ByteToBase10: decimal digits only, no sign; empty is 0."""
     if raw and not raw.isdigit():
         return None
-    if raw and not raw.isascii():
-        return None
     return int(raw) if raw else 0
 
 
@@ -193,11 +191,18 @@ class V2Protocol(Protocol, TimeoutMixin):
                 handler = handlers.get(params[0])
                 if handler is None:
                     raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
+                if self._deliver_needed and handler not in _BATCHABLE:
+                    # Deliver what earlier commands made possible before a
+                    # command that writes a frame or changes readiness, so
+                    # the output does not depend on how reads were split.
+                    self._flush_delivery()
                 try:
                     nxt = handler(self, params, data, eol + 1)
                 except ProtocolError as err:
                     if err.fatal:
                         raise
+                    if self._deliver_needed:
+                        self._flush_delivery()
                     self.transport.write(frame(FRAME_TYPE_ERROR, err.payload))
                     nxt = eol + 1
                 if nxt == _NEED_MORE:
@@ -214,6 +219,11 @@ class V2Protocol(Protocol, TimeoutMixin):
                 self._deliver_needed = False
                 if self.channel is not None:
                     self.channel.deliver()
+
+    def _flush_delivery(self) -> None:
+        self._deliver_needed = False
+        if self.channel is not None:
+            self.channel.deliver()
 
     def _keep(self, rest: bytes, need: int) -> None:
         """Hold an incomplete command until `need` bytes of it have arrived."""
@@ -235,10 +245,27 @@ class V2Protocol(Protocol, TimeoutMixin):
             return None
         return _unpack_int32(data, start)[0]
 
+    def _command_body(self, verb: str, data: bytes, start: int):
+        """IDENTIFY/AUTH's body, bounded by max-body-size: (body, end), or None while it arrives."""
+        size = self._read_body_size(data, start)
+        if size is None:
+            return None
+        max_body = self.broker.options.max_body_size
+        if size > max_body:
+            raise fatal("E_BAD_BODY", f"{verb} body too big {size} > {max_body}")
+        if size <= 0:
+            raise fatal("E_BAD_BODY", f"{verb} invalid body size {size}")
+        end = start + 4 + size
+        if end > len(data):
+            self._need = end
+            return None
+        return data[start + 4:end], end
+
     # -- IConsumer ---------------------------------------------------------------
 
     def ready(self) -> int:
-        if self.state != STATE_SUBSCRIBED:
+        if self.state != STATE_SUBSCRIBED or self._closed:
+            # A connection failed or timed out is not fed while it closes.
             return 0
         return self.ready_count - self.in_flight_count
 
@@ -267,20 +294,12 @@ class V2Protocol(Protocol, TimeoutMixin):
     def _cmd_identify(self, params, data, start):
         if self.state != STATE_INIT:
             raise fatal("E_INVALID", "cannot IDENTIFY in current state")
-        size = self._read_body_size(data, start)
-        if size is None:
+        got = self._command_body("IDENTIFY", data, start)
+        if got is None:
             return _NEED_MORE
-        max_body = self.broker.options.max_body_size
-        if size > max_body:
-            raise fatal("E_BAD_BODY", f"IDENTIFY body too big {size} > {max_body}")
-        if size <= 0:
-            raise fatal("E_BAD_BODY", f"IDENTIFY invalid body size {size}")
-        end = start + 4 + size
-        if end > len(data):
-            self._need = end
-            return _NEED_MORE
+        raw, end = got
         try:
-            body = json.loads(data[start + 4:end])
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
         if not isinstance(body, dict):
@@ -403,16 +422,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_INVALID", "cannot AUTH in current state")
         if len(params) != 1:
             raise fatal("E_INVALID", "AUTH invalid number of parameters")
-        size = self._read_body_size(data, start)
-        if size is None:
-            return _NEED_MORE
-        max_body = self.broker.options.max_body_size
-        if size > max_body:
-            raise fatal("E_BAD_BODY", f"AUTH body too big {size} > {max_body}")
-        if size <= 0:
-            raise fatal("E_BAD_BODY", f"AUTH invalid body size {size}")
-        if start + 4 + size > len(data):
-            self._need = start + 4 + size
+        if self._command_body("AUTH", data, start) is None:
             return _NEED_MORE
         raise fatal("E_AUTH_DISABLED", "AUTH disabled")
 
@@ -631,6 +641,13 @@ class V2Protocol(Protocol, TimeoutMixin):
         b"MPUB": _cmd_mpub,
         b"DPUB": _cmd_dpub,
     }
+
+
+# Commands whose follow-up delivery can wait for the end of the read: they
+# write nothing on success and only ever free in-flight slots.
+_BATCHABLE = frozenset(
+    (V2Protocol._cmd_nop, V2Protocol._cmd_fin, V2Protocol._cmd_req, V2Protocol._cmd_touch)
+)
 
 
 def _name(raw: bytes) -> str | None:

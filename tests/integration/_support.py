@@ -1,0 +1,472 @@
+"""What the integration tests share: a real broker process, a tornado loop, a raw client.
+
+Everything here waits with a deadline, so a broken broker fails a test
+with a message saying what it was waiting for instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import nsq
+from tornado.ioloop import IOLoop
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
+
+# A queue scan this fast makes msg timeouts and deferred messages fire
+# within a few tens of milliseconds of their due time.
+FAST_SCAN = ("--queue-scan-interval=20ms", "--queue-scan-refresh-interval=100ms")
+
+DEFAULT_TIMEOUT = 10.0
+
+# Loopback only: never through an http_proxy from the environment.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+_LISTENING = re.compile(r"\b(TCP|HTTP): listening on (\S+):(\d+)\s*$", re.MULTILINE)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for twistd: ours, plus the checkout so the plugin is found.
+
+    Installed non-editable (as tox does) the plugin is found anyway; in the
+    dev checkout `twisted/plugins/mqd_plugins.py` is only on the path this way.
+    """
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_ROOT) not in paths:
+        paths.append(str(REPO_ROOT))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def twistd_command(*args: str) -> list[str]:
+    return [TWISTD, "-n", "--pidfile=", "mqd", *args]
+
+
+class BrokerStartError(AssertionError):
+    pass
+
+
+class BrokerProcess:
+    """One mqd under twistd on ephemeral loopback ports, with its own data directory.
+
+    Its log goes to files (never a pipe, so a chatty broker cannot block);
+    `restart()` keeps the data directory and arguments, the ports change.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        args: Sequence[str] = (),
+        *,
+        addresses: bool = True,
+        data_path: bool = True,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.workdir / "data"
+        self.log_path = self.workdir / "mqd.log"
+        self.stderr_path = self.workdir / "mqd.stderr"
+        argv: list[str] = []
+        if addresses:
+            argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
+        if data_path:
+            argv.append(f"--data-path={self.data_dir}")
+        argv += list(args)
+        self.argv = twistd_command(*argv)
+        self.proc: subprocess.Popen | None = None
+        self.tcp_host = self.http_host = ""
+        self.tcp_port = self.http_port = 0
+        self.returncodes: list[int] = []
+        self._log_offset = 0
+
+    # -- addresses -----------------------------------------------------------
+
+    @property
+    def tcp_address(self) -> str:
+        return f"{self.tcp_host}:{self.tcp_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.http_host}:{self.http_port}"
+
+    # -- life cycle ------------------------------------------------------------
+
+    def start(self, timeout: float = 15.0) -> BrokerProcess:
+        assert self.proc is None or self.proc.poll() is not None, "broker already running"
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=child_env(),
+                cwd=self.workdir,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {m.group(1): (m.group(2), int(m.group(3)))
+                     for m in _LISTENING.finditer(self.log())}
+            if "TCP" in found and "HTTP" in found:
+                self.tcp_host, self.tcp_port = found["TCP"]
+                self.http_host, self.http_port = found["HTTP"]
+                self._wait_until_serving(deadline)
+                return self
+            if self.proc.poll() is not None:
+                self.returncodes.append(self.proc.returncode)
+                raise BrokerStartError(
+                    f"mqd exited with {self.proc.returncode} before listening\n"
+                    f"argv: {self.argv}\n{self.describe()}"
+                )
+            if time.monotonic() > deadline:
+                self.kill()
+                raise BrokerStartError(f"mqd did not listen within {timeout}s\n{self.describe()}")
+            time.sleep(0.02)
+
+    def _wait_until_serving(self, deadline: float) -> None:
+        """Wait for /ping to answer: the reactor is running, signal handlers in place.
+
+        The "listening on" lines are logged before twistd starts its reactor,
+        and until then SIGTERM kills the process outright instead of shutting
+        it down; a stop right after start must not fall into that window.
+        """
+        url = f"http://{self.http_address}/ping"
+        while True:
+            try:
+                with _NO_PROXY.open(url, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise BrokerStartError(f"mqd never answered {url}\n{self.describe()}")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait: the clean shutdown. Returns the exit status.
+
+        twistd re-raises the signal that stopped it once it has shut down
+        cleanly (Twisted's `_exitWithSignal`), so a clean stop is -SIGTERM
+        as often as 0; `assert_clean_exit` accepts both.
+        """
+        proc = self.proc
+        assert proc is not None, "broker never started"
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(
+                    f"mqd did not exit within {timeout}s of SIGTERM\n{self.describe()}"
+                ) from None
+        self.returncodes.append(proc.returncode)
+        return proc.returncode
+
+    def assert_clean_exit(self, code: int) -> None:
+        assert code in (0, -signal.SIGTERM), f"mqd exited with {code}\n{self.describe()}"
+        log = self.log()
+        assert "Server Shut Down." in log, f"no clean shutdown in the log\n{self.describe()}"
+        assert "Traceback" not in log and "Unhandled" not in log, self.describe()
+
+    def stop_cleanly(self) -> None:
+        self.assert_clean_exit(self.stop())
+
+    def restart(self) -> BrokerProcess:
+        self.stop_cleanly()
+        return self.start()
+
+    def kill(self) -> None:
+        """Make sure the process is gone (teardown); harmless if it already is."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - nothing more to do
+                pass
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- what it left behind ---------------------------------------------------
+
+    def log(self) -> str:
+        """The log of the current (or last) run only."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def full_log(self) -> str:
+        try:
+            return self.log_path.read_text("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def describe(self) -> str:
+        return f"--- log ---\n{self.log()[-4000:]}\n--- stderr ---\n{self.stderr()[-2000:]}"
+
+    @property
+    def metadata_path(self) -> Path:
+        return self.data_dir / "nsqd.dat"
+
+    def metadata(self) -> dict[str, Any]:
+        return json.loads(self.metadata_path.read_bytes())
+
+    def channels_in_metadata(self) -> dict[str, list[str]]:
+        """{topic: [channel, ...]} as nsqd.dat lists them."""
+        try:
+            meta = self.metadata()
+        except (FileNotFoundError, ValueError):
+            return {}
+        return {t["name"]: [c["name"] for c in t.get("channels") or []]
+                for t in meta.get("topics") or []}
+
+
+# -- the tornado side -------------------------------------------------------------
+
+
+class Loop:
+    """A fresh asyncio/tornado loop for one test; every wait has a deadline.
+
+    pynsq's clients take `IOLoop.current()` when they are built, so a test
+    builds them after this exists and they all run on it.
+    """
+
+    def __init__(self) -> None:
+        self.aio = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.aio)
+        self.io = IOLoop.current()
+        assert self.io.asyncio_loop is self.aio
+        self.clients: list[Any] = []
+
+    def run_until(self, condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT,
+                  what: str = "condition", poll: float = 0.005) -> Any:
+        """Run the loop until `condition()` is truthy; AssertionError after `timeout`."""
+
+        async def wait() -> Any:
+            deadline = time.monotonic() + timeout
+            while True:
+                value = condition()
+                if value:
+                    return value
+                if time.monotonic() >= deadline:
+                    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+                await asyncio.sleep(poll)
+
+        return self.aio.run_until_complete(wait())
+
+    def run_for(self, seconds: float) -> None:
+        """Let the loop run (deliveries, heartbeats) for a while."""
+        self.aio.run_until_complete(asyncio.sleep(seconds))
+
+    # -- pynsq clients, closed with the loop --------------------------------------
+
+    def writer(self, broker: BrokerProcess, **kwargs: Any) -> nsq.Writer:
+        """A connected Writer."""
+        kwargs.setdefault("reconnect_interval", 0.2)
+        w = nsq.Writer([broker.tcp_address], **kwargs)
+        self.clients.append(w)
+        self.run_until(lambda: any(c.connected() for c in w.conns.values()),
+                       what="the Writer to connect")
+        return w
+
+    def reader(self, broker: BrokerProcess, topic: str, channel: str,
+               handler: Callable[[nsq.Message], Any], *, wait: bool = True,
+               **kwargs: Any) -> nsq.Reader:
+        """A Reader; with `wait`, returned once the broker has answered its SUB."""
+        r = nsq.Reader(topic=topic, channel=channel, message_handler=handler,
+                       nsqd_tcp_addresses=[broker.tcp_address], **kwargs)
+        responses: list[bytes] = []
+        r.sub_responses = responses
+        original = r._on_connection_ready
+
+        # The Reader sends SUB when its connection is ready; the broker's OK
+        # to it arrives as the connection's first response after that. A
+        # wrapper (not a change to pynsq) lets a test wait for it, so nothing
+        # is published before the subscription exists.
+        def on_ready(conn: Any, **kw: Any) -> None:
+            conn.on("response", lambda conn, data, **_: responses.append(data))
+            original(conn, **kw)
+
+        r._on_connection_ready = on_ready
+        self.clients.append(r)
+        if wait:
+            self.run_until(lambda: b"OK" in responses, what=f"SUB {topic} {channel} to be answered")
+        return r
+
+    def publish(self, writer: nsq.Writer, method: str, *args: Any) -> Any:
+        """pub/mpub/dpub through the Writer; returns what its callback got."""
+        got: list[Any] = []
+        getattr(writer, method)(*args, callback=lambda conn, data: got.append(data))
+        self.run_until(lambda: got, what=f"the answer to {method}")
+        return got[0]
+
+    def close_clients(self, settle: float = 0.1) -> None:
+        """Close every Reader and Writer made so far, and let the closes go out."""
+        clients, self.clients = self.clients, []
+        for client in clients:
+            try:
+                if isinstance(client, nsq.Reader):
+                    client.close()
+                else:
+                    for conn in list(client.conns.values()):
+                        conn.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                pass
+        self.run_for(settle)
+
+    def close(self) -> None:
+        try:
+            self.close_clients(0.01)
+        finally:
+            self.io.close(all_fds=True)
+            asyncio.set_event_loop(None)
+
+
+class Collector:
+    """A message handler that records every delivery and finishes it."""
+
+    def __init__(self, respond: Callable[[nsq.Message], Any] | None = None) -> None:
+        self.deliveries: list[tuple[bytes, bytes, int, float]] = []  # (id, body, attempts, at)
+        self.respond = respond
+
+    def __call__(self, message: nsq.Message) -> Any:
+        self.deliveries.append((bytes(message.id), bytes(message.body), message.attempts,
+                                time.monotonic()))
+        if self.respond is not None:
+            return self.respond(message)
+        return True
+
+    @property
+    def bodies(self) -> list[bytes]:
+        return [d[1] for d in self.deliveries]
+
+    def __len__(self) -> int:
+        return len(self.deliveries)
+
+    def __bool__(self) -> bool:  # pynsq tests `if message_handler:`
+        return True
+
+
+# -- a raw V2 connection --------------------------------------------------------------
+
+FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
+MAGIC_V2 = b"  V2"
+
+
+def command(line: str | bytes, body: bytes | None = None) -> bytes:
+    if isinstance(line, str):
+        line = line.encode()
+    data = line + b"\n"
+    if body is not None:
+        data += struct.pack(">i", len(body)) + body
+    return data
+
+
+def mpub_body(bodies: Iterable[bytes]) -> bytes:
+    bodies = list(bodies)
+    return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
+
+
+class RawConn:
+    """A blocking socket speaking V2 by hand, for what pynsq cannot show."""
+
+    def __init__(self, broker: BrokerProcess, magic: bytes | None = MAGIC_V2,
+                 timeout: float = 5.0) -> None:
+        self.sock = socket.create_connection((broker.tcp_host, broker.tcp_port), timeout=timeout)
+        self.timeout = timeout
+        self._buf = b""
+        if magic is not None:
+            self.sock.sendall(magic)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _read_exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed with {len(self._buf)}/{n} bytes read")
+            self._buf += chunk
+        data, self._buf = self._buf[:n], self._buf[n:]
+        return data
+
+    def read_frame(self, skip_heartbeats: bool = True) -> tuple[int, bytes]:
+        while True:
+            size, frame_type = struct.unpack(">ii", self._read_exactly(8))
+            payload = self._read_exactly(size - 4)
+            if skip_heartbeats and frame_type == FRAME_RESPONSE and payload == b"_heartbeat_":
+                self.send(b"NOP\n")
+                continue
+            return frame_type, payload
+
+    def read_message(self) -> tuple[int, int, bytes, bytes]:
+        """(timestamp, attempts, id, body) of the next frame, which must be a message."""
+        frame_type, payload = self.read_frame()
+        assert frame_type == FRAME_MESSAGE, (frame_type, payload)
+        ts, attempts = struct.unpack(">qH", payload[:10])
+        return ts, attempts, payload[10:26], payload[26:]
+
+    def expect_closed(self) -> None:
+        """The broker closes the connection (EOF, or a reset) within the timeout."""
+        assert not self._buf, f"unread bytes before close: {self._buf!r}"
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                chunk = self.sock.recv(65536)
+            except ConnectionResetError:
+                return
+            except TimeoutError:
+                break
+            if not chunk:
+                return
+            raise AssertionError(f"expected the broker to close, got {chunk!r}")
+        raise AssertionError("the broker left the connection open")
+
+    def expect_silence(self, seconds: float) -> None:
+        """Nothing but heartbeats arrives for `seconds`, and the connection stays open."""
+        self.sock.settimeout(seconds)
+        try:
+            chunk = self.sock.recv(65536)
+        except TimeoutError:
+            return
+        finally:
+            self.sock.settimeout(self.timeout)
+        raise AssertionError(f"expected silence, got {chunk!r}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,249 @@
+"""Shared fixtures and helpers for mqd's unit tests.
+
+A broker runs on a `twisted.internet.task.Clock`, so heartbeats, read
+timeouts, in-flight expiry and deferred delivery are driven by
+`clock.advance()`; clients are V2 protocols on `StringTransport`s, and what
+the broker wrote is parsed back into frames.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+import pytest
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+
+from mqd.broker import Broker
+from mqd.options import MQD_OPTIONS, resolve
+from mqd.protocol.v2 import V2Factory
+from mqd.queuescan import QueueScanner
+
+MAGIC = b"  V2"
+RESPONSE, ERROR, MESSAGE = 0, 1, 2
+# A reactor time in the present, so message timestamps and ids look real.
+START_TIME = 1_700_000_000.0
+NODE_ID = 7
+
+_INT32 = struct.Struct(">i")
+
+
+# -- frames --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A response (type 0) or error (type 1) frame."""
+
+    type: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Msg:
+    """A message frame (type 2), decoded."""
+
+    timestamp: int
+    attempts: int
+    id: bytes
+    body: bytes
+
+
+def ok() -> Frame:
+    return Frame(RESPONSE, b"OK")
+
+
+def err(text: str | bytes) -> Frame:
+    return Frame(ERROR, text if isinstance(text, bytes) else text.encode())
+
+
+HEARTBEAT = Frame(RESPONSE, b"_heartbeat_")
+CLOSE_WAIT = Frame(RESPONSE, b"CLOSE_WAIT")
+
+
+def parse_frames(data: bytes) -> list[Frame | Msg]:
+    """Split what the broker wrote into frames; fails on a partial frame."""
+    frames: list[Frame | Msg] = []
+    pos = 0
+    while pos < len(data):
+        assert len(data) - pos >= 8, f"partial frame header at {pos}: {data[pos:]!r}"
+        size, ftype = struct.unpack_from(">ii", data, pos)
+        assert size >= 4, f"bad frame size {size} at {pos}"
+        end = pos + 4 + size
+        assert end <= len(data), f"partial frame at {pos}: needs {end}, have {len(data)}"
+        payload = data[pos + 8 : end]
+        if ftype == MESSAGE:
+            assert len(payload) >= 26, f"message frame too short: {payload!r}"
+            ts, attempts = struct.unpack_from(">qH", payload)
+            frames.append(Msg(ts, attempts, payload[10:26], payload[26:]))
+        else:
+            assert ftype in (RESPONSE, ERROR), f"unknown frame type {ftype}"
+            frames.append(Frame(ftype, payload))
+        pos = end
+    return frames
+
+
+# -- commands -------------------------------------------------------------------
+
+
+def _word(w) -> bytes:
+    return w if isinstance(w, bytes) else str(w).encode()
+
+
+def cmd(*words) -> bytes:
+    """One command line: words joined by single spaces, ending in '\\n'."""
+    return b" ".join(_word(w) for w in words) + b"\n"
+
+
+def sized(data: bytes) -> bytes:
+    """A body with its 4-byte big-endian size in front."""
+    return _INT32.pack(len(data)) + data
+
+
+def pub(topic, body: bytes) -> bytes:
+    return cmd("PUB", topic) + sized(body)
+
+
+def dpub(topic, ms, body: bytes) -> bytes:
+    return cmd("DPUB", topic, ms) + sized(body)
+
+
+def mpub_body(bodies: list[bytes]) -> bytes:
+    return _INT32.pack(len(bodies)) + b"".join(sized(b) for b in bodies)
+
+
+def mpub(topic, bodies: list[bytes]) -> bytes:
+    return cmd("MPUB", topic) + sized(mpub_body(bodies))
+
+
+def identify(**fields) -> bytes:
+    return cmd("IDENTIFY") + sized(json.dumps(fields).encode())
+
+
+# -- clients ----------------------------------------------------------------------
+
+
+class Client:
+    """A V2 connection to `broker` over a StringTransport."""
+
+    def __init__(self, broker: Broker, *, magic: bool = True, port: int = 12345) -> None:
+        self.broker = broker
+        addr = IPv4Address("TCP", "127.0.0.1", port)
+        self.proto = V2Factory(broker).buildProtocol(addr)
+        self.transport = StringTransport(peerAddress=addr)
+        self.proto.makeConnection(self.transport)
+        self.lost = False
+        if magic:
+            self.send(MAGIC)
+
+    def send(self, data: bytes) -> None:
+        self.proto.dataReceived(data)
+
+    def send_bytewise(self, data: bytes) -> None:
+        for i in range(len(data)):
+            self.proto.dataReceived(data[i : i + 1])
+
+    def raw(self) -> bytes:
+        """The bytes written since the last read, and forget them."""
+        data = self.transport.value()
+        self.transport.clear()
+        return data
+
+    def read(self) -> list[Frame | Msg]:
+        return parse_frames(self.raw())
+
+    def messages(self) -> list[Msg]:
+        """Read, expecting only message frames."""
+        frames = self.read()
+        assert all(isinstance(f, Msg) for f in frames), frames
+        return frames  # type: ignore[return-value]
+
+    def request(self, data: bytes) -> list[Frame | Msg]:
+        """Send and return what came back."""
+        self.send(data)
+        return self.read()
+
+    @property
+    def closed(self) -> bool:
+        return self.transport.disconnecting
+
+    def lose(self) -> None:
+        """What the reactor does once the socket is closed: connectionLost."""
+        if not self.lost:
+            self.lost = True
+            self.proto.connectionLost(Failure(ConnectionDone()))
+
+    def sub(self, topic="t", channel="c", rdy: int | None = None) -> None:
+        assert self.request(cmd("SUB", topic, channel)) == [ok()]
+        if rdy is not None:
+            self.send(cmd("RDY", rdy))
+
+    def fin(self, msg: Msg | bytes) -> None:
+        self.send(cmd("FIN", msg.id if isinstance(msg, Msg) else msg))
+
+    def req(self, msg: Msg | bytes, ms: int = 0) -> None:
+        self.send(cmd("REQ", msg.id if isinstance(msg, Msg) else msg, ms))
+
+    def touch(self, msg: Msg | bytes) -> None:
+        self.send(cmd("TOUCH", msg.id if isinstance(msg, Msg) else msg))
+
+
+def scan(broker: Broker) -> int:
+    """One queue-scan tick over every channel that exists now."""
+    scanner = QueueScanner(broker)
+    scanner.refresh()
+    return scanner.scan()
+
+
+def settings(tmp_path, **flags):
+    values = {"data-path": str(tmp_path), "node-id": NODE_ID, "broadcast-address": "test-host"}
+    values.update({k.replace("_", "-"): v for k, v in flags.items()})
+    return resolve(MQD_OPTIONS, values)
+
+
+def new_broker(path, clock: Clock, **flags) -> Broker:
+    broker = Broker(settings(path, **flags), clock=clock)
+    broker.open()
+    return broker
+
+
+# -- fixtures ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def clock() -> Clock:
+    c = Clock()
+    c.advance(START_TIME)
+    return c
+
+
+@pytest.fixture
+def make_broker(tmp_path, clock):
+    """make_broker(**flags): a broker on the test clock, data in tmp_path (or path=)."""
+
+    def make(path=None, **flags) -> Broker:
+        return new_broker(path or tmp_path, clock, **flags)
+
+    return make
+
+
+@pytest.fixture
+def broker(make_broker) -> Broker:
+    return make_broker()
+
+
+@pytest.fixture
+def connect(broker):
+    """connect(**kw): a new client of the default broker."""
+    ports = iter(range(20000, 30000))
+
+    def make(**kw) -> Client:
+        kw.setdefault("port", next(ports))
+        return Client(broker, **kw)
+
+    return make

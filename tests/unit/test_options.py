@@ -1,0 +1,270 @@
+"""Options: flag > YAML > default, durations, config errors, listen addresses, twistd flags."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet import endpoints
+from twisted.internet.testing import MemoryReactor
+from twisted.python import usage
+
+from mqd.options import MQD_OPTIONS, ConfigError, parse_duration, resolve, to_endpoint
+from mqd.tap import Options
+
+
+def write(tmp_path, text: str, name="mqd.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+# -- resolve ---------------------------------------------------------------------------------
+
+
+def test_defaults():
+    s = resolve(MQD_OPTIONS, {})
+    assert s.mem_queue_size == 10000
+    assert s.msg_timeout == 60.0
+    assert s.max_msg_timeout == 900.0
+    assert s.max_msg_size == 1048576
+    assert s.max_body_size == 5242880
+    assert s.max_rdy_count == 2500
+    assert s.max_req_timeout == 3600.0
+    assert s.max_heartbeat_interval == 60.0
+    assert s.output_buffer_timeout == 0.25
+    assert s.min_output_buffer_timeout == 0.025
+    assert s.tcp_address == "0.0.0.0:4150"
+    assert s.backend == "memory"
+    assert 0 <= s.node_id <= 1023
+    assert s.broadcast_address
+    assert s._explicit == frozenset()
+
+
+def test_precedence_flag_over_yaml_over_default(tmp_path):
+    path = write(tmp_path, "mem-queue-size: 5\nmsg_timeout: 250ms\nmax-rdy-count: 10\n")
+    s = resolve(MQD_OPTIONS, {"mem-queue-size": "7"}, path)
+    assert s.mem_queue_size == 7  # flag
+    assert s.msg_timeout == 0.25  # file, underscore spelling
+    assert s.max_rdy_count == 10  # file
+    assert s.max_msg_size == 1048576  # default
+    assert s._explicit == {"mem-queue-size", "msg-timeout", "max-rdy-count"}
+
+
+def test_none_flag_means_not_given(tmp_path):
+    path = write(tmp_path, "mem-queue-size: 5\n")
+    assert resolve(MQD_OPTIONS, {"mem-queue-size": None}, path).mem_queue_size == 5
+
+
+def test_empty_yaml_is_all_defaults(tmp_path):
+    path = write(tmp_path, "# nothing here\n")
+    assert resolve(MQD_OPTIONS, {}, path).mem_queue_size == 10000
+
+
+def test_yaml_alias(tmp_path):
+    path = write(tmp_path, "id: 42\n")
+    assert resolve(MQD_OPTIONS, {}, path).node_id == 42
+
+
+def test_settings_read_only_and_replace():
+    s = resolve(MQD_OPTIONS, {"mem-queue-size": 3})
+    with pytest.raises(AttributeError):
+        s.mem_queue_size = 4
+    t = s.replace(mem_queue_size=4)
+    assert (s.mem_queue_size, t.mem_queue_size) == (3, 4)
+    assert t.as_dict()["mem_queue_size"] == 4
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("250ms", 0.25),
+        ("1m30s", 90.0),
+        ("1h", 3600.0),
+        ("60s", 60.0),
+        ("1.5s", 1.5),
+        ("2h45m", 9900.0),
+        ("100us", 0.0001),
+        ("100µs", 0.0001),
+        ("500ns", 5e-7),
+        ("0", 0.0),
+        (0, 0.0),
+        ("-1s", -1.0),
+    ],
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["5", "", "abc", "1x", "1s2", True, 5, None, "s"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
+
+
+def test_durations_in_yaml_and_flags(tmp_path):
+    path = write(tmp_path, "msg-timeout: 1m30s\nqueue-scan-interval: 250ms\n")
+    s = resolve(MQD_OPTIONS, {"max-req-timeout": "2h"}, path)
+    assert (s.msg_timeout, s.queue_scan_interval, s.max_req_timeout) == (90.0, 0.25, 7200.0)
+
+
+def test_bad_yaml(tmp_path):
+    path = write(tmp_path, "mem-queue-size: [1, 2\nmsg-timeout: 5s\n")
+    with pytest.raises(ConfigError) as e:
+        resolve(MQD_OPTIONS, {}, path)
+    assert str(e.value).startswith(f"{path}: invalid YAML")
+    assert "line" in str(e.value)
+
+
+def test_yaml_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        resolve(MQD_OPTIONS, {}, path)
+
+
+def test_missing_config_file(tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError) as e:
+        resolve(MQD_OPTIONS, {}, path)
+    assert str(e.value).startswith(f"{path}: cannot read config file")
+
+
+def test_unknown_key(tmp_path):
+    path = write(tmp_path, "mem-queue-size: 5\nmem-queue-sise: 6\n")
+    with pytest.raises(ConfigError) as e:
+        resolve(MQD_OPTIONS, {}, path)
+    assert str(e.value) == f"{path}: unknown option 'mem-queue-sise'"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("mem-queue-size: lots\n", "mem-queue-size"),
+        ("mem_queue_size: -1\n", "mem_queue_size"),
+        ("msg-timeout: 5\n", "msg-timeout"),
+        ("snappy: maybe\n", "snappy"),
+        ("max-deflate-level: 10\n", "max-deflate-level"),
+        ("node-id: 1024\n", "node-id"),
+        ("backend: floppy\n", "backend"),
+        ("log-level: loud\n", "log-level"),
+        ("tcp-address: nonsense\n", "tcp-address"),
+        ("queue-scan-dirty-percent: 2\n", "queue-scan-dirty-percent"),
+    ],
+)
+def test_bad_value_names_file_and_key(tmp_path, text, key):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        resolve(MQD_OPTIONS, {}, path)
+    assert str(e.value).startswith(f"{path}: {key}: ")
+
+
+def test_bad_flag_value_names_flag():
+    with pytest.raises(ConfigError) as e:
+        resolve(MQD_OPTIONS, {"mem-queue-size": "x"})
+    assert str(e.value) == "--mem-queue-size: expected an integer, got 'x'"
+
+
+def test_flag_checked_even_when_yaml_is_fine(tmp_path):
+    path = write(tmp_path, "max-rdy-count: 10\n")
+    with pytest.raises(ConfigError, match="^--max-rdy-count: must be at least 1, got 0$"):
+        resolve(MQD_OPTIONS, {"max-rdy-count": "0"}, path)
+
+
+def test_bool_spellings(tmp_path):
+    for text, value in [("true", True), ("false", False), ("yes", True), ("off", False), ("'0'", False)]:
+        path = write(tmp_path, f"snappy: {text}\n")
+        assert resolve(MQD_OPTIONS, {}, path).snappy is value
+
+
+# -- to_endpoint ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "address, endpoint",
+    [
+        ("127.0.0.1:4150", "tcp:4150:interface=127.0.0.1"),
+        (":4150", "tcp:4150"),
+        ("0.0.0.0:4150", "tcp:4150"),
+        ("[::1]:4150", "tcp6:4150:interface=\\:\\:1"),
+        ("[::]:4150", "tcp6:4150:interface=\\:\\:"),
+        ("tcp:4150:interface=127.0.0.1", "tcp:4150:interface=127.0.0.1"),
+        ("unix:/tmp/x.sock", "unix:/tmp/x.sock"),
+        ("/tmp/x.sock", "unix:/tmp/x.sock"),
+        ("./x.sock", "unix:./x.sock"),
+        ("127.0.0.1:0", "tcp:0:interface=127.0.0.1"),
+    ],
+)
+def test_to_endpoint(address, endpoint):
+    assert to_endpoint(address) == endpoint
+
+
+@pytest.mark.parametrize("address", ["nonsense", "127.0.0.1", "host:port", "[::1]", ""])
+def test_to_endpoint_rejects(address):
+    with pytest.raises(ValueError):
+        to_endpoint(address)
+
+
+def test_endpoints_parse_in_twisted():
+    reactor = MemoryReactor()
+    ep = endpoints.serverFromString(reactor, to_endpoint("127.0.0.1:4150"))
+    assert (ep._port, ep._interface) == (4150, "127.0.0.1")
+    ep = endpoints.serverFromString(reactor, to_endpoint("[::1]:4150"))
+    assert (ep._port, ep._interface) == (4150, "::1")
+    ep = endpoints.serverFromString(reactor, to_endpoint(":4150"))
+    assert (ep._port, ep._interface) == (4150, "")
+    ep = endpoints.serverFromString(reactor, to_endpoint("/tmp/x.sock"))
+    assert ep._address == "/tmp/x.sock"
+
+
+# -- twistd options -------------------------------------------------------------------------------------
+
+
+def parse(*args: str) -> Options:
+    o = Options()
+    o.parseOptions(list(args))
+    return o
+
+
+def test_tap_double_dash_with_equals():
+    o = parse("--tcp-address=127.0.0.1:4150", "--http-address", "127.0.0.1:4151")
+    assert o.flag_values() == {"tcp-address": "127.0.0.1:4150", "http-address": "127.0.0.1:4151"}
+
+
+def test_tap_go_style_single_dash():
+    o = parse("-mem-queue-size=5", "-msg-timeout", "10s")
+    assert o.flag_values() == {"mem-queue-size": "5", "msg-timeout": "10s"}
+
+
+def test_tap_bare_bool_flag():
+    assert parse("--snappy").flag_values() == {"snappy": True}
+    assert parse("-deflate").flag_values() == {"deflate": True}
+
+
+@pytest.mark.parametrize("arg", ["--snappy=false", "-snappy=false", "--snappy=0", "--snappy=off"])
+def test_tap_bool_flag_false(arg):
+    assert parse(arg).flag_values() == {"snappy": False}
+
+
+def test_tap_bool_flag_true_with_value():
+    assert parse("--snappy=true").flag_values() == {"snappy": True}
+
+
+def test_tap_nothing_given():
+    assert parse().flag_values() == {}
+
+
+def test_tap_unknown_flag():
+    with pytest.raises(usage.UsageError):
+        parse("--no-such-flag=1")
+
+
+def test_tap_config_file_and_resolve(tmp_path):
+    path = write(tmp_path, "mem-queue-size: 5\nsnappy: true\nmax-rdy-count: 50\n")
+    o = parse("-c", path, "--mem-queue-size=9", "--snappy=false")
+    assert o["config"] == path
+    s = resolve(MQD_OPTIONS, o.flag_values(), o["config"])
+    assert (s.mem_queue_size, s.snappy, s.max_rdy_count) == (9, False, 50)
+
+
+def test_tap_long_config_go_style(tmp_path):
+    path = write(tmp_path, "mem-queue-size: 5\n")
+    o = parse(f"-config={path}")
+    assert o["config"] == path

@@ -1,0 +1,395 @@
+"""V2 connection basics: protocol magic, command framing, heartbeats and read timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqd.protocol.v2 import MAX_LINE, STATE_INIT, STATE_SUBSCRIBED
+
+from .conftest import (
+    CLOSE_WAIT,
+    HEARTBEAT,
+    MAGIC,
+    Client,
+    Msg,
+    cmd,
+    err,
+    identify,
+    mpub,
+    new_broker,
+    ok,
+    parse_frames,
+    pub,
+    scan,
+)
+
+# -- magic -------------------------------------------------------------------------
+
+
+def test_good_magic_is_silent(connect):
+    c = connect()
+    assert c.raw() == b""
+    assert not c.closed
+    assert c.request(cmd("NOP")) == []
+    assert not c.closed
+
+
+def test_nothing_is_sent_before_magic(connect):
+    c = connect(magic=False)
+    assert c.raw() == b""
+    assert not c.closed
+
+
+@pytest.mark.parametrize("magic", [b"  V1", b"V2  ", b"  v2", b"GET ", b"\x00\x00\x00\x00"])
+def test_bad_magic(connect, magic):
+    c = connect(magic=False)
+    c.send(magic + cmd("PUB", "t"))
+    assert c.raw() == b"\x00\x00\x00\x12\x00\x00\x00\x01E_BAD_PROTOCOL"
+    assert c.closed
+    assert "t" not in c.broker.topics
+
+
+def test_bad_magic_http_request(connect):
+    c = connect(magic=False)
+    assert c.request(b"GET /stats HTTP/1.1\r\nHost: x\r\n\r\n") == [err("E_BAD_PROTOCOL")]
+    assert c.closed
+
+
+def test_nothing_after_bad_magic_is_processed(connect):
+    c = connect(magic=False)
+    c.send(b"  V3")
+    assert c.read() == [err("E_BAD_PROTOCOL")]
+    c.send(MAGIC + pub("t", b"x"))
+    assert c.raw() == b""
+    assert "t" not in c.broker.topics
+
+
+def test_magic_split_across_two_reads(connect):
+    c = connect(magic=False)
+    c.send(b"  ")
+    assert c.raw() == b""
+    assert not c.closed
+    c.send(b"V2" + pub("t", b"hello"))
+    assert c.read() == [ok()]
+    assert c.broker.topics["t"].depth() == 1
+
+
+def test_magic_split_byte_by_byte(connect):
+    c = connect(magic=False)
+    for b in MAGIC:
+        c.send(bytes([b]))
+        assert c.raw() == b""
+    assert c.request(pub("t", b"x")) == [ok()]
+
+
+def test_bad_magic_split_across_reads(connect):
+    c = connect(magic=False)
+    c.send(b"  ")
+    c.send(b"V")
+    assert not c.closed
+    c.send(b"1")
+    assert c.read() == [err("E_BAD_PROTOCOL")]
+    assert c.closed
+
+
+def test_magic_and_command_in_one_read(connect):
+    c = connect(magic=False)
+    assert c.request(MAGIC + pub("t", b"a") + pub("t", b"b")) == [ok(), ok()]
+
+
+# -- framing --------------------------------------------------------------------------
+
+
+def _session() -> bytes:
+    """A consumer-and-producer conversation that exercises every body command."""
+    return (
+        MAGIC
+        + identify(feature_negotiation=True, client_id="me", heartbeat_interval=5000)
+        + cmd("SUB", "t", "c")
+        + cmd("RDY", 10)
+        + pub("t", b"one")
+        + mpub("t", [b"two", b"three", b"x" * 300])
+        + cmd("DPUB", "t", 0)
+        + b"\x00\x00\x00\x04four"
+        + cmd("NOP")
+        + cmd("FIN", "0000000000000000")
+        + cmd("TOUCH", "0000000000000000")
+        + cmd("REQ", "0000000000000000", 0)
+        + cmd("CLS")
+    )
+
+
+def _run(tmp_path, clock, chunks) -> bytes:
+    broker = new_broker(tmp_path, clock)
+    c = Client(broker, magic=False)
+    for chunk in chunks:
+        c.send(chunk)
+    return c.raw()
+
+
+def test_byte_by_byte_equals_one_chunk(tmp_path, clock):
+    stream = _session()
+    whole = _run(tmp_path / "a", clock, [stream])
+    bytewise = _run(tmp_path / "b", clock, [stream[i : i + 1] for i in range(len(stream))])
+    assert bytewise == whole
+    frames = parse_frames(whole)
+    msgs = [f for f in frames if isinstance(f, Msg)]
+    assert [m.body for m in msgs] == [b"one", b"two", b"three", b"x" * 300, b"four"]
+    non_msgs = [f for f in frames if not isinstance(f, Msg)]
+    assert non_msgs[0].payload.startswith(b"{")
+    assert non_msgs[1:] == [
+        ok(),  # SUB
+        ok(),  # PUB
+        ok(),  # MPUB
+        ok(),  # DPUB
+        err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight"),
+        err("E_TOUCH_FAILED TOUCH 0000000000000000 failed ID not in flight"),
+        err("E_REQ_FAILED REQ 0000000000000000 failed ID not in flight"),
+        CLOSE_WAIT,
+    ]
+
+
+def test_crlf_line_endings(connect, broker):
+    c = connect()
+    assert c.request(b"PUB t\r\n" + b"\x00\x00\x00\x01x") == [ok()]
+    assert c.request(b"NOP\r\n") == []
+    assert c.request(b"SUB t c\r\n") == [ok()]
+    assert list(broker.topics["t"].channels) == ["c"]
+    c.send(b"RDY 1\r\n")
+    [m] = c.messages()
+    assert m.body == b"x"
+    c.send(b"FIN " + m.id + b"\r\n")
+    assert c.raw() == b""
+    assert broker.topics["t"].channels["c"].in_flight_count() == 0
+
+
+def test_several_commands_in_one_chunk(connect, broker):
+    c = connect()
+    frames = c.request(pub("t", b"1") + cmd("NOP") + pub("t", b"2") + mpub("t", [b"3", b"4"]) + pub("u", b"5"))
+    assert frames == [ok(), ok(), ok(), ok()]
+    assert broker.topics["t"].depth() == 4
+    assert broker.topics["u"].depth() == 1
+
+
+def test_incomplete_command_waits_for_more(connect, broker):
+    c = connect()
+    c.send(b"PU")
+    c.send(b"B t")
+    assert c.raw() == b""
+    c.send(b"\n\x00\x00")
+    c.send(b"\x00\x03ab")
+    assert c.raw() == b""
+    assert "t" not in broker.topics or broker.topics["t"].depth() == 0
+    c.send(b"c" + cmd("NOP"))
+    assert c.read() == [ok()]
+    [msg] = list(broker.topics["t"]._queue.mem)
+    assert msg.body == b"abc"
+
+
+def test_empty_line_is_fatal(connect):
+    c = connect()
+    c.send(b"\n")
+    assert c.raw() == b"\x00\x00\x00\x1e\x00\x00\x00\x01E_INVALID invalid command "
+    assert c.closed
+
+
+def test_empty_crlf_line_is_fatal(connect):
+    c = connect()
+    assert c.request(b"\r\n") == [err("E_INVALID invalid command ")]
+    assert c.closed
+
+
+@pytest.mark.parametrize(
+    "line, word",
+    [(b"FOO", "FOO"), (b"pub t", "pub"), (b"FOO bar baz", "FOO"), (b" PUB t", ""), (b"IDENTIFY2", "IDENTIFY2")],
+)
+def test_unknown_command_is_fatal(connect, line, word):
+    c = connect()
+    assert c.request(line + b"\n") == [err(f"E_INVALID invalid command {word}")]
+    assert c.closed
+
+
+def test_nothing_after_a_fatal_error_is_processed(connect, broker):
+    c = connect()
+    assert c.request(pub("t", b"1") + cmd("FOO") + pub("t", b"2")) == [ok(), err("E_INVALID invalid command FOO")]
+    assert broker.topics["t"].depth() == 1
+    c.send(pub("t", b"3"))
+    assert c.raw() == b""
+    assert broker.topics["t"].depth() == 1
+
+
+def test_overlong_line_closes_without_a_frame(connect):
+    c = connect()
+    c.send(b"PUB " + b"t" * (MAX_LINE + 10))
+    assert c.raw() == b""
+    assert c.closed
+
+
+def test_consecutive_spaces_give_empty_params(connect):
+    c = connect()
+    assert c.request(b"SUB  t c\n") == [err('E_BAD_TOPIC SUB topic name "" is not valid')]
+
+
+# -- heartbeats and read timeout ----------------------------------------------------------
+
+
+def test_default_heartbeat_every_30s(connect, clock):
+    c = connect()
+    clock.advance(29.9)
+    assert c.raw() == b""
+    clock.advance(0.1)
+    assert c.read() == [HEARTBEAT]
+    assert c.request(cmd("NOP")) == []
+    clock.advance(30)
+    assert c.read() == [HEARTBEAT]
+    assert not c.closed
+
+
+def test_heartbeats_start_before_magic(connect, clock):
+    c = connect(magic=False)
+    clock.advance(30)
+    assert c.read() == [HEARTBEAT]
+
+
+def test_publishers_get_heartbeats_too(connect, clock):
+    c = connect()
+    assert c.request(pub("t", b"x")) == [ok()]
+    clock.advance(30)
+    assert c.read() == [HEARTBEAT]
+
+
+def test_silent_client_disconnected_after_two_intervals(connect, clock):
+    c = connect()
+    clock.advance(30)
+    assert c.read() == [HEARTBEAT]
+    clock.advance(29.9)
+    assert not c.closed
+    clock.advance(0.1)
+    assert c.closed
+
+
+def test_nop_resets_read_timeout(connect, clock):
+    c = connect()
+    clock.pump([10] * 5)
+    c.send(cmd("NOP"))
+    clock.pump([10] * 5 + [9.9])
+    assert not c.closed
+    c.send(cmd("NOP"))
+    clock.pump([10] * 5 + [9.9])
+    assert not c.closed
+    # t = 169.8: heartbeats went out at 30, 60, 90, 120 and 150
+    assert c.read() == [HEARTBEAT] * 5
+    clock.advance(0.1)
+    assert c.closed
+
+
+def test_partial_data_also_resets_read_timeout(connect, clock):
+    c = connect()
+    clock.advance(59)
+    c.send(b"NO")
+    clock.advance(59)
+    assert not c.closed
+    c.send(b"P\n")
+    clock.advance(59)
+    assert not c.closed
+    clock.advance(1)
+    assert c.closed
+
+
+def test_negotiated_heartbeat_interval(connect, clock):
+    c = connect()
+    assert c.request(identify(heartbeat_interval=1000)) == [ok()]
+    clock.advance(0.999)
+    assert c.raw() == b""
+    clock.advance(0.001)
+    assert c.read() == [HEARTBEAT]
+    c.send(cmd("NOP"))
+    clock.advance(1)
+    assert c.read() == [HEARTBEAT]
+    assert not c.closed
+    clock.advance(0.999)
+    assert not c.closed
+    clock.advance(0.001)
+    assert c.closed
+
+
+def test_heartbeat_interval_zero_keeps_default(connect, clock):
+    c = connect()
+    assert c.request(identify(heartbeat_interval=0)) == [ok()]
+    clock.advance(29.9)
+    assert c.raw() == b""
+    clock.advance(0.1)
+    assert c.read() == [HEARTBEAT]
+
+
+def test_heartbeats_disabled(connect, clock):
+    c = connect()
+    assert c.request(identify(heartbeat_interval=-1)) == [ok()]
+    clock.advance(3600)
+    assert c.raw() == b""
+    assert not c.closed
+    assert c.request(pub("t", b"x")) == [ok()]
+    assert c.request(cmd("SUB", "t", "c")) == [err("E_INVALID cannot SUB with heartbeats disabled")]
+    assert c.closed
+    assert c.proto.state == STATE_INIT
+
+
+def test_no_heartbeats_after_connection_lost(connect, clock):
+    c = connect()
+    c.lose()
+    clock.advance(300)
+    assert c.raw() == b""
+    assert c.proto not in c.broker.clients
+
+
+def test_timed_out_consumer_messages_go_to_another_subscriber(connect, broker, clock):
+    a = connect()
+    a.sub(rdy=1)
+    clock.advance(10)
+    b = connect()
+    b.sub(rdy=1)
+    producer = connect()
+    producer.send(identify(heartbeat_interval=-1))
+    assert producer.request(pub("t", b"m")) == [ok(), ok()]
+    [m] = a.messages()
+    assert m.attempts == 1
+    assert b.raw() == b""
+    b.send(cmd("NOP"))
+    clock.pump([10] * 5)  # a has been silent for 60 s
+    assert set(a.read()) <= {HEARTBEAT}
+    assert a.closed
+    assert a.transport.disconnected  # aborted, not a graceful close
+    assert not b.closed
+    a.lose()  # the reactor's connectionLost after the abort
+    got = [f for f in b.read() if f != HEARTBEAT]
+    assert got == [Msg(m.timestamp, 2, m.id, b"m")]
+    channel = broker.topics["t"].channels["c"]
+    assert channel.in_flight_count() == 1
+    assert a.proto not in channel.clients
+    b.fin(m)
+    assert b.raw() == b""
+    assert channel.in_flight_count() == 0
+    assert channel.depth() == 0
+
+
+def test_disconnected_consumer_messages_requeued_at_once(connect, broker):
+    a = connect()
+    a.sub(rdy=5)
+    assert connect().request(mpub("t", [b"1", b"2", b"3"])) == [ok()]
+    assert [f.body for f in a.messages()] == [b"1", b"2", b"3"]
+    a.lose()
+    channel = broker.topics["t"].channels["c"]
+    assert channel.in_flight_count() == 0
+    assert channel.depth() == 3
+    assert a.proto.in_flight_count == 0
+    b = connect()
+    b.sub(rdy=5)
+    assert [(m.body, m.attempts) for m in b.messages()] == [(b"1", 2), (b"2", 2), (b"3", 2)]
+    assert scan(broker) == 0
+
+
+def test_state_numbers(connect):
+    c = connect()
+    assert c.proto.state == STATE_INIT
+    c.sub()
+    assert c.proto.state == STATE_SUBSCRIBED

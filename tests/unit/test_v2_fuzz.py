@@ -1,0 +1,213 @@
+"""Property tests of the V2 parser: arbitrary input never escapes dataReceived, and
+how a valid stream is split into reads never changes what the broker answers."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet.task import Clock
+
+from mqd.message import IdFactory
+
+from .conftest import (
+    CLOSE_WAIT,
+    ERROR,
+    MAGIC,
+    NODE_ID,
+    START_TIME,
+    Client,
+    Frame,
+    Msg,
+    cmd,
+    dpub,
+    err,
+    identify,
+    mpub,
+    new_broker,
+    ok,
+    parse_frames,
+    pub,
+    sized,
+)
+
+NON_FATAL = (b"E_FIN_FAILED ", b"E_REQ_FAILED ", b"E_TOUCH_FAILED ")
+
+COMMAND_LINES = [
+    cmd("NOP"),
+    cmd("SUB", "t", "c"),
+    cmd("SUB", "t#ephemeral", "c#ephemeral"),
+    cmd("SUB", "t"),
+    cmd("RDY", 5),
+    cmd("RDY", 0),
+    cmd("RDY", "x"),
+    cmd("RDY"),
+    cmd("FIN", "0123456789abcdef"),
+    cmd("FIN", "short"),
+    cmd("REQ", "0123456789abcdef", 10),
+    cmd("REQ", "0123456789abcdef", "x"),
+    cmd("TOUCH", "0123456789abcdef"),
+    cmd("CLS"),
+    cmd("PUB", "t"),
+    cmd("MPUB", "t"),
+    cmd("DPUB", "t", 100),
+    cmd("IDENTIFY"),
+    cmd("AUTH"),
+    b"\n",
+    b"\r\n",
+    b" ",
+    pub("t", b"hello"),
+    mpub("t", [b"a", b"b"]),
+    dpub("t", 5, b"later"),
+    identify(feature_negotiation=True),
+    identify(heartbeat_interval=-1),
+]
+
+token = st.one_of(
+    st.sampled_from(COMMAND_LINES),
+    st.binary(max_size=40),
+    st.binary(max_size=12).map(sized),
+    st.integers(-(2**31), 2**31 - 1).map(lambda n: n.to_bytes(4, "big", signed=True)),
+)
+streams = st.lists(token, max_size=16).map(b"".join)
+
+
+def fresh_broker(path: str):
+    clock = Clock()
+    clock.advance(START_TIME)
+    return new_broker(path, clock), clock
+
+
+def check_answer_or_close(client: Client) -> list:
+    frames = parse_frames(client.raw())  # whole frames only
+    fatal_at = [
+        i for i, f in enumerate(frames)
+        if isinstance(f, Frame) and f.type == ERROR and not f.payload.startswith(NON_FATAL)
+    ]
+    if client.closed:
+        # Closed only after saying why, and nothing after that.
+        assert fatal_at == [len(frames) - 1], frames
+    else:
+        assert fatal_at == [], frames
+    return frames
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=streams, chunk=st.integers(1, 64))
+def test_random_input_is_answered_or_closed(data, chunk):
+    with tempfile.TemporaryDirectory() as path:
+        broker, clock = fresh_broker(path)
+        c = Client(broker)
+        for i in range(0, len(data), chunk):
+            c.send(data[i : i + chunk])
+        check_answer_or_close(c)
+        # Whatever state it was left in, time passing and the socket closing
+        # must not raise either.
+        clock.advance(61)
+        c.lose()
+        clock.advance(61)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=300))
+def test_random_bytes_after_magic(data):
+    with tempfile.TemporaryDirectory() as path:
+        broker, _ = fresh_broker(path)
+        c = Client(broker)
+        c.send(data)
+        check_answer_or_close(c)
+        c.lose()
+
+
+def _valid_stream() -> bytes:
+    return (
+        MAGIC
+        + identify(feature_negotiation=True, client_id="fuzz", msg_timeout=5000)
+        + pub("t", b"before-sub")
+        + cmd("SUB", "t", "c")
+        + cmd("RDY", 3)
+        + mpub("t", [b"m1", b"m2", b"m3", b"m4", b"m5", b"m6"])
+        + dpub("t", 10, b"deferred")
+        + cmd("NOP")
+        + cmd("FIN", "0000000000000000")
+        + cmd("TOUCH", "0000000000000000")
+        + cmd("REQ", "0000000000000000", 100)
+        + cmd("RDY", 4)
+        + pub("other", b"x" * 200)
+        + cmd("RDY", 5)
+        + cmd("RDY", 4)
+        + cmd("RDY", 10)
+        + cmd("CLS")
+        + cmd("RDY", 5)
+        + cmd("FIN", "0000000000000000")
+        + cmd("PUB", "bad!")
+        + sized(b"never read")
+    )
+
+
+def _replay(chunks: list[bytes]) -> tuple[bytes, bool]:
+    with tempfile.TemporaryDirectory() as path:
+        broker, _ = fresh_broker(path)
+        c = Client(broker, magic=False)
+        for chunk in chunks:
+            c.send(chunk)
+        return c.raw(), c.closed
+
+
+STREAM = _valid_stream()
+
+
+_IDS = IdFactory(NODE_ID).new_ids(10, int(START_TIME * 1e9))
+
+
+def _msg(n: int, body: bytes) -> Msg:
+    return Msg(int(START_TIME * 1e9), 1, _IDS[n], body)
+
+
+def test_valid_stream_reference_output():
+    out, closed = _replay([STREAM])
+    frames = parse_frames(out)
+    assert json.loads(frames[0].payload)["msg_timeout"] == 5000
+    assert frames[1:] == [
+        ok(),  # PUB before-sub
+        ok(),  # SUB
+        _msg(0, b"before-sub"),  # RDY 3 + MPUB: the window fills during the publish
+        _msg(1, b"m1"),
+        _msg(2, b"m2"),
+        ok(),  # MPUB
+        ok(),  # DPUB
+        err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight"),
+        err("E_TOUCH_FAILED TOUCH 0000000000000000 failed ID not in flight"),
+        err("E_REQ_FAILED REQ 0000000000000000 failed ID not in flight"),
+        _msg(3, b"m3"),  # RDY 4
+        ok(),  # PUB other
+        _msg(4, b"m4"),  # RDY 5; RDY 4 takes nothing back
+        _msg(5, b"m5"),  # RDY 10
+        _msg(6, b"m6"),
+        CLOSE_WAIT,  # then RDY is ignored
+        err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight"),
+        err('E_BAD_TOPIC PUB topic name "bad!" is not valid'),
+    ]
+    assert closed
+
+
+def test_every_single_cut_gives_identical_output():
+    expected = _replay([STREAM])
+    for i in range(1, len(STREAM)):
+        assert _replay([STREAM[:i], STREAM[i:]]) == expected, f"cut at {i}: {STREAM[i - 10:i + 10]!r}"
+
+
+def test_byte_by_byte_gives_identical_output():
+    expected = _replay([STREAM])
+    assert _replay([STREAM[i : i + 1] for i in range(len(STREAM))]) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(STREAM)), max_size=40))
+def test_any_split_gives_identical_output(cuts):
+    expected = _replay([STREAM])
+    points = sorted(set(cuts) | {0, len(STREAM)})
+    chunks = [STREAM[a:b] for a, b in zip(points, points[1:], strict=False)]
+    assert _replay(chunks) == expected
