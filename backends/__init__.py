@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from .dummy import DummyStore
 from .interface import BackendError, IBackendQueue, IBackendStore
+from .lmdb import LmdbStore, StoreOpenError
 from .memory import MemoryStore
 
 __all__ = [
@@ -19,9 +20,11 @@ __all__ = [
     "available",
     "open_store",
     "register",
+    "StoreOpenError",
 ]
 
 _FACTORIES: dict[str, Callable[..., IBackendStore]] = {
+    "lmdb": LmdbStore,
     "memory": MemoryStore,
     "dummy": DummyStore,
 }
@@ -35,12 +38,16 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def open_store(name: str, options=None) -> IBackendStore:
-    """Open the store called `name` for a broker configured by `options`."""
+def open_store(name: str, options=None, clock=None) -> IBackendStore:
+    """Open the store called `name` for a broker configured by `options`.
+
+    `clock` is the broker's reactor: a store that commits in groups
+    schedules its commits on it.
+    """
     try:
         factory = _FACTORIES[name]
     except KeyError:
         raise ValueError(
             f"unknown backend {name!r} (choose from {', '.join(available())})"
         ) from None
-    return factory(options)
+    return factory(options, clock)

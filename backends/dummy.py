@@ -25,6 +25,15 @@ class DummyQueue:
     def read(self, count: int) -> list:
         return []
 
+    def finish(self, messages) -> None:
+        """Nothing kept once read."""
+
+    def update(self, messages) -> None:
+        """Nothing kept once read."""
+
+    def hold(self, messages) -> None:
+        """Not durable: held messages live in the channel only."""
+
     def depth(self) -> int:
         return 0
 
@@ -43,11 +52,16 @@ class DummyQueue:
 
 @implementer(IBackendStore)
 class DummyStore:
-    def __init__(self, options=None) -> None:
+    durable = False
+
+    def __init__(self, options=None, clock=None) -> None:
         pass
 
     def open_queue(self, name: str) -> DummyQueue:
         return DummyQueue(name)
+
+    def when_durable(self, callback) -> None:
+        callback(None)
 
     def close(self) -> None:
         pass

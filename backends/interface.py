@@ -28,7 +28,24 @@ class IBackendQueue(Interface):
         """Append a batch of `mqd.message.Message` in order; raise BackendError on failure."""
 
     def read(count):
-        """Remove and return up to `count` messages from the head, oldest first."""
+        """Remove and return up to `count` messages from the head, oldest first.
+
+        A durable store keeps what it hands out (the messages carry their
+        `key`) until `finish`, so a crash redelivers anything not FINished.
+        """
+
+    def finish(messages):
+        """These messages (from `read`) are done for good; a durable store drops them."""
+
+    def update(messages):
+        """These messages (from `read`) changed attempts or deferral; a durable store rewrites them."""
+
+    def hold(messages):
+        """Keep messages the channel holds outside the queue (deferred), if the store is durable.
+
+        They are not returned by `read` while this process runs; after a
+        crash they come back with their deferral.
+        """
 
     def depth():
         """How many messages the queue holds."""
@@ -48,6 +65,14 @@ class IBackendQueue(Interface):
 
 class IBackendStore(Interface):
     """One kind of storage for a whole broker."""
+
+    durable = Attribute("True when a publish is acknowledged only once it is on disk.")
+
+    def when_durable(callback):
+        """Call `callback(error)` once everything stored so far is durable (error None) or failed.
+
+        Only a durable store defers; others call back at once.
+        """
 
     def open_queue(name):
         """The IBackendQueue called `name`, created if new, with what it held before."""

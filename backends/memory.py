@@ -29,6 +29,15 @@ class MemoryQueue:
         pop = items.popleft
         return [pop() for _ in range(count)]
 
+    def finish(self, messages) -> None:
+        """Nothing kept once read."""
+
+    def update(self, messages) -> None:
+        """Nothing kept once read."""
+
+    def hold(self, messages) -> None:
+        """Not durable: held messages live in the channel only."""
+
     def depth(self) -> int:
         return len(self._items)
 
@@ -47,7 +56,9 @@ class MemoryQueue:
 
 @implementer(IBackendStore)
 class MemoryStore:
-    def __init__(self, options=None) -> None:
+    durable = False
+
+    def __init__(self, options=None, clock=None) -> None:
         self._queues: dict[str, MemoryQueue] = {}
 
     def open_queue(self, name: str) -> MemoryQueue:
@@ -55,6 +66,9 @@ class MemoryStore:
         if queue is None:
             queue = self._queues[name] = MemoryQueue(name)
         return queue
+
+    def when_durable(self, callback) -> None:
+        callback(None)
 
     def close(self) -> None:
         self._queues.clear()

@@ -7,6 +7,7 @@ paused, so a restart comes back with the same topics and channels.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ from .channel import Channel
 from .logs import get_logger
 from .names import is_valid_name
 from .options import ConfigError, Settings
+from .overflow import OverflowQueue
 from .topic import Topic
 
 __all__ = ["Broker", "METADATA_FILE"]
@@ -48,6 +50,7 @@ class Broker:
         self._client_ids = itertools.count(1)
         self._loading = False
         self._persist_call = None
+        self._lock_fd: int | None = None
         self.store = None
         self._ephemeral_store = backends.open_store("dummy", options)
 
@@ -62,14 +65,68 @@ class Broker:
             os.makedirs(self.data_path, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"data-path {self.data_path}: {e.strerror}") from None
-        self.store = backends.open_store(self.options.backend, self.options)
+        self._lock_data_path()
+        try:
+            self.store = backends.open_store(self.options.backend, self.options, self.clock)
+        except backends.StoreOpenError as e:
+            self._unlock_data_path()
+            raise ConfigError(str(e)) from None
+        self.store.health_listener = self.set_health
         self.load_metadata()
+        self._adopt_stored_queues()
         self.persist_metadata()
+
+    def _lock_data_path(self) -> None:
+        """One broker per data-path, as nsqd's directory lock."""
+        fd = os.open(self.data_path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise ConfigError(
+                f"--data-path={self.data_path} in use (possibly by another instance of nsqd)"
+            ) from None
+        self._lock_fd = fd
+
+    def _unlock_data_path(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _adopt_stored_queues(self) -> None:
+        """Bring back topics and channels the store has queues for.
+
+        The metadata file and the store are written separately, so a crash
+        between the two can leave a queue whose channel the file does not
+        list yet; its messages win and the channel is recreated.
+        """
+        names = getattr(self.store, "queue_names", lambda: [])()
+        self._loading = True
+        try:
+            for name in names:
+                topic_name, _, channel_name = name.partition(":")
+                if not is_valid_name(topic_name) or (channel_name and not is_valid_name(channel_name)):
+                    log.warn("ignoring stored queue {name!r}: invalid name", name=name)
+                    continue
+                topic = self.topic(topic_name)
+                if channel_name:
+                    topic.channel(channel_name)
+        finally:
+            self._loading = False
 
     # -- queues --------------------------------------------------------------
 
-    def open_queue(self, name: str, ephemeral: bool):
-        return (self._ephemeral_store if ephemeral else self.store).open_queue(name)
+    def open_queue(self, name: str, ephemeral: bool) -> OverflowQueue:
+        """The memory queue and backend queue for a topic ('t') or channel ('t:c').
+
+        With a durable store the memory queue is bypassed (size 0): every
+        message is stored before it is acknowledged. Ephemeral queues keep
+        theirs, their backend being the dropping one.
+        """
+        if ephemeral:
+            return OverflowQueue(self.options.mem_queue_size, self._ephemeral_store.open_queue(name))
+        size = 0 if self.store.durable else self.options.mem_queue_size
+        return OverflowQueue(size, self.store.open_queue(name))
 
     # -- topics ----------------------------------------------------------------
 
@@ -232,3 +289,4 @@ class Broker:
             topic.close()
         if self.store is not None:
             self.store.close()
+        self._unlock_data_path()

@@ -52,7 +52,7 @@ class Channel:
         "__weakref__",
     )
 
-    def __init__(self, topic: Topic, name: str, backend, options, clock) -> None:
+    def __init__(self, topic: Topic, name: str, queue: OverflowQueue, options, clock) -> None:
         self.topic = topic
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
@@ -62,7 +62,7 @@ class Channel:
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
-        self._queue = OverflowQueue(options.mem_queue_size, backend)
+        self._queue = queue
         self._in_flight: dict[bytes, Message] = {}
         self._in_flight_pq = PriorityQueue()
         self._deferred = PriorityQueue()
@@ -99,6 +99,10 @@ class Channel:
     def put_deferred(self, msgs: list[Message]) -> None:
         """Messages from the topic that are due only at their `deferred_until`."""
         self.message_count += len(msgs)
+        self._queue.hold(msgs)
+        self._defer(msgs)
+
+    def _defer(self, msgs: list[Message]) -> None:
         push = self._deferred.push
         for msg in msgs:
             push(msg, msg.deferred_until)
@@ -127,8 +131,13 @@ class Channel:
                 # now, so the memory queue stays within mem-queue-size.
                 if not any(c.ready() > 0 for c in clients):
                     return
-                pending = queue.refill(BACKEND_READ_BATCH)
+                later = queue.refill(BACKEND_READ_BATCH, self._clock.seconds())
+                if later:
+                    self._defer(later)
+                pending = len(mem)
                 if not pending:
+                    if queue:
+                        continue
                     return
             if len(clients) == 1:
                 client = clients[0]
@@ -193,8 +202,10 @@ class Channel:
 
     def finish(self, client, msg_id: bytes) -> None:
         """FIN: the message is done for good. The caller runs `deliver()` once per batch."""
-        self._pop_in_flight(client, msg_id)
+        msg = self._pop_in_flight(client, msg_id)
         client.finish_count += 1
+        if msg.key is not None:
+            self._queue.backend.finish((msg,))
 
     def requeue(self, client, msg_id: bytes, delay: float) -> None:
         """REQ: back to the tail now, or into the deferred queue for `delay` seconds."""
@@ -206,6 +217,8 @@ class Channel:
         if delay > 0:
             msg.deferred_until = due = self._clock.seconds() + delay
             self._deferred.push(msg, due)
+            if msg.key is not None:
+                self._queue.backend.update((msg,))
         else:
             self._queue.put_accepted([msg])
 

@@ -38,6 +38,7 @@ class Message:
         "client",
         "delivered_at",
         "pq_seq",
+        "key",
     )
 
     def __init__(
@@ -59,6 +60,9 @@ class Message:
         self.client = None
         self.delivered_at = 0.0
         self.pq_seq = -1
+        # Where a durable store keeps this message until it is FINished;
+        # None for messages only held in memory.
+        self.key = None
 
     def copy(self) -> Message:
         """A fresh copy for another channel: same id/body/timestamp, own attempts."""

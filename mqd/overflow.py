@@ -59,26 +59,60 @@ class OverflowQueue:
         backend.put(msgs)
 
     def put_accepted(self, msgs: list[Message]) -> None:
-        """Put messages that were acknowledged long ago (requeues, timeouts).
+        """Put back messages that were acknowledged long ago (requeues, timeouts).
 
-        A failing backend must not lose them: they stay in memory beyond
-        the bound instead.
+        Messages a durable store still keeps (they have a key) go straight
+        back to memory and have their record rewritten (attempts, deferral);
+        the others are put again. A failing backend must not lose them: they
+        stay in memory beyond the bound instead.
         """
+        kept = [m for m in msgs if m.key is not None]
+        if kept:
+            self.backend.update(kept)
+            self.mem.extend(kept)
+            if len(kept) == len(msgs):
+                return
+            msgs = [m for m in msgs if m.key is None]
         try:
             self.put(msgs)
         except BackendError:
             self.mem.extend(msgs)
 
-    def refill(self, n: int) -> int:
-        """Move up to `n` messages from the backend into memory; how many moved."""
+    def finish(self, msgs: list[Message]) -> None:
+        """Messages done for good: a durable store forgets the ones it keeps."""
+        kept = [m for m in msgs if m.key is not None]
+        if kept:
+            self.backend.finish(kept)
+
+    def hold(self, msgs: list[Message]) -> None:
+        """Messages kept outside the queue (deferred): stored where the store is durable."""
+        self.backend.hold(msgs)
+
+    def refill(self, n: int, now: float) -> list[Message]:
+        """Move up to `n` due messages from the backend into memory.
+
+        Returns the ones still deferred (a store gives back deferred
+        messages after a restart): the caller holds them until they are due.
+        """
         if not self.backend.depth():
-            return 0
+            return []
         batch = self.backend.read(n)
+        if any([m.deferred_until for m in batch]):
+            later = [m for m in batch if m.deferred_until > now]
+            for m in batch:
+                if m.deferred_until <= now:
+                    m.deferred_until = 0.0
+            batch = [m for m in batch if not m.deferred_until]
+            self.mem.extend(batch)
+            return later
         self.mem.extend(batch)
-        return len(batch)
+        return []
 
     def take(self, n: int) -> list[Message]:
-        """Remove up to `n` messages from the head, memory first, then the backend."""
+        """Remove up to `n` messages from the head, memory first, then the backend.
+
+        From a durable store they stay stored until `finish`.
+        """
         if self.mem:
             return take(self.mem, n)
         return self.backend.read(n) if self.backend.depth() else []
@@ -92,11 +126,19 @@ class OverflowQueue:
         self.backend.delete()
 
     def close(self, also: list[Message] | None = None) -> None:
-        """Hand what memory holds (then `also`) to the backend and close it."""
+        """Hand what memory holds (then `also`) to the backend and close it.
+
+        Messages a durable store still keeps only have their record
+        rewritten, so they come back in their place with their attempts.
+        """
         held = list(self.mem)
         self.mem.clear()
         if also:
             held.extend(also)
+        kept = [m for m in held if m.key is not None]
+        if kept:
+            self.backend.update(kept)
+            held = [m for m in held if m.key is None]
         if held:
             self.backend.put(held)
         self.backend.close()

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from .channel import Channel
 from .message import IdFactory, Message
-from .overflow import OverflowQueue
 
 if TYPE_CHECKING:
     from .broker import Broker
@@ -50,7 +49,7 @@ class Topic:
         self.message_count = 0
         self.message_bytes = 0
         self.ids = IdFactory(broker.options.node_id)
-        self._queue = OverflowQueue(broker.options.mem_queue_size, broker.open_queue(name, self.ephemeral))
+        self._queue = broker.open_queue(name, self.ephemeral)
         self._drain_call = None
 
     def __repr__(self) -> str:
@@ -125,6 +124,9 @@ class Topic:
             return
         batch = self._queue.take(DRAIN_BATCH)
         if batch:
+            # Forget them at the topic first: the channels' stores give the
+            # messages their own keys. Both land in the same commit.
+            self._queue.finish(batch)
             self._fan_out(batch)
         if self._queue:
             self._drain_call = self.broker.clock.callLater(0, self._drain)

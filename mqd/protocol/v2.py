@@ -102,6 +102,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._pending_len = 0
         self._need = 0
         self._deliver_needed = False
+        # Frames waiting behind a durable publish's OK; None when nothing waits.
+        self._held: list | None = None
+        self._close_after_release = False
 
     # -- connection lifecycle -------------------------------------------------
 
@@ -142,7 +145,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.setTimeout(None)
 
     def _send_heartbeat(self) -> None:
-        self.transport.write(HEARTBEAT)
+        self._write_frame(HEARTBEAT)
 
     def timeoutConnection(self) -> None:
         log.info("client {remote} missed two heartbeats; closing", remote=self.remote_address)
@@ -203,7 +206,7 @@ class V2Protocol(Protocol, TimeoutMixin):
                         raise
                     if self._deliver_needed:
                         self._flush_delivery()
-                    self.transport.write(frame(FRAME_TYPE_ERROR, err.payload))
+                    self._write_frame(frame(FRAME_TYPE_ERROR, err.payload))
                     nxt = eol + 1
                 if nxt == _NEED_MORE:
                     self._keep(data[pos:], self._need - pos)
@@ -233,10 +236,50 @@ class V2Protocol(Protocol, TimeoutMixin):
 
     def _fail(self, err: ProtocolError) -> None:
         log.info("client {remote}: {error}", remote=self.remote_address, error=str(err))
-        self.transport.write(frame(FRAME_TYPE_ERROR, err.payload))
         self._closed = True
         self._pending = []
-        self.transport.loseConnection()
+        self._write_frame(frame(FRAME_TYPE_ERROR, err.payload))
+        if self._held is None:
+            self.transport.loseConnection()
+        else:
+            self._close_after_release = True
+
+    def _write_frame(self, data: bytes) -> None:
+        """Write a response or error frame, behind any publish still waiting for its commit.
+
+        Responses must come back in command order (go-nsq pairs them with
+        its publishes), so while a durable publish waits for its OK every
+        later frame of the connection waits behind it.
+        """
+        if self._held is None:
+            self.transport.write(data)
+        else:
+            self._held.append(data)
+
+    def _ok_when_durable(self, verb: str) -> None:
+        if self._held is None:
+            self._held = []
+            self.broker.store.when_durable(self._release)
+        self._held.append(verb)
+
+    def _release(self, error: str | None) -> None:
+        """The commit holding this connection's publishes is synced (or failed)."""
+        held, self._held = self._held or [], None
+        out: list[bytes] = []
+        failed = False
+        for item in held:
+            if isinstance(item, str):
+                if error is None:
+                    out.append(OK)
+                    continue
+                out.append(frame(FRAME_TYPE_ERROR, fatal(f"E_{item}_FAILED", f"{item} failed {error}").payload))
+                failed = True
+                break
+            out.append(item)
+        self.transport.writeSequence(out)
+        if failed or self._close_after_release:
+            self._closed = True
+            self.transport.loseConnection()
 
     def _read_body_size(self, data: bytes, start: int) -> int | None:
         """The 4-byte size at `start`, or None (with `_need` set) if not here yet."""
@@ -305,7 +348,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         if not isinstance(body, dict):
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
         response = self._identify(body)
-        self.transport.write(frame(FRAME_TYPE_RESPONSE, response))
+        self._write_frame(frame(FRAME_TYPE_RESPONSE, response))
         return end
 
     def _identify(self, body: dict[str, Any]) -> bytes:
@@ -446,7 +489,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_SUB_FAILED", f"SUB failed {e}") from None
         self.state = STATE_SUBSCRIBED
         self.channel = channel
-        self.transport.write(OK)
+        self._write_frame(OK)
         return start
 
     def _cmd_rdy(self, params, data, start):
@@ -520,7 +563,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_INVALID", "cannot CLS in current state")
         self.ready_count = 0
         self.state = STATE_CLOSING
-        self.transport.write(CLOSE_WAIT)
+        self._write_frame(CLOSE_WAIT)
         return start
 
     def _publish_topic(self, verb: str, params, min_params: int, code_prefix: str = "") -> str:
@@ -555,7 +598,10 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal(f"E_{verb}_FAILED", f"{verb} failed {e}") from None
         counts = self.pub_counts
         counts[topic_name] = counts.get(topic_name, 0) + len(bodies)
-        self.transport.write(OK)
+        if self.broker.store.durable:
+            self._ok_when_durable(verb)
+        else:
+            self._write_frame(OK)
 
     def _cmd_pub(self, params, data, start):
         topic_name = self._publish_topic("PUB", params, 2)

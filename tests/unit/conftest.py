@@ -201,7 +201,14 @@ def scan(broker: Broker) -> int:
 
 
 def settings(tmp_path, **flags):
-    values = {"data-path": str(tmp_path), "node-id": NODE_ID, "broadcast-address": "test-host"}
+    # The in-memory store unless a test asks for another: most unit tests
+    # look at what the queues hold; tests/unit/test_lmdb*.py use the real LMDB.
+    values = {
+        "data-path": str(tmp_path),
+        "node-id": NODE_ID,
+        "broadcast-address": "test-host",
+        "backend": "memory",
+    }
     values.update({k.replace("_", "-"): v for k, v in flags.items()})
     return resolve(MQD_OPTIONS, values)
 

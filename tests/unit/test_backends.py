@@ -50,7 +50,7 @@ def test_open_store_by_name(tmp_path):
 def test_register_backend():
     calls = []
 
-    def factory(options):
+    def factory(options, clock=None):
         calls.append(options)
         return MemoryStore(options)
 

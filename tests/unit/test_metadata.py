@@ -120,7 +120,7 @@ def test_load_restores_topics_channels_and_paused(tmp_path, clock):
     first.topic("lonely")
     first.topic("t").channel("gone#ephemeral")
     first.topic("e#ephemeral").channel("c")
-    first.persist_metadata()
+    first.close()  # saves metadata and releases the data-path lock
 
     second = new_broker(tmp_path, clock)
     assert set(second.topics) == {"t", "p", "lonely"}
@@ -139,7 +139,7 @@ def test_load_restores_topics_channels_and_paused(tmp_path, clock):
 def test_restored_topic_delivers_to_restored_channel(tmp_path, clock):
     first = new_broker(tmp_path, clock)
     first.topic("t").channel("c")
-    first.persist_metadata()
+    first.close()
     second = new_broker(tmp_path, clock)
     # The channel exists before any consumer, so published messages wait in it.
     assert Client(second).request(pub("t", b"x")) == [ok()]

@@ -33,7 +33,10 @@ def test_defaults():
     assert s.output_buffer_timeout == 0.25
     assert s.min_output_buffer_timeout == 0.025
     assert s.tcp_address == "0.0.0.0:4150"
-    assert s.backend == "memory"
+    assert s.backend == "lmdb"
+    assert s.durable is False
+    assert s.sync_every == 2500
+    assert s.sync_timeout == 2.0
     assert 0 <= s.node_id <= 1023
     assert s.broadcast_address
     assert s._explicit == frozenset()
