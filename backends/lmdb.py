@@ -301,15 +301,17 @@ class LmdbStore:
                 raise StoreOpenError(
                     f"{self.path}: an LMDB environment that is not mqd's (databases {sorted(foreign)!r})"
                 )
-            self.meta_db = env.open_db(b"meta")
-            self.registry_db = env.open_db(b"queues")
-            self.data_db = env.open_db(b"messages")
-            with env.begin(write=True, db=self.meta_db) as txn:
-                mark = txn.get(b"format")
+            # The databases and the format mark are created in one
+            # transaction, so a crash cannot leave a half-made environment.
+            with env.begin(write=True) as txn:
+                self.meta_db = env.open_db(b"meta", txn=txn)
+                self.registry_db = env.open_db(b"queues", txn=txn)
+                self.data_db = env.open_db(b"messages", txn=txn)
+                mark = txn.get(b"format", db=self.meta_db)
                 if mark is None:
                     if names & {b"queues", b"messages"}:
                         raise StoreOpenError(f"{self.path}: mqd data without a format mark; refusing it")
-                    txn.put(b"format", FORMAT)
+                    txn.put(b"format", FORMAT, db=self.meta_db)
                 elif mark != FORMAT:
                     raise StoreOpenError(f"{self.path}: unknown data format {mark!r} (expected {FORMAT!r})")
         except lmdb.Error as e:
@@ -495,8 +497,14 @@ class LmdbStore:
             self._sync_loop.stop()
         try:
             self.commit()
-            self.sync()
+            if self.failure is not None:
+                log.error("closing LMDB with unwritten changes: {error}", error=self.failure)
+            else:
+                self.sync()
         finally:
+            if self._commit_call is not None and self._commit_call.active():
+                self._commit_call.cancel()
+            self._commit_call = None
             self.env.close()
 
     def stats(self) -> dict[str, Any]:

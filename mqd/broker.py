@@ -48,6 +48,9 @@ class Broker:
         self.data_path = options.data_path or "."
         self.metadata_path = os.path.join(self.data_path, METADATA_FILE)
         self._client_ids = itertools.count(1)
+        # While a connection's data is processed: the channels to deliver
+        # once it is done (see V2Protocol.dataReceived); None otherwise.
+        self.pending_deliveries: set[Channel] | None = None
         self._loading = False
         self._persist_call = None
         self._lock_fd: int | None = None
@@ -72,8 +75,17 @@ class Broker:
             self._unlock_data_path()
             raise ConfigError(str(e)) from None
         self.store.health_listener = self.set_health
-        self.load_metadata()
+        try:
+            self.load_metadata()
+        except ConfigError:
+            # Start-up stops here (a corrupt nsqd.dat): let go of the store and the data-path.
+            self.store.close()
+            self.store = None
+            self._unlock_data_path()
+            raise
         self._adopt_stored_queues()
+        for topic in list(self.topics.values()):
+            topic._schedule_drain()
         self.persist_metadata()
 
     def _lock_data_path(self) -> None:

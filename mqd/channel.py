@@ -94,7 +94,11 @@ class Channel:
         """Messages from the topic; delivered at once if a client is ready."""
         self.message_count += len(msgs)
         self._queue.put(msgs)
-        self.deliver()
+        pending = self.topic.broker.pending_deliveries
+        if pending is None:
+            self.deliver()
+        else:
+            pending.add(self)
 
     def put_deferred(self, msgs: list[Message]) -> None:
         """Messages from the topic that are due only at their `deferred_until`."""

@@ -123,6 +123,11 @@ class IdFactory:
         if ts > self._last_ts:
             self._last_ts = ts
             self._seq = 0
+        seq = self._seq
+        if count == 1 and seq <= _SEQ_MASK:
+            # A PUB's one id, without the batch machinery.
+            self._seq = seq + 1
+            return [b"%016x" % ((self._last_ts << (_SEQ_BITS + _NODE_BITS)) | self._node | seq)]
         ids: list[bytes] = []
         while count:
             room = _SEQ_MASK + 1 - self._seq

@@ -150,7 +150,10 @@ class Topic:
             )
             self.channels[name] = channel
             self.broker.channel_created(self, channel)
-            self._schedule_drain()
+            if not self.broker._loading:
+                # At start-up the broker drains once every channel is back
+                # (as nsqd starts a topic's pump after loading its channels).
+                self._schedule_drain()
         return channel
 
     def delete_channel(self, name: str) -> None:

@@ -101,7 +101,6 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._pending: list[bytes] = []
         self._pending_len = 0
         self._need = 0
-        self._deliver_needed = False
         # Frames waiting behind a durable publish's OK; None when nothing waits.
         self._held: list | None = None
         self._close_after_release = False
@@ -177,6 +176,14 @@ class V2Protocol(Protocol, TimeoutMixin):
             pos = 4
         end = len(data)
         handlers = self._HANDLERS
+        # Channels that commands in this read gave work are delivered once,
+        # at the end of it: a pipeline of PUBs or FINs makes one delivery pass.
+        broker = self.broker
+        outermost = broker.pending_deliveries is None
+        if outermost:
+            broker.pending_deliveries = pending = set()
+        else:
+            pending = broker.pending_deliveries
         try:
             while pos < end:
                 eol = data.find(b"\n", pos)
@@ -194,18 +201,18 @@ class V2Protocol(Protocol, TimeoutMixin):
                 handler = handlers.get(params[0])
                 if handler is None:
                     raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
-                if self._deliver_needed and handler not in _BATCHABLE:
-                    # Deliver what earlier commands made possible before a
-                    # command that writes a frame or changes readiness, so
-                    # the output does not depend on how reads were split.
-                    self._flush_delivery()
+                if pending and handler not in _BATCHABLE and self.channel in pending:
+                    # Deliver this connection's own channel before a command
+                    # that writes a frame or changes readiness, so its output
+                    # does not depend on how reads were split.
+                    self._flush_delivery(pending)
                 try:
                     nxt = handler(self, params, data, eol + 1)
                 except ProtocolError as err:
                     if err.fatal:
                         raise
-                    if self._deliver_needed:
-                        self._flush_delivery()
+                    if pending and self.channel in pending:
+                        self._flush_delivery(pending)
                     self._write_frame(frame(FRAME_TYPE_ERROR, err.payload))
                     nxt = eol + 1
                 if nxt == _NEED_MORE:
@@ -218,15 +225,25 @@ class V2Protocol(Protocol, TimeoutMixin):
             self._fail(err)
             return
         finally:
-            if self._deliver_needed:
-                self._deliver_needed = False
-                if self.channel is not None:
-                    self.channel.deliver()
+            if outermost:
+                broker.pending_deliveries = None
+                for channel in pending:
+                    channel.deliver()
 
-    def _flush_delivery(self) -> None:
-        self._deliver_needed = False
-        if self.channel is not None:
-            self.channel.deliver()
+    def _flush_delivery(self, pending: set) -> None:
+        pending.discard(self.channel)
+        self.channel.deliver()
+
+    def _deliver_soon(self) -> None:
+        """This connection's channel may deliver again (RDY, FIN, REQ freed a slot)."""
+        channel = self.channel
+        if channel is None:
+            return
+        pending = self.broker.pending_deliveries
+        if pending is None:
+            channel.deliver()
+        else:
+            pending.add(channel)
 
     def _keep(self, rest: bytes, need: int) -> None:
         """Hold an incomplete command until `need` bytes of it have arrived."""
@@ -507,7 +524,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         if count > max_rdy:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
         self.ready_count = count
-        self._deliver_needed = True
+        self._deliver_soon()
         return start
 
     def _message_id(self, verb: str, params) -> bytes:
@@ -529,7 +546,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             self.channel.finish(self, msg_id)
         except ChannelError as e:
             raise nonfatal("E_FIN_FAILED", f"FIN {msg_id.decode('latin-1')} failed {e}") from None
-        self._deliver_needed = True
+        self._deliver_soon()
         return start
 
     def _cmd_req(self, params, data, start):
@@ -547,7 +564,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             self.channel.requeue(self, msg_id, delay)
         except ChannelError as e:
             raise nonfatal("E_REQ_FAILED", f"REQ {msg_id.decode('latin-1')} failed {e}") from None
-        self._deliver_needed = True
+        self._deliver_soon()
         return start
 
     def _cmd_touch(self, params, data, start):
@@ -696,13 +713,28 @@ _BATCHABLE = frozenset(
 )
 
 
+_valid_names: dict[bytes, str] = {}
+
+
 def _name(raw: bytes) -> str | None:
-    """A topic/channel name from the wire if it is valid, else None."""
+    """A topic/channel name from the wire if it is valid, else None.
+
+    Valid names are remembered (a bounded cache): a publisher names the same
+    topic in every PUB, and the regex would otherwise run every time.
+    """
+    name = _valid_names.get(raw)
+    if name is not None:
+        return name
     try:
         name = raw.decode("ascii")
     except UnicodeDecodeError:
         return None
-    return name if is_valid_name(name) else None
+    if not is_valid_name(name):
+        return None
+    if len(_valid_names) >= 4096:
+        _valid_names.clear()
+    _valid_names[raw] = name
+    return name
 
 
 class V2Factory(Factory):

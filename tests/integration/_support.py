@@ -87,6 +87,7 @@ class BrokerProcess:
             argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
         if data_path:
             argv.append(f"--data-path={self.data_dir}")
+        self._base_argv = list(argv)
         argv += list(args)
         self.argv = twistd_command(*argv)
         self.proc: subprocess.Popen | None = None
@@ -192,6 +193,21 @@ class BrokerProcess:
     def restart(self) -> BrokerProcess:
         self.stop_cleanly()
         return self.start()
+
+    def reconfigure(self, *args: str) -> None:
+        """Other flags for the next start; the work directory, data and addresses stay."""
+        assert not self.running, "reconfigure a stopped broker"
+        self.argv = twistd_command(*self._base_argv, *args)
+
+    def crash(self, timeout: float = 10.0) -> int:
+        """SIGKILL, as a crash stops it: no shutdown code runs (the OS page cache survives)."""
+        proc = self.proc
+        assert proc is not None and proc.poll() is None, "broker not running"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout)
+        self.returncodes.append(proc.returncode)
+        assert proc.returncode == -signal.SIGKILL, f"mqd exited with {proc.returncode}"
+        return proc.returncode
 
     def kill(self) -> None:
         """Make sure the process is gone (teardown); harmless if it already is."""

@@ -173,10 +173,10 @@ def test_valid_stream_reference_output():
     assert frames[1:] == [
         ok(),  # PUB before-sub
         ok(),  # SUB
-        _msg(0, b"before-sub"),  # RDY 3 + MPUB: the window fills during the publish
+        _msg(0, b"before-sub"),  # RDY 3, delivered before the next command that answers
+        ok(),  # MPUB: its messages are delivered once the command is done
         _msg(1, b"m1"),
         _msg(2, b"m2"),
-        ok(),  # MPUB
         ok(),  # DPUB
         err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight"),
         err("E_TOUCH_FAILED TOUCH 0000000000000000 failed ID not in flight"),
