@@ -101,6 +101,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._pending: list[bytes] = []
         self._pending_len = 0
         self._need = 0
+        # PUBs of the current read not published yet, all to _pub_topic.
+        self._pub_bodies: list[bytes] = []
+        self._pub_topic: str | None = None
         # Frames waiting behind a durable publish's OK; None when nothing waits.
         self._held: list | None = None
         self._close_after_release = False
@@ -201,6 +204,8 @@ class V2Protocol(Protocol, TimeoutMixin):
                 handler = handlers.get(params[0])
                 if handler is None:
                     raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
+                if self._pub_bodies and handler is not _PUB:
+                    self._flush_pubs()
                 if pending and handler not in _BATCHABLE and self.channel in pending:
                     # Deliver this connection's own channel before a command
                     # that writes a frame or changes readiness, so its output
@@ -221,8 +226,16 @@ class V2Protocol(Protocol, TimeoutMixin):
                 pos = nxt
                 if self._closed:
                     return
+            self._flush_pubs()
         except ProtocolError as err:
-            self._fail(err)
+            # PUBs gathered before the failing command still get their OK
+            # first (or fail first themselves).
+            failure = err
+            try:
+                self._flush_pubs()
+            except ProtocolError as publish_err:
+                failure = publish_err
+            self._fail(failure)
             return
         finally:
             if outermost:
@@ -273,11 +286,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         else:
             self._held.append(data)
 
-    def _ok_when_durable(self, verb: str) -> None:
+    def _ok_when_durable(self, verb: str, replies: int = 1) -> None:
         if self._held is None:
             self._held = []
             self.broker.store.when_durable(self._release)
-        self._held.append(verb)
+        self._held.extend([verb] * replies)
 
     def _release(self, error: str | None) -> None:
         """The commit holding this connection's publishes is synced (or failed)."""
@@ -607,7 +620,8 @@ class V2Protocol(Protocol, TimeoutMixin):
             return None
         return data[start + 4:end], end
 
-    def _publish(self, verb: str, topic_name: str, bodies: list[bytes], defer: float = 0.0) -> None:
+    def _publish(self, verb: str, topic_name: str, bodies: list[bytes], defer: float = 0.0,
+                 replies: int = 1) -> None:
         try:
             self.broker.topic(topic_name).publish(bodies, defer)
         except BackendError as e:
@@ -616,9 +630,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         counts = self.pub_counts
         counts[topic_name] = counts.get(topic_name, 0) + len(bodies)
         if self.broker.store.durable:
-            self._ok_when_durable(verb)
+            self._ok_when_durable(verb, replies)
         else:
-            self._write_frame(OK)
+            self._write_frame(OK * replies)
 
     def _cmd_pub(self, params, data, start):
         topic_name = self._publish_topic("PUB", params, 2)
@@ -626,8 +640,31 @@ class V2Protocol(Protocol, TimeoutMixin):
         if got is None:
             return _NEED_MORE
         body, end = got
-        self._publish("PUB", topic_name, [body])
+        if self.state == STATE_INIT:
+            # A pure publisher: consecutive PUBs to one topic in this read
+            # are published together (see _flush_pubs).
+            if self._pub_topic != topic_name:
+                self._flush_pubs()
+                self._pub_topic = topic_name
+            self._pub_bodies.append(body)
+        else:
+            self._publish("PUB", topic_name, [body])
         return end
+
+    def _flush_pubs(self) -> None:
+        """Publish the PUBs gathered from this read as one batch, then one OK each, in order.
+
+        One pass through topic, channels and store instead of one per
+        message. Only a connection that is not subscribed gathers, so a
+        consumer that also publishes sees the same frames however its
+        reads are split.
+        """
+        bodies = self._pub_bodies
+        if not bodies:
+            return
+        self._pub_bodies = []
+        topic_name, self._pub_topic = self._pub_topic, None
+        self._publish("PUB", topic_name, bodies, replies=len(bodies))
 
     def _cmd_dpub(self, params, data, start):
         topic_name = self._publish_topic("DPUB", params, 3)
@@ -705,6 +742,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         b"DPUB": _cmd_dpub,
     }
 
+
+_PUB = V2Protocol._cmd_pub
 
 # Commands whose follow-up delivery can wait for the end of the read: they
 # write nothing on success and only ever free in-flight slots.

@@ -285,9 +285,12 @@ def test_sigkill_mid_load_loses_no_acknowledged_publish_and_no_durable_fin(start
     # `consumed` has two channels: c1 is consumed during the load, c2 only
     # after the restart, so it must hold a copy of every acknowledged body.
     # `lonely` has no channel: its messages wait at the topic.
-    with RawConn(broker) as setup:
-        setup.send(command(f"SUB {consumed} c2"))
-        assert setup.read_frame() == (FRAME_RESPONSE, b"OK")
+    # Both channels exist before any publisher starts: a channel created
+    # later only gets what is published after it (NSQ A4).
+    for channel in ("c1", "c2"):
+        with RawConn(broker) as setup:
+            setup.send(command(f"SUB {consumed} {channel}"))
+            assert setup.read_frame() == (FRAME_RESPONSE, b"OK")
     consumer = Consumer(broker, consumed, "c1", markers)
     consumer.start()
     publishers = [Publisher(broker, i, [consumed, lonely], window)
