@@ -111,6 +111,10 @@ class V2Protocol(Protocol, TimeoutMixin):
     # -- connection lifecycle -------------------------------------------------
 
     def connectionMade(self) -> None:
+        # Go sets TCP_NODELAY on every connection, so nsqd's clients never see
+        # Nagle hold a small frame back (a late durable OK, a lone message).
+        if hasattr(self.transport, "setTcpNoDelay"):
+            self.transport.setTcpNoDelay(True)
         peer = self.transport.getPeer()
         host = getattr(peer, "host", None) or str(getattr(peer, "name", "") or "")
         port = getattr(peer, "port", None)
