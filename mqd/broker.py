@@ -19,9 +19,9 @@ from typing import Any
 import backends
 
 from .channel import Channel
-from .logs import get_logger
+from .logs import get_logger, set_log_level
 from .names import is_valid_name
-from .options import ConfigError, Settings
+from .options import MQD_OPTIONS, ConfigError, Settings
 from .overflow import OverflowQueue
 from .topic import Topic
 
@@ -200,6 +200,26 @@ class Broker:
         elif not error and self.health is not None:
             log.info("broker healthy again")
         self.health = error or None
+
+    # -- run-time configuration ------------------------------------------------------
+
+    def update_options(self, **changes: Any) -> None:
+        """Change options at run time (nsqd's `PUT /config/...`): check, swap, apply.
+
+        Settings stay immutable: the broker takes a new copy, as nsqd swaps
+        its options pointer, so whatever reads `broker.options` sees the old
+        values or the new ones, never a mix. Raises ValueError for an
+        unknown option or a bad value, before anything changes.
+        """
+        table = {opt.attr: opt for opt in MQD_OPTIONS}
+        parsed = {}
+        for attr, value in changes.items():
+            if attr not in table:
+                raise ValueError(f"unknown option {attr!r}")
+            parsed[attr] = table[attr].parse(value)
+        if "log_level" in parsed:
+            set_log_level(parsed["log_level"])
+        self.options = self.options.replace(**parsed)
 
     # -- metadata ------------------------------------------------------------------
 

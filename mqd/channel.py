@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
+from .latency import LatencyWindow
 from .overflow import OverflowQueue, take
 from .pqueue import PriorityQueue
 
@@ -41,6 +42,7 @@ class Channel:
         "message_count",
         "requeue_count",
         "timeout_count",
+        "e2e",
         "_queue",
         "_in_flight",
         "_in_flight_pq",
@@ -62,6 +64,14 @@ class Channel:
         self.message_count = 0
         self.requeue_count = 0
         self.timeout_count = 0
+        # End-to-end latency window, only when percentiles are configured:
+        # FIN then costs one test for None when the feature is off.
+        percentiles = options.e2e_processing_latency_percentile
+        self.e2e = (
+            LatencyWindow(percentiles, options.e2e_processing_latency_window_time, clock)
+            if percentiles
+            else None
+        )
         self._queue = queue
         self._in_flight: dict[bytes, Message] = {}
         self._in_flight_pq = PriorityQueue()
@@ -208,6 +218,8 @@ class Channel:
         """FIN: the message is done for good. The caller runs `deliver()` once per batch."""
         msg = self._pop_in_flight(client, msg_id)
         client.finish_count += 1
+        if self.e2e is not None:
+            self.e2e.record(msg.timestamp)
         if msg.key is not None:
             self._queue.backend.finish((msg,))
 
@@ -295,6 +307,8 @@ class Channel:
                 discard(msg)
                 msg.client = None
             client.in_flight_count -= len(orphans)
+            # nsqd counts these as timeouts when their msg_timeout runs out.
+            self.timeout_count += len(orphans)
             self._queue.put_accepted(orphans)
         if self.ephemeral and not self.clients:
             self.topic.delete_channel(self.name)

@@ -35,5 +35,11 @@ def get_logger(namespace: str) -> Logger:
 
 
 def set_log_level(name: str) -> None:
-    """Apply an nsqd level name; raises KeyError for an unknown one."""
-    _predicate.defaultLogLevel = LEVELS[name]
+    """Apply an nsqd level name; raises KeyError for an unknown one.
+
+    The level is set on the predicate's root namespace: assigning its
+    `defaultLogLevel` alone changes nothing once the predicate is built.
+    """
+    level = LEVELS[name]
+    _predicate.defaultLogLevel = level
+    _predicate.setLogLevelForNamespace("", level)

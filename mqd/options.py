@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .latency import parse_percentiles
 from .message import default_node_id
 
 __all__ = [
@@ -170,13 +171,16 @@ class Option:
     help: str
     check: Callable[[Any], str | None] | None = None
     aliases: tuple[str, ...] = ()
+    # Replaces the kind's parser where the values are not plain strings
+    # (a "list" of numbers); the kind still says how the flag is given.
+    parser: Callable[[Any], Any] | None = None
 
     @property
     def attr(self) -> str:
         return self.name.replace("-", "_")
 
     def parse(self, value: Any) -> Any:
-        parsed = _PARSERS[self.kind](value)
+        parsed = (self.parser or _PARSERS[self.kind])(value)
         if self.check is not None:
             problem = self.check(parsed)
             if problem:
@@ -205,6 +209,16 @@ def _backend_check(value: str) -> str | None:
 
 _positive_duration = _at_least(0.001)
 
+
+def _statsd_address_check(value: str) -> str | None:
+    if not value:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return f"expected HOST:PORT, got {value!r}"
+    return None
+
+
 MQD_OPTIONS: tuple[Option, ...] = (
     Option("log-level", "str", "info", "debug, info, warn, error or fatal",
            _one_of("debug", "info", "warn", "error", "fatal")),
@@ -212,6 +226,8 @@ MQD_OPTIONS: tuple[Option, ...] = (
            _between(0, 1023), aliases=("id",)),
     Option("tcp-address", "address", "0.0.0.0:4150", "TCP clients: HOST:PORT, a unix socket path, or a Twisted endpoint string"),
     Option("http-address", "address", "0.0.0.0:4151", "HTTP clients: HOST:PORT or a Twisted endpoint string; empty disables"),
+    Option("lookupd-tcp-address", "list", [], "lookupd TCP address (repeatable)",
+           aliases=("nsqlookupd_tcp_addresses",)),
     Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
     Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
     Option("broadcast-http-port", "int", 0, "HTTP port announced to lookupd (0: the bound port)", _between(0, 65535)),
@@ -245,6 +261,20 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("deflate", "bool", True, "allow deflate compression (negotiated as off until compression lands)"),
     Option("max-deflate-level", "int", 6, "highest deflate level a client may ask for", _between(1, 9)),
     Option("snappy", "bool", True, "allow snappy compression (negotiated as off until compression lands)"),
+    Option("statsd-address", "str", "", "UDP HOST:PORT of a statsd daemon to push stats to; empty disables",
+           _statsd_address_check),
+    Option("statsd-prefix", "str", "nsq.%s",
+           "prefix of the statsd keys (%s: <broadcast-address>_<broadcast-http-port>)"),
+    Option("statsd-interval", "duration", 60.0, "time between pushes to statsd", _positive_duration),
+    Option("statsd-mem-stats", "bool", True, "also push memory and GC gauges to statsd"),
+    Option("statsd-udp-packet-size", "int", 508, "largest statsd UDP datagram in bytes", _at_least(1)),
+    Option("statsd-exclude-ephemeral", "bool", False, "leave #ephemeral topics and channels out of statsd"),
+    Option("e2e-processing-latency-percentile", "list", [],
+           "end-to-end latency percentile to track, in (0, 1]; comma-separated and/or repeated "
+           "(default: none, latency not tracked)",
+           aliases=("e2e_processing_latency_percentiles",), parser=parse_percentiles),
+    Option("e2e-processing-latency-window-time", "duration", 600.0,
+           "end-to-end latency percentiles cover this much recent time", _positive_duration),
 )
 
 

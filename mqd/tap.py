@@ -8,16 +8,16 @@ from collections.abc import Iterable, Sequence
 from twisted.application import service
 from twisted.internet import endpoints
 from twisted.python import usage
-from twisted.web import server
 
 from . import __version__
 from .broker import Broker
-from .http.api import NsqdAPI
+from .http.api import NsqdSite
 from .logs import set_log_level
 from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve, to_endpoint
 from .protocol.v2 import NSQ_VERSION, V2Factory
 from .queuescan import QueueScanner
 from .service import BrokerService, ListeningService
+from .statsd import StatsdService
 
 __all__ = ["Options", "makeService", "make_options_class", "settings_from"]
 
@@ -89,12 +89,17 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
                     given[opt.name] = value
             return given
 
-    for opt in lists:
-        def _append(self, value: str, _name: str = opt.name) -> None:
-            self[_name].append(value)
+    def _appender(name: str, help: str):
+        # usage.Options tells flags from parameters by the handler's
+        # argument count, so the name is closed over, not a default argument.
+        def _append(self, value: str) -> None:
+            self[name].append(value)
 
-        _append.__doc__ = f"{opt.help} (repeatable)"
-        setattr(_Options, "opt_" + opt.attr, _append)
+        _append.__doc__ = f"{help} (repeatable)"
+        return _append
+
+    for opt in lists:
+        setattr(_Options, "opt_" + opt.attr, _appender(opt.name, opt.help))
 
     _Options.__name__ = f"{program.capitalize()}Options"
     return _Options
@@ -127,9 +132,11 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     ListeningService("TCP", tcp, V2Factory(broker), ports, reactor).setServiceParent(top)
     if settings.http_address:
         http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
-        site = server.Site(NsqdAPI(broker, ports))
-        site.noisy = False
+        site = NsqdSite(broker, ports, reactor)
         ListeningService("HTTP", http, site, ports, reactor).setServiceParent(top)
+    if settings.statsd_address:
+        # Last, so it stops first: its final datagrams go out before the broker closes.
+        StatsdService(broker, ports, reactor).setServiceParent(top)
     return top
 
 

@@ -1,78 +1,223 @@
-"""The nsqd HTTP API root.
+"""The nsqd HTTP API: the root resource and its routing.
 
-This first cut serves what scripts use to check a broker is up (`/ping`,
-`/info`); the rest of nsqd's API is issue #4. Unknown paths answer as nsqd
-does: 404 {"message":"NOT_FOUND"}.
+Routing follows nsqd's router (julienschmidt/httprouter) rather than
+twisted.web's resource tree, because clients see the difference: a path
+matches exactly (`/ping/x` is 404, not /ping), a path that is only off by
+a trailing slash, its case or `//` and `..` segments is redirected to the
+route (301 for GET, 307 otherwise), a known path with the wrong method is
+`405 {"message":"METHOD_NOT_ALLOWED"}` with an `Allow` header, OPTIONS on
+a known path lists the methods, and anything else is
+`404 {"message":"NOT_FOUND"}`.
+
+The endpoints themselves live in one module per concept: status.py
+(/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
+admin.py (/topic/*, /channel/*), config.py (/config/:opt).
 """
 
 from __future__ import annotations
 
-import json
-import socket
+import html
+import io
+import posixpath
+import re
+from collections.abc import Mapping
+from urllib.parse import unquote_to_bytes
 
-from twisted.web import resource
+from twisted.web import resource, server
 
-from ..protocol.v2 import NSQ_VERSION
+from ..logs import get_logger
+from .admin import (
+    ChannelCreate,
+    ChannelDelete,
+    ChannelEmpty,
+    ChannelPause,
+    TopicCreate,
+    TopicDelete,
+    TopicEmpty,
+    TopicPause,
+)
+from .config import Config
+from .endpoint import Endpoint
+from .metrics import Metrics
+from .publish import Mpub, Pub
+from .response import respond_v1
+from .status import Info, Ping, Stats
 
-__all__ = ["NsqdAPI"]
+__all__ = ["CappedBody", "NsqdAPI", "NsqdSite"]
 
+log = get_logger(__name__)
 
-def _json(request, status: int, payload) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"Content-Type", b"application/json; charset=utf-8")
-    request.setHeader(b"X-NSQ-Content-Type", b"nsq; version=1.0")
-    return json.dumps(payload, separators=(",", ":")).encode()
-
-
-class _Leaf(resource.Resource):
-    isLeaf = True
-
-    def __init__(self, api: NsqdAPI) -> None:
-        super().__init__()
-        self.api = api
-
-
-class Ping(_Leaf):
-    def render_GET(self, request) -> bytes:
-        request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
-        health = self.api.broker.health
-        if health:
-            request.setResponseCode(500)
-            return f"NOK - {health}".encode()
-        return b"OK"
-
-    render_HEAD = render_GET
-
-
-class Info(_Leaf):
-    def render_GET(self, request) -> bytes:
-        return _json(request, 200, self.api.info())
-
-
-class NotFound(_Leaf):
-    def render(self, request) -> bytes:
-        return _json(request, 404, {"message": "NOT_FOUND"})
+_BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
+# The one route with a parameter: /config/:opt (one non-empty segment).
+_CONFIG_PREFIX = "/config/"
 
 
 class NsqdAPI(resource.Resource):
-    def __init__(self, broker, ports) -> None:
+    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules."""
+
+    isLeaf = True
+
+    def __init__(self, broker, ports: Mapping[str, int]) -> None:
         super().__init__()
         self.broker = broker
         # Bound ports, filled in once the listeners are up (port 0 picks one).
         self.ports = ports
-        self.putChild(b"ping", Ping(self))
-        self.putChild(b"info", Info(self))
-
-    def getChild(self, path, request):
-        return NotFound(self)
-
-    def info(self) -> dict:
-        opts = self.broker.options
-        return {
-            "version": NSQ_VERSION,
-            "broadcast_address": opts.broadcast_address,
-            "hostname": socket.gethostname(),
-            "http_port": opts.broadcast_http_port or self.ports.get("HTTP", 0),
-            "tcp_port": opts.broadcast_tcp_port or self.ports.get("TCP", 0),
-            "start_time": self.broker.start_time,
+        self.routes: dict[str, Endpoint] = {
+            "/ping": Ping(broker),
+            "/info": Info(broker, ports),
+            "/stats": Stats(broker),
+            "/metrics": Metrics(broker),
+            "/pub": Pub(broker),
+            "/mpub": Mpub(broker),
+            "/topic/create": TopicCreate(broker),
+            "/topic/delete": TopicDelete(broker),
+            "/topic/empty": TopicEmpty(broker),
+            "/topic/pause": TopicPause(broker, paused=True),
+            "/topic/unpause": TopicPause(broker, paused=False),
+            "/channel/create": ChannelCreate(broker),
+            "/channel/delete": ChannelDelete(broker),
+            "/channel/empty": ChannelEmpty(broker),
+            "/channel/pause": ChannelPause(broker, paused=True),
+            "/channel/unpause": ChannelPause(broker, paused=False),
         }
+        self.config = Config(broker)
+        self._lower = {path.lower(): path for path in self.routes}
+
+    # -- routing --------------------------------------------------------------------
+
+    def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
+        """The endpoint for a decoded path and its parameters, or None."""
+        endpoint = self.routes.get(path)
+        if endpoint is not None:
+            return endpoint, {}
+        if path.startswith(_CONFIG_PREFIX):
+            opt = path[len(_CONFIG_PREFIX):]
+            if opt and "/" not in opt:
+                return self.config, {"opt": opt}
+        return None
+
+    def _fixed_path(self, path: str, method: str) -> str | None:
+        """Where httprouter would redirect `path`: the route it names up to a slash or case."""
+        cleaned = _clean_path(path)
+        candidates = [path[:-1] if path.endswith("/") else path + "/", cleaned]
+        candidates.append(cleaned[:-1] if cleaned.endswith("/") else cleaned + "/")
+        for candidate in candidates:
+            fixed = self._lower.get(candidate.lower())
+            if fixed is None and candidate.lower().startswith(_CONFIG_PREFIX):
+                fixed = _CONFIG_PREFIX + candidate[len(_CONFIG_PREFIX):]
+            if fixed is None or fixed == path:
+                continue
+            found = self.match(fixed)
+            if found is not None and method in found[0].methods():
+                return fixed
+        return None
+
+    # -- twisted.web ----------------------------------------------------------------
+
+    def render(self, request: server.Request) -> bytes | int:
+        raw_path = request.path
+        if _BAD_ESCAPE.search(raw_path):
+            # Go's server refuses a request line it cannot decode before any handler runs.
+            request.setResponseCode(400)
+            request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
+            return b"400 Bad Request"
+        path = unquote_to_bytes(raw_path).decode("utf-8", "surrogateescape")
+        method = request.method.decode("ascii", "replace")
+        found = self.match(path)
+        if found is not None and method in found[0].methods():
+            endpoint, params = found
+            return endpoint.render(request, params)
+        if method != "CONNECT" and path != "/":
+            fixed = self._fixed_path(path, method)
+            if fixed is not None:
+                return _redirect(request, fixed, 301 if method == "GET" else 307)
+        if found is not None:
+            allow = ", ".join(sorted({*found[0].methods(), "OPTIONS"})).encode()
+            request.setHeader(b"Allow", allow)
+            if method == "OPTIONS":
+                request.defaultContentType = None
+                return b""
+            return respond_v1(request, 405, "METHOD_NOT_ALLOWED")
+        return respond_v1(request, 404, "NOT_FOUND")
+
+
+def _clean_path(path: str) -> str:
+    """Go's httprouter.CleanPath: one slash, no `.` or `..`, trailing slash kept."""
+    if not path:
+        return "/"
+    cleaned = posixpath.normpath("/" + path.lstrip("/"))
+    if cleaned.startswith("//"):
+        cleaned = cleaned[1:]
+    if path.endswith("/") and cleaned != "/":
+        cleaned += "/"
+    return cleaned
+
+
+def _redirect(request: server.Request, path: str, code: int) -> bytes:
+    """Go's http.Redirect to the fixed path, keeping the query."""
+    _, sep, query = request.uri.partition(b"?")
+    location = path.encode("utf-8", "surrogateescape") + sep + query
+    request.setResponseCode(code)
+    request.setHeader(b"Location", location)
+    if request.method in (b"GET", b"HEAD"):
+        request.setHeader(b"Content-Type", b"text/html; charset=utf-8")
+        text = "Moved Permanently" if code == 301 else "Temporary Redirect"
+        href = html.escape(location.decode("latin-1")).encode("latin-1")
+        return b'<a href="%s">%s</a>.\n\n' % (href, text.encode())
+    request.defaultContentType = None
+    return b""
+
+
+class CappedBody(io.BytesIO):
+    """A request body that keeps its first `cap` bytes and drops the rest."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+        self.stored = 0
+
+    def write(self, data) -> int:
+        room = self.cap - self.stored
+        if room > 0:
+            chunk = data[:room]
+            self.stored += len(chunk)
+            super().write(chunk)
+        return len(data)
+
+
+class NsqdSite(server.Site):
+    """The HTTP factory serving an NsqdAPI.
+
+    Requests are logged as nsqd logs them, at debug level through mqd's
+    logger (so `--log-level` and `PUT /config/log_level` govern them),
+    instead of twisted.web's access log, which would write a line per
+    publish whatever the level. POST bodies are never parsed as forms:
+    `curl -d` labels a message body as a form, and a body is the message.
+    """
+
+    noisy = False
+
+    def __init__(self, broker, ports: Mapping[str, int], reactor=None) -> None:
+        super().__init__(NsqdAPI(broker, ports), reactor=reactor, parsePOSTFormSubmission=False)
+        self.broker = broker
+
+    def getContentFile(self, length: int | None) -> CappedBody:
+        """Where twisted.web puts a request body: memory, bounded by the largest limit.
+
+        Every endpoint reads at most its limit + 1 bytes (as nsqd's
+        LimitReader), so keeping more is never needed; without the cap a
+        client could make the broker spool any amount to a temporary file.
+        """
+        opts = self.broker.options
+        return CappedBody(max(opts.max_msg_size, opts.max_body_size) + 1)
+
+    def log(self, request: server.Request) -> None:
+        log.debug("{code} {method} {uri} ({client})", code=request.code,
+                  method=request.method.decode("ascii", "replace"),
+                  uri=request.uri.decode("ascii", "replace"), client=_client(request))
+
+
+def _client(request: server.Request) -> str:
+    peer = request.getClientAddress()
+    host = getattr(peer, "host", None)
+    return f"{host}:{peer.port}" if host is not None else str(peer)

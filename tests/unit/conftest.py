@@ -12,6 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 
+import lmdb
 import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
@@ -254,3 +255,35 @@ def connect(broker):
         return Client(broker, **kw)
 
     return make
+
+def failing_once(store, error="No space left on device"):
+    """Make the store's next commit fail as a full disk would, once; returns the call log."""
+    real = store._write
+    calls = []
+
+    def write():
+        calls.append(1)
+        if len(calls) == 1:
+            raise lmdb.Error(error)
+        return real()
+
+    store._write = write
+    return calls
+
+
+# -- HTTP ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http(broker):
+    """An in-process HTTP client of the default broker's API."""
+    from ._http import HTTPClient
+
+    return HTTPClient(broker)
+
+
+def consumer(broker, topic="t", channel="c", rdy=100) -> Client:
+    """A subscribed client with RDY `rdy`."""
+    c = Client(broker)
+    c.sub(topic, channel, rdy)
+    return c

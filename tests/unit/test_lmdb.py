@@ -20,7 +20,7 @@ from backends.lmdb import ENV_DIR, FORMAT, KEY, RECORD, LmdbQueue, LmdbStore, St
 from backends.memory import MemoryStore
 from mqd.message import Message
 
-from .conftest import START_TIME, settings
+from .conftest import START_TIME, failing_once, settings
 
 BOTH = pytest.mark.parametrize("durable", [False, True], ids=["default", "durable"])
 
@@ -555,18 +555,6 @@ def test_map_grows_for_one_large_message(tmp_path, clock):
 # -- commit failures -----------------------------------------------------------------
 
 
-def failing_once(store, error="No space left on device"):
-    real = store._write
-    calls = []
-
-    def write():
-        calls.append(1)
-        if len(calls) == 1:
-            raise lmdb.Error(error)
-        return real()
-
-    store._write = write
-    return calls
 
 
 @BOTH

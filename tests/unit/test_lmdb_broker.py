@@ -27,6 +27,7 @@ from .conftest import (
     cmd,
     dpub,
     err,
+    failing_once,
     identify,
     mpub,
     new_broker,
@@ -77,18 +78,6 @@ def delivered(c: Client) -> list:
     return frames
 
 
-def failing_once(store):
-    real = store._write
-    calls = []
-
-    def write():
-        calls.append(1)
-        if len(calls) == 1:
-            raise lmdb.Error("No space left on device")
-        return real()
-
-    store._write = write
-    return calls
 
 
 # -- restarts in the default (non-durable) mode ------------------------------------------

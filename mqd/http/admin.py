@@ -1,0 +1,169 @@
+"""`POST /topic/*` and `POST /channel/*`: create, delete, empty, pause, unpause.
+
+Each answers an empty 200 on success. The argument checks differ between
+endpoints exactly as nsqd's do (which validate the name, which only look
+it up, `INVALID_TOPIC` vs `INVALID_ARG_TOPIC`), because tools and tests
+compare the error texts.
+
+Pausing changes what is delivered, so the paused flag is written to
+nsqd.dat before the call returns: a crash right after an operator paused
+a topic must not bring it back unpaused (nsqd does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from twisted.web.server import Request
+
+from backends import BackendError
+
+from ..logs import get_logger
+from .args import query_of, topic_arg, topic_channel_args
+from .endpoint import Endpoint
+from .response import ApiError
+
+if TYPE_CHECKING:
+    from ..channel import Channel
+    from ..topic import Topic
+
+__all__ = [
+    "ChannelCreate",
+    "ChannelDelete",
+    "ChannelEmpty",
+    "ChannelPause",
+    "TopicCreate",
+    "TopicDelete",
+    "TopicEmpty",
+    "TopicPause",
+]
+
+log = get_logger(__name__)
+
+
+def _persist_metadata(broker) -> None:
+    """Write nsqd.dat now; a failure is logged, as nsqd ignores it (the change stands)."""
+    try:
+        broker.persist_metadata()
+    except OSError as e:
+        log.error("failed to persist metadata: {error}", error=e)
+
+
+def _empty(queue_owner: Topic | Channel) -> None:
+    """Empty a topic or channel; a store that cannot is nsqd's 500 INTERNAL_ERROR."""
+    try:
+        queue_owner.empty()
+    except BackendError:
+        raise ApiError(500, "INTERNAL_ERROR") from None
+
+
+# -- topics ---------------------------------------------------------------------------
+
+
+class _TopicEndpoint(Endpoint):
+    def existing_topic(self, name: str) -> Topic:
+        topic = self.broker.topics.get(name)
+        if topic is None:
+            raise ApiError(404, "TOPIC_NOT_FOUND")
+        return topic
+
+
+class TopicCreate(_TopicEndpoint):
+    """`/topic/create?topic=<t>`: create it if new (idempotent)."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        self.broker.topic(topic_arg(query_of(request)))
+
+
+class TopicDelete(_TopicEndpoint):
+    """`/topic/delete?topic=<t>`: the topic, its channels (consumers disconnected) and their data."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        # nsqd does not check the name here: an invalid one is just not found.
+        if not self.broker.delete_topic(topic_arg(query_of(request), invalid=None)):
+            raise ApiError(404, "TOPIC_NOT_FOUND")
+
+
+class TopicEmpty(_TopicEndpoint):
+    """`/topic/empty?topic=<t>`: drop what waits at the topic; its channels keep theirs."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        _empty(self.existing_topic(topic_arg(query_of(request))))
+
+
+class TopicPause(_TopicEndpoint):
+    """`/topic/pause` and `/topic/unpause`: stop or resume the topic → channel flow."""
+
+    def __init__(self, broker, paused: bool) -> None:
+        super().__init__(broker)
+        self.paused = paused
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        topic = self.existing_topic(topic_arg(query_of(request), invalid=None))
+        if self.paused:
+            topic.pause()
+        else:
+            topic.unpause()
+        _persist_metadata(self.broker)
+
+
+# -- channels -------------------------------------------------------------------------
+
+
+class _ChannelEndpoint(Endpoint):
+    def topic_and_name(self, request: Request) -> tuple[Topic, str]:
+        """The existing topic and the channel name (which may not exist yet)."""
+        topic_name, channel_name = topic_channel_args(query_of(request))
+        topic = self.broker.topics.get(topic_name)
+        if topic is None:
+            raise ApiError(404, "TOPIC_NOT_FOUND")
+        return topic, channel_name
+
+    def existing_channel(self, request: Request) -> Channel:
+        topic, name = self.topic_and_name(request)
+        channel = topic.channels.get(name)
+        if channel is None:
+            raise ApiError(404, "CHANNEL_NOT_FOUND")
+        return channel
+
+
+class ChannelCreate(_ChannelEndpoint):
+    """`/channel/create?topic=<t>&channel=<c>`: on an existing topic only (it is not created)."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        topic, name = self.topic_and_name(request)
+        topic.channel(name)
+
+
+class ChannelDelete(_ChannelEndpoint):
+    """`/channel/delete`: the channel, its messages and data; its consumers are disconnected."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        topic, name = self.topic_and_name(request)
+        if name not in topic.channels:
+            raise ApiError(404, "CHANNEL_NOT_FOUND")
+        topic.delete_channel(name)
+
+
+class ChannelEmpty(_ChannelEndpoint):
+    """`/channel/empty`: drop queued, in-flight and deferred messages; consumers stay."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        _empty(self.existing_channel(request))
+
+
+class ChannelPause(_ChannelEndpoint):
+    """`/channel/pause` and `/channel/unpause`: stop or resume channel → consumer delivery."""
+
+    def __init__(self, broker, paused: bool) -> None:
+        super().__init__(broker)
+        self.paused = paused
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+        channel = self.existing_channel(request)
+        if self.paused:
+            channel.pause()
+        else:
+            channel.unpause()
+        _persist_metadata(self.broker)

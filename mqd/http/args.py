@@ -1,0 +1,116 @@
+"""Query-string arguments, read the way nsqd reads them.
+
+nsqd parses the query with Go's `url.ParseQuery` and answers
+`400 INVALID_REQUEST` when that fails, so a request Python's parser would
+accept (`?topic=a;b`, `?topic=%zz`) must fail here too. A parameter given
+twice counts by its first value, as Go's `Values.Get` does.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote_to_bytes
+
+from twisted.web.server import Request
+
+from ..names import is_valid_name
+from .response import ApiError
+
+__all__ = [
+    "Query",
+    "go_parse_bool",
+    "parse_query",
+    "query_of",
+    "topic_arg",
+    "topic_channel_args",
+]
+
+_BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
+
+# strconv.ParseBool's spellings.
+_GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
+_GO_FALSE = frozenset({"0", "f", "F", "FALSE", "false", "False"})
+
+
+class Query(dict[str, list[str]]):
+    """Parsed query parameters: name → every value, in order."""
+
+    def first(self, key: str) -> str | None:
+        """The first value of `key`, or None when it is absent (Go's `Values.Get` with `ok`)."""
+        values = self.get(key)
+        return values[0] if values else None
+
+
+def _unescape(raw: bytes) -> str:
+    """Go's QueryUnescape: '+' is a space; a '%' without two hex digits is an error."""
+    if _BAD_ESCAPE.search(raw):
+        raise ValueError(f"invalid URL escape in {raw!r}")
+    # Go strings are bytes: keep any byte, names with odd ones fail validation later.
+    return unquote_to_bytes(raw.replace(b"+", b" ")).decode("utf-8", "surrogateescape")
+
+
+def parse_query(raw: bytes) -> Query:
+    """Go's url.ParseQuery: fields split on '&', a ';' in a field is an error."""
+    query = Query()
+    error = None
+    for field in raw.split(b"&"):
+        if b";" in field:
+            error = error or ValueError("invalid semicolon separator in query")
+            continue
+        if not field:
+            continue
+        key, _, value = field.partition(b"=")
+        try:
+            query.setdefault(_unescape(key), []).append(_unescape(value))
+        except ValueError as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return query
+
+
+def query_of(request: Request) -> Query:
+    """The request's query, or `400 INVALID_REQUEST` if Go could not parse it."""
+    _, _, raw = request.uri.partition(b"?")
+    try:
+        return parse_query(raw)
+    except ValueError:
+        raise ApiError(400, "INVALID_REQUEST") from None
+
+
+def go_parse_bool(value: str) -> bool | None:
+    """strconv.ParseBool, None where Go returns an error."""
+    if value in _GO_TRUE:
+        return True
+    if value in _GO_FALSE:
+        return False
+    return None
+
+
+def topic_arg(query: Query, invalid: str | None = "INVALID_TOPIC") -> str:
+    """`topic`: 400 MISSING_ARG_TOPIC when absent, 400 `invalid` when not a valid name.
+
+    `invalid=None` skips the name check, as nsqd's delete and pause handlers
+    do (an invalid name is then simply not found).
+    """
+    name = query.first("topic")
+    if name is None:
+        raise ApiError(400, "MISSING_ARG_TOPIC")
+    if invalid is not None and not is_valid_name(name):
+        raise ApiError(400, invalid)
+    return name
+
+
+def topic_channel_args(query: Query) -> tuple[str, str]:
+    """`topic` and `channel` for the /channel/* endpoints (nsqd's GetTopicChannelArgs).
+
+    Their error texts differ from /pub's and /topic/*'s: INVALID_ARG_TOPIC,
+    not INVALID_TOPIC.
+    """
+    topic = topic_arg(query, "INVALID_ARG_TOPIC")
+    channel = query.first("channel")
+    if channel is None:
+        raise ApiError(400, "MISSING_ARG_CHANNEL")
+    if not is_valid_name(channel):
+        raise ApiError(400, "INVALID_ARG_CHANNEL")
+    return topic, channel

@@ -1,0 +1,80 @@
+"""The base of every nsqd HTTP endpoint: handlers return values, the base answers.
+
+An endpoint is one route. Its `handle_<METHOD>(request, params)` methods
+return what nsqd's handler would (a string, None, a JSON-able structure,
+or `LATER` when the answer comes later) or raise `ApiError`; the
+base turns that into a V1 response, so every endpoint gets the same
+headers and error bodies without writing any. The methods an endpoint
+defines are the ones its route allows (others get 405 from the router).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from twisted.web.server import NOT_DONE_YET, Request
+
+from ..logs import get_logger
+from .response import ApiError, respond_v1
+
+if TYPE_CHECKING:
+    from ..broker import Broker
+
+__all__ = ["Endpoint", "LATER", "finish_v1", "read_body"]
+
+log = get_logger(__name__)
+
+# What a handler returns when it will answer with `finish_v1` later. Not
+# twisted's NOT_DONE_YET itself: that is the int 1, which a handler may
+# well return as a JSON value (`/config/log_level` at debug).
+LATER = object()
+
+
+class Endpoint:
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    def methods(self) -> tuple[str, ...]:
+        """The HTTP methods this endpoint answers, sorted (looked up once: asked per request)."""
+        methods = self.__dict__.get("_methods")
+        if methods is None:
+            methods = self._methods = tuple(
+                sorted(name[len("handle_"):] for name in dir(self) if name.startswith("handle_")))
+        return methods
+
+    def render(self, request: Request, params: Mapping[str, str]) -> Any:
+        """The body for twisted.web (status and headers set), or NOT_DONE_YET.
+
+        An unexpected exception is nsqd's recovered panic: logged, and
+        answered `500 {"message":"INTERNAL_ERROR"}` so the client is not
+        left with a half-written response.
+        """
+        handler = getattr(self, "handle_" + request.method.decode("ascii", "replace"))
+        try:
+            result = handler(request, params)
+        except ApiError as e:
+            return respond_v1(request, e.code, e.message)
+        except Exception:
+            log.failure("{method} {uri} failed", method=request.method, uri=request.uri)
+            return respond_v1(request, 500, "INTERNAL_ERROR")
+        if result is LATER:
+            return NOT_DONE_YET
+        return respond_v1(request, 200, result)
+
+
+def finish_v1(request: Request, code: int, data: Any = None) -> None:
+    """Answer a request whose handler returned LATER."""
+    body = respond_v1(request, code, data)
+    request.setHeader(b"Content-Length", b"%d" % len(body))
+    request.write(body)
+    request.finish()
+
+
+def read_body(request: Request, limit: int) -> bytes:
+    """At most `limit` bytes of the body: nsqd reads max+1 to tell a too-big body."""
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return content.read(limit)

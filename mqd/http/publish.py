@@ -1,0 +1,201 @@
+"""`POST /pub` and `POST /mpub`: publishing over HTTP, checked in nsqd's order.
+
+The order of the checks is part of the API (a too-big empty-topic request
+answers MSG_TOO_BIG, not MISSING_ARG_TOPIC), so each handler follows
+nsqd's `doPUB`/`doMPUB` step by step. The topic is created as soon as its
+name is valid, before the rest of the request is checked, as nsqd does.
+
+With `--durable` a publish is answered only once the store has committed
+it, the same promise a TCP PUB gets.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from twisted.web.server import Request
+
+from backends import BackendError
+
+from ..logs import get_logger
+from .args import go_parse_bool, query_of, topic_arg
+from .endpoint import LATER, Endpoint, finish_v1, read_body
+from .response import ApiError
+
+if TYPE_CHECKING:
+    from ..topic import Topic
+
+__all__ = ["Mpub", "Pub", "parse_binary_mpub", "split_text_mpub"]
+
+log = get_logger(__name__)
+
+_INT32 = struct.Struct(">i")
+# strconv.ParseInt(s, 10, 64): an optional sign and decimal digits, nothing else.
+_GO_INT = re.compile(r"[+-]?[0-9]+")
+_INT64_MAX = (1 << 63) - 1
+
+
+def _content_length(request: Request) -> int:
+    """The declared body size, -1 when not given (chunked), as Go's ContentLength."""
+    raw = request.getHeader(b"content-length")
+    try:
+        return int(raw) if raw is not None else -1
+    except ValueError:
+        return -1
+
+
+def _defer_ms(value: str, max_ms: float) -> int:
+    """The `defer` parameter in milliseconds, or 400 INVALID_DEFER."""
+    if not _GO_INT.fullmatch(value) or abs(int(value)) > _INT64_MAX:
+        raise ApiError(400, "INVALID_DEFER")
+    ms = int(value)
+    if ms < 0 or ms > max_ms:
+        raise ApiError(400, "INVALID_DEFER")
+    return ms
+
+
+def split_text_mpub(body: bytes, read_max: int, max_msg_size: int) -> list[bytes]:
+    """Text-mode /mpub: one message per line, empty lines skipped, trailing newline optional.
+
+    `body` holds at most `read_max` (max-body-size + 1) bytes; reaching it
+    means the body was too big. Lines are checked in order, so a long line
+    before the limit answers MSG_TOO_BIG, as nsqd's line reader does.
+    """
+    bodies: list[bytes] = []
+    total = 0
+    pos = 0
+    end = len(body)
+    while True:
+        nl = body.find(b"\n", pos)
+        last = nl < 0
+        stop = end if last else nl + 1
+        total += stop - pos
+        if total == read_max:
+            raise ApiError(413, "BODY_TOO_BIG")
+        line = body[pos:stop - (0 if last else 1)]
+        if line:
+            if len(line) > max_msg_size:
+                raise ApiError(413, "MSG_TOO_BIG")
+            bodies.append(line)
+        if last:
+            return bodies
+        pos = stop
+
+
+def parse_binary_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
+    """Binary-mode /mpub: `[count][size][bytes]...` as the TCP MPUB body (nsqd's readMPUB).
+
+    Errors are 413 with the TCP error code minus `E_`. Bytes after the last
+    message are ignored, as nsqd stops reading there.
+    """
+    if len(body) < 4:
+        raise ApiError(413, "BAD_BODY")
+    count = _INT32.unpack_from(body, 0)[0]
+    if count <= 0 or count > (max_body_size - 4) // 5:
+        raise ApiError(413, "BAD_BODY")
+    pos = 4
+    end = len(body)
+    bodies: list[bytes] = []
+    for _ in range(count):
+        if pos + 4 > end:
+            raise ApiError(413, "BAD_MESSAGE")
+        size = _INT32.unpack_from(body, pos)[0]
+        if size <= 0 or size > max_msg_size:
+            raise ApiError(413, "BAD_MESSAGE")
+        pos += 4
+        if pos + size > end:
+            raise ApiError(413, "BAD_MESSAGE")
+        bodies.append(body[pos:pos + size])
+        pos += size
+    return bodies
+
+
+class _Publisher(Endpoint):
+    def publish(self, request: Request, topic: Topic, bodies: list[bytes],
+                defer: float = 0.0) -> object:
+        """Hand the bodies to the topic and answer `OK`, now or once they are durable.
+
+        A topic shutting down answers 503 EXITING (nsqd's PutMessage
+        failing); a store that refuses the messages answers 500 and marks
+        the broker unhealthy, so /ping shows why.
+        """
+        if topic.exiting:
+            raise ApiError(503, "EXITING")
+        if not bodies:
+            return "OK"
+        try:
+            topic.publish(bodies, defer)
+        except BackendError as e:
+            self.broker.set_health(str(e))
+            raise ApiError(500, "INTERNAL_ERROR") from None
+        store = self.broker.store
+        if not store.durable:
+            return "OK"
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))
+
+        def committed(error: str | None) -> None:
+            if gone:
+                return
+            if error is None:
+                finish_v1(request, 200, "OK")
+            else:
+                log.error("HTTP publish to {topic} failed: {error}", topic=topic.name, error=error)
+                finish_v1(request, 500, "INTERNAL_ERROR")
+
+        store.when_durable(committed)
+        return LATER
+
+
+class Pub(_Publisher):
+    """`POST /pub?topic=<t>[&defer=<ms>]`: the body is one message."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
+        opts = self.broker.options
+        max_size = opts.max_msg_size
+        if _content_length(request) > max_size:
+            raise ApiError(413, "MSG_TOO_BIG")
+        body = read_body(request, max_size + 1)
+        if len(body) > max_size:
+            raise ApiError(413, "MSG_TOO_BIG")
+        if not body:
+            raise ApiError(400, "MSG_EMPTY")
+        query = query_of(request)
+        topic = self.broker.topic(topic_arg(query))
+        defer = 0.0
+        raw_defer = query.first("defer")
+        if raw_defer is not None:
+            defer = _defer_ms(raw_defer, opts.max_req_timeout * 1000) / 1000
+        return self.publish(request, topic, [body], defer)
+
+
+class Mpub(_Publisher):
+    """`POST /mpub?topic=<t>[&binary=true]`: many messages, by line or length-prefixed."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
+        opts = self.broker.options
+        if _content_length(request) > opts.max_body_size:
+            raise ApiError(413, "BODY_TOO_BIG")
+        query = query_of(request)
+        topic = self.broker.topic(topic_arg(query))
+        binary = False
+        raw_binary = query.first("binary")
+        if raw_binary is not None:
+            parsed = go_parse_bool(raw_binary)
+            if parsed is None:
+                # nsqd's rule: an unrecognised value means binary (pre-1.0 clients sent others).
+                log.warn("deprecated value {value!r} used for /mpub binary param", value=raw_binary)
+                parsed = True
+            binary = parsed
+        read_max = opts.max_body_size + 1
+        body = read_body(request, read_max)
+        if binary:
+            if len(body) == read_max:
+                raise ApiError(413, "BODY_TOO_BIG")
+            bodies = parse_binary_mpub(body, opts.max_msg_size, opts.max_body_size)
+        else:
+            bodies = split_text_mpub(body, read_max, opts.max_msg_size)
+        return self.publish(request, topic, bodies)

@@ -1,0 +1,91 @@
+"""What monitoring reads: `/ping` (health), `/info` (version, static config), `/stats`."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.web.server import Request
+
+from ..protocol.v2 import NSQ_VERSION
+from ..stats import stats_json, stats_text
+from .args import query_of
+from .endpoint import Endpoint
+from .response import ApiError, respond_plain
+
+__all__ = ["Info", "Ping", "Stats", "nanoseconds"]
+
+# nsqd's `boolParams` for include_clients / include_mem; anything else means the default.
+_BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def nanoseconds(seconds: float) -> int:
+    """A duration as Go's encoding/json writes a time.Duration: integer nanoseconds."""
+    return round(seconds * 1e9)
+
+
+class Ping(Endpoint):
+    """`GET /ping`: `OK`, or `500 NOK - <error>` after a storage failure (PlainText, not V1).
+
+    Load balancers and scripts check the status and compare the text, so
+    neither JSON nor the V1 header is added.
+    """
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
+        health = self.broker.health
+        if health:
+            raise ApiError(500, f"NOK - {health}")
+        return "OK"
+
+    def render(self, request: Request, params: Mapping[str, str]) -> bytes:
+        try:
+            return respond_plain(request, 200, self.handle_GET(request, params))
+        except ApiError as e:
+            return respond_plain(request, e.code, e.message)
+
+
+class Info(Endpoint):
+    """`GET /info`: what nsqadmin and lookupd-less tools read to identify a broker."""
+
+    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+        super().__init__(broker)
+        # Bound ports, filled in once the listeners are up (port 0 picks one).
+        self.ports = ports
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> dict[str, Any]:
+        opts = self.broker.options
+        return {
+            "version": NSQ_VERSION,
+            "broadcast_address": opts.broadcast_address,
+            "hostname": socket.gethostname(),
+            # The bound ports, -1 for a unix socket, as nsqd reports them.
+            "http_port": self.ports.get("HTTP", -1),
+            "tcp_port": self.ports.get("TCP", -1),
+            "start_time": self.broker.start_time,
+            "max_heartbeat_interval": nanoseconds(opts.max_heartbeat_interval),
+            "max_output_buffer_size": opts.max_output_buffer_size,
+            "max_output_buffer_timeout": nanoseconds(opts.max_output_buffer_timeout),
+            "max_deflate_level": opts.max_deflate_level,
+            "topology_zone": getattr(opts, "topology_zone", ""),
+            "topology_region": getattr(opts, "topology_region", ""),
+        }
+
+
+class Stats(Endpoint):
+    """`GET /stats`: text unless `format=json`; filters `topic`, `channel`; `include_*` flags.
+
+    The figures are built by mqd.stats, which statsd and Prometheus share;
+    this only reads the parameters as nsqd does (an empty or missing filter
+    is no filter, an unrecognised boolean means true).
+    """
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
+        query = query_of(request)
+        topic = query.first("topic") or None
+        channel = query.first("channel") or None
+        include_clients = _BOOL_PARAMS.get(query.first("include_clients") or "", True)
+        include_mem = _BOOL_PARAMS.get(query.first("include_mem") or "", True)
+        if query.first("format") == "json":
+            return stats_json(self.broker, topic, channel, include_clients, include_mem)
+        return stats_text(self.broker, topic, channel, include_clients, include_mem)
