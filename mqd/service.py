@@ -26,11 +26,13 @@ class ListeningService(service.Service):
     reactor runs.
     """
 
-    def __init__(self, label: str, endpoint, factory, ports: dict | None = None, reactor=None) -> None:
+    def __init__(self, label: str, endpoint, factory, ports: dict | None = None, reactor=None,
+                 description: str = "") -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.reactor = reactor
         self.label = label
+        self.endpoint_description = description or repr(endpoint)
         self.endpoint = endpoint
         self.factory = factory
         self.ports = ports if ports is not None else {}
@@ -41,9 +43,11 @@ class ListeningService(service.Service):
         failures: list[Failure] = []
         self.endpoint.listen(self.factory).addCallbacks(self._listening, failures.append)
         if failures:
-            log.critical("{label}: cannot listen: {error}", label=self.label,
-                         error=failures[0].getErrorMessage())
-            failures[0].raiseException()
+            # One clear line and a non-zero exit, as nsqd stops on a listen
+            # failure; a traceback would bury the reason.
+            print(f"mqd: {self.label}: cannot listen on {self.endpoint_description}: "
+                  f"{failures[0].getErrorMessage()}", file=sys.stderr)
+            raise SystemExit(1)
 
     def _listening(self, port) -> None:
         self.port = port

@@ -129,11 +129,13 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     QueueScanner(broker).setServiceParent(top)
     ports: dict[str, int] = {}
     tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
-    ListeningService("TCP", tcp, V2Factory(broker), ports, reactor).setServiceParent(top)
+    ListeningService("TCP", tcp, V2Factory(broker), ports, reactor,
+                     settings.tcp_address).setServiceParent(top)
     if settings.http_address:
         http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
         site = NsqdSite(broker, ports, reactor)
-        ListeningService("HTTP", http, site, ports, reactor).setServiceParent(top)
+        ListeningService("HTTP", http, site, ports, reactor,
+                         settings.http_address).setServiceParent(top)
     if settings.statsd_address:
         # Last, so it stops first: its final datagrams go out before the broker closes.
         StatsdService(broker, ports, reactor).setServiceParent(top)

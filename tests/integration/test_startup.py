@@ -118,6 +118,26 @@ def test_bad_flag_stops_start_up_with_one_line(tmp_path):
     assert len(lines) == 1 and "--mem-queue-size" in lines[0], proc.stderr
 
 
+def test_port_in_use_stops_start_up_with_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            twistd_command(f"--tcp-address=127.0.0.1:{port}", "--http-address=127.0.0.1:0",
+                           f"--data-path={tmp_path}"),
+            env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+    assert proc.returncode == 1
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if "mqd: TCP: cannot listen" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "in use" in errors[0], output
+    assert "Traceback" not in output
+
+
 def test_missing_config_file_is_reported(tmp_path):
     missing = tmp_path / "nope.yaml"
     proc = subprocess.run(
