@@ -137,7 +137,9 @@ class LmdbQueue:
             self._read_seq = KEY.unpack(out[-1].key)[1] + 1
             self._depth -= len(out)
             if not self._store.durable:
-                self._forget(out)
+                # Without durability a read removes the records (one never
+                # written is just dropped), exactly what a FIN does.
+                self.finish(out)
         return out
 
     def _read_stored(self, count: int, tail_start: int) -> list[Message]:
@@ -164,18 +166,6 @@ class LmdbQueue:
             # Only held or deleted records before the cached tail.
             self._read_seq = tail_start
         return out
-
-    def _forget(self, messages) -> None:
-        """Non-durable reads remove the records (a record never written is just dropped)."""
-        store = self._store
-        puts = store._puts
-        dels = store._dels
-        for msg in messages:
-            key = msg.key
-            msg.key = None
-            if puts.pop(key, None) is None:
-                dels.add(key)
-        store._schedule()
 
     def finish(self, messages) -> None:
         store = self._store
