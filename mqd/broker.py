@@ -18,6 +18,7 @@ from typing import Any
 
 import backends
 
+from .auth import AuthClient
 from .channel import Channel
 from .logs import get_logger, set_log_level
 from .names import is_valid_name
@@ -56,6 +57,8 @@ class Broker:
         self._lock_fd: int | None = None
         self.store = None
         self._ephemeral_store = backends.open_store("dummy", options)
+        # Asks the auth servers for AUTH (tests replace its fetch function).
+        self.auth = AuthClient(options, clock)
 
     def open(self) -> None:
         """Open the store and bring back the last run's topics and channels.

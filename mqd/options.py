@@ -174,6 +174,9 @@ class Option:
     # Replaces the kind's parser where the values are not plain strings
     # (a "list" of numbers); the kind still says how the flag is given.
     parser: Callable[[Any], Any] | None = None
+    # The value a bare `--name` stands for, for a non-bool option that Go
+    # declares as a bool flag (nsqd's --tls-required); None: a value is required.
+    bare: str | None = None
 
     @property
     def attr(self) -> str:
@@ -219,6 +222,16 @@ def _statsd_address_check(value: str) -> str | None:
     return None
 
 
+def _parse_tls_required(value: Any) -> str:
+    """nsqd's tlsRequiredOption: true/false (and Go's other bool spellings) or tcp-https."""
+    if isinstance(value, str) and value.strip().lower() == "tcp-https":
+        return "tcp-https"
+    try:
+        return "true" if _parse_bool(value) else "false"
+    except ValueError:
+        raise ValueError(f"expected true, false or tcp-https, got {value!r}") from None
+
+
 MQD_OPTIONS: tuple[Option, ...] = (
     Option("log-level", "str", "info", "debug, info, warn, error or fatal",
            _one_of("debug", "info", "warn", "error", "fatal")),
@@ -228,6 +241,15 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("http-address", "address", "0.0.0.0:4151", "HTTP clients: HOST:PORT or a Twisted endpoint string; empty disables"),
     Option("lookupd-tcp-address", "list", [], "lookupd TCP address (repeatable)",
            aliases=("nsqlookupd_tcp_addresses",)),
+    Option("auth-http-address", "list", [],
+           "auth server: HOST:PORT (http://HOST:PORT/auth) or a full URL (repeatable); makes AUTH mandatory",
+           aliases=("auth_http_addresses",)),
+    Option("auth-http-request-method", "str", "get", "how the auth server is asked: get or post",
+           _one_of("get", "post")),
+    Option("http-client-connect-timeout", "duration", 2.0, "connect timeout of requests to the auth server",
+           _positive_duration),
+    Option("http-client-request-timeout", "duration", 5.0, "whole-request timeout of requests to the auth server",
+           _positive_duration),
     Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
     Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
     Option("broadcast-http-port", "int", 0, "HTTP port announced to lookupd (0: the bound port)", _between(0, 65535)),
@@ -258,9 +280,22 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("queue-scan-dirty-percent", "float", 0.25, "rescan at once when more than this share of sampled channels had work",
            _between(0.0, 1.0)),
     Option("queue-scan-worker-pool-max", "int", 4, "accepted for nsqd compatibility; the scan runs on the reactor", _at_least(1)),
-    Option("deflate", "bool", True, "allow deflate compression (negotiated as off until compression lands)"),
+    Option("https-address", "address", "0.0.0.0:4152",
+           "HTTPS clients (only when --tls-cert and --tls-key are set): HOST:PORT or a Twisted endpoint string; empty disables"),
+    Option("tls-cert", "str", "", "path to the certificate file (PEM, may hold the chain)"),
+    Option("tls-key", "str", "", "path to the private key file (PEM)"),
+    Option("tls-client-auth-policy", "str", "",
+           "client certificate policy: require or require-verify (sets --tls-required=true if it was false)",
+           _one_of("", "require", "require-verify")),
+    Option("tls-root-ca-file", "str", "", "CA bundle (PEM) client certificates are verified against"),
+    Option("tls-required", "str", "false",
+           "true: TCP clients must upgrade to TLS and plain HTTP answers 403; tcp-https: TCP only; false",
+           parser=_parse_tls_required, bare="true"),
+    Option("tls-min-version", "str", "tls1.0", "lowest TLS version accepted: tls1.0, tls1.1, tls1.2 or tls1.3",
+           _one_of("tls1.0", "tls1.1", "tls1.2", "tls1.3")),
+    Option("deflate", "bool", True, "allow deflate compression"),
     Option("max-deflate-level", "int", 6, "highest deflate level a client may ask for", _between(1, 9)),
-    Option("snappy", "bool", True, "allow snappy compression (negotiated as off until compression lands)"),
+    Option("snappy", "bool", True, "allow snappy compression"),
     Option("statsd-address", "str", "", "UDP HOST:PORT of a statsd daemon to push stats to; empty disables",
            _statsd_address_check),
     Option("statsd-prefix", "str", "nsq.%s",

@@ -142,6 +142,14 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
         "snappy": client.snappy,
         "user_agent": client.user_agent,
     }
+    # omitempty in nsqd: only a connection that passed AUTH shows them.
+    state = getattr(client, "auth_state", None)
+    if state is not None and state.grants:
+        row["authed"] = True
+        if state.identity:
+            row["auth_identity"] = state.identity
+        if state.identity_url:
+            row["auth_identity_url"] = state.identity_url
     pub_counts = _pub_counts(client, topic)
     if pub_counts:
         row["pub_counts"] = pub_counts

@@ -18,6 +18,7 @@ from .protocol.v2 import NSQ_VERSION, V2Factory
 from .queuescan import QueueScanner
 from .service import BrokerService, ListeningService
 from .statsd import StatsdService
+from .tlsconfig import server_tls
 
 __all__ = ["Options", "makeService", "make_options_class", "settings_from"]
 
@@ -36,6 +37,7 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
     lists = [o for o in table if o.kind == "list"]
     long_names = {o.name for o in table} | {"config", "version", "help"}
     bool_names = {o.name for o in table if o.kind == "bool"}
+    bare_values = {o.name: o.bare for o in table if o.bare is not None}
 
     class _Options(usage.Options):
         synopsis = f"[options]  (nsqd's flags; see config/{program}.yaml)"
@@ -63,6 +65,8 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
                     name = arg[1:].split("=", 1)[0]
                     if name in long_names:
                         arg = "-" + arg
+                if arg.startswith("--") and arg[2:] in bare_values:
+                    arg = f"{arg}={bare_values[arg[2:]]}"
                 if arg.startswith("--") and "=" in arg:
                     name, value = arg[2:].split("=", 1)
                     if name in bool_names:
@@ -122,7 +126,14 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     if reactor is None:
         from twisted.internet import reactor
     set_log_level(settings.log_level)
+    try:
+        tls = server_tls(settings)
+    except ConfigError as e:
+        print(f"mqd: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     broker = Broker(settings, clock=reactor)
+    # The V2 protocol reads it for IDENTIFY's tls_v1 and the TLS-required policy.
+    broker.tls = tls
     top = service.MultiService()
     top.broker = broker
     BrokerService(broker).setServiceParent(top)
@@ -133,9 +144,20 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
                      settings.tcp_address).setServiceParent(top)
     if settings.http_address:
         http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
-        site = NsqdSite(broker, ports, reactor)
+        site = NsqdSite(broker, ports, reactor,
+                        tls_required=tls is not None and tls.http_required)
         ListeningService("HTTP", http, site, ports, reactor,
                          settings.http_address).setServiceParent(top)
+    if tls is not None and settings.https_address:
+        # The same API over TLS; the TLS layer wraps the site's factory, so
+        # any endpoint form (host:port, unix socket) works as for HTTP.
+        from twisted.protocols.tls import TLSMemoryBIOFactory
+
+        https = endpoints.serverFromString(reactor, to_endpoint(settings.https_address))
+        https_site = TLSMemoryBIOFactory(tls, False, NsqdSite(broker, ports, reactor))
+        https_site.noisy = False
+        ListeningService("HTTPS", https, https_site, ports, reactor,
+                         settings.https_address).setServiceParent(top)
     if settings.statsd_address:
         # Last, so it stops first: its final datagrams go out before the broker closes.
         StatsdService(broker, ports, reactor).setServiceParent(top)

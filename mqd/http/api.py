@@ -197,9 +197,20 @@ class NsqdSite(server.Site):
 
     noisy = False
 
-    def __init__(self, broker, ports: Mapping[str, int], reactor=None) -> None:
+    def __init__(self, broker, ports: Mapping[str, int], reactor=None, *,
+                 tls_required: bool = False) -> None:
         super().__init__(NsqdAPI(broker, ports), reactor=reactor, parsePOSTFormSubmission=False)
         self.broker = broker
+        self.ports = ports
+        # The plain-HTTP site of a broker run with --tls-required=true
+        # turns every request away, pointing at the HTTPS port (go-nsq's
+        # HTTP client retries there).
+        self.tls_required = tls_required
+
+    def getResourceFor(self, request: server.Request):
+        if self.tls_required:
+            return TLSRequired(self.ports)
+        return super().getResourceFor(request)
 
     def getContentFile(self, length: int | None) -> CappedBody:
         """Where twisted.web puts a request body: memory, bounded by the largest limit.
@@ -215,6 +226,23 @@ class NsqdSite(server.Site):
         log.debug("{code} {method} {uri} ({client})", code=request.code,
                   method=request.method.decode("ascii", "replace"),
                   uri=request.uri.decode("ascii", "replace"), client=_client(request))
+
+
+class TLSRequired(resource.Resource):
+    """nsqd's answer on plain HTTP under --tls-required=true, byte for byte (a literal in http.go)."""
+
+    isLeaf = True
+
+    def __init__(self, ports: Mapping[str, int]) -> None:
+        super().__init__()
+        self.ports = ports
+
+    def render(self, request: server.Request) -> bytes:
+        request.setResponseCode(403)
+        request.setHeader(b"X-NSQ-Content-Type", b"nsq; version=1.0")
+        request.setHeader(b"Content-Type", b"application/json; charset=utf-8")
+        port = self.ports.get("HTTPS", 0)
+        return f'{{"message": "TLS_REQUIRED", "https_port": {port}}}'.encode()
 
 
 def _client(request: server.Request) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.interfaces import IHandshakeListener
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.protocols.policies import TimeoutMixin
@@ -19,11 +20,13 @@ from zope.interface import implementer
 
 from backends import BackendError
 
+from ..auth import remote_ip
 from ..channel import ChannelError
 from ..consumer import IConsumer
 from ..logs import get_logger
 from ..message import MESSAGE_HEADER
 from ..names import is_valid_name
+from .compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
 from .errors import ProtocolError, fatal, go_quote, nonfatal
 from .framing import CLOSE_WAIT, FRAME_TYPE_ERROR, FRAME_TYPE_RESPONSE, HEARTBEAT, INT32, OK, frame
 
@@ -48,8 +51,13 @@ MAX_LINE = 64 * 1024
 
 _MSG_HEADER_PACK = MESSAGE_HEADER.pack
 _MSG_OVERHEAD = MESSAGE_HEADER.size - 4
+_MSG_FRAME = MESSAGE_HEADER.size
 _unpack_int32 = INT32.unpack_from
 _NEED_MORE = -1
+# A handler's answer that parsing must stop until an auth server answers
+# (see _check_auth, _cmd_auth); -2 so it is never an offset.
+_PAUSED = -2
+_FOREVER = float("inf")
 
 log = get_logger(__name__)
 
@@ -61,7 +69,7 @@ def _base10(raw: bytes) -> int | None:
     return int(raw) if raw else 0
 
 
-@implementer(IConsumer)
+@implementer(IConsumer, IHandshakeListener)
 class V2Protocol(Protocol, TimeoutMixin):
     """One client connection speaking V2."""
 
@@ -87,7 +95,24 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.deflate_level = 0
         self.snappy = False
         self.tls = False
+        self.tls_version = ""
+        self.tls_cipher_suite = ""
+        self.tls_common_name = ""
         self.authorized = False
+        # AUTH: the auth server's last answer (mqd.auth.AuthState) and the
+        # secret to ask again with once it expires.
+        self._auth_on = broker.auth.enabled
+        self.auth_state = None
+        self._auth_secret = ""
+        # Set by a handler that needs the auth server: run after the read is
+        # parsed, with the rest of the input kept (from _resume_at, or from
+        # the command itself when -1) until the answer comes.
+        self._pause_action = None
+        self._resume_at = -1
+        # Output buffer of message frames (nsqd's bufio.Writer; spec section 8).
+        self._obuf: list[bytes] = []
+        self._obuf_len = 0
+        self._flush_call = None
         self.ready_count = 0
         self.in_flight_count = 0
         self.message_count = 0
@@ -107,6 +132,16 @@ class V2Protocol(Protocol, TimeoutMixin):
         # Frames waiting behind a durable publish's OK; None when nothing waits.
         self._held: list | None = None
         self._close_after_release = False
+        # TLS and compression (IDENTIFY's upgrades). _decoder is the only
+        # thing a read checks: None unless compression was negotiated.
+        self._tls_config = getattr(broker, "tls", None)
+        if self._tls_config is not None and self._tls_config.tcp_required:
+            self._HANDLERS = _TLS_REQUIRED_HANDLERS
+        self._decoder = None
+        self._negotiated: tuple[bool, bool, bool] | None = None
+        self._upgrade_leftover: bytes | None = None
+        self._tls_layer = None
+        self._handshake_timer = None
 
     # -- connection lifecycle -------------------------------------------------
 
@@ -127,6 +162,14 @@ class V2Protocol(Protocol, TimeoutMixin):
     def connectionLost(self, reason=None) -> None:
         self._closed = True
         self._stop_heartbeats()
+        self._obuf = []
+        if self._flush_call is not None and self._flush_call.active():
+            self._flush_call.cancel()
+        self._flush_call = None
+        if self.tls and not self.tls_version:
+            self._cancel_handshake_timer()
+            log.info("client {remote}: TLS handshake failed: {reason}", remote=self.remote_address,
+                     reason=reason.getErrorMessage() if reason is not None else "connection lost")
         channel, self.channel = self.channel, None
         if channel is not None:
             channel.remove_client(self)
@@ -164,6 +207,10 @@ class V2Protocol(Protocol, TimeoutMixin):
         if self._closed:
             return
         self.resetTimeout()
+        if self._decoder is not None:
+            data = self._decode(data)
+            if not data:
+                return
         if self._pending:
             self._pending.append(data)
             self._pending_len += len(data)
@@ -207,6 +254,8 @@ class V2Protocol(Protocol, TimeoutMixin):
                 params = data[pos:line_end].split(b" ")
                 handler = handlers.get(params[0])
                 if handler is None:
+                    if handlers is _TLS_REQUIRED_HANDLERS:
+                        _tls_required(self, params, data, eol + 1)
                     raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
                 if self._pub_bodies and handler is not _PUB:
                     self._flush_pubs()
@@ -227,6 +276,11 @@ class V2Protocol(Protocol, TimeoutMixin):
                 if nxt == _NEED_MORE:
                     self._keep(data[pos:], self._need - pos)
                     break
+                if nxt == _PAUSED:
+                    # Everything after this point waits for the auth server.
+                    resume = self._resume_at if self._resume_at >= 0 else pos
+                    self._keep(data[resume:], _FOREVER)
+                    break
                 pos = nxt
                 if self._closed:
                     return
@@ -246,6 +300,17 @@ class V2Protocol(Protocol, TimeoutMixin):
                 broker.pending_deliveries = None
                 for channel in pending:
                     channel.deliver()
+        action = self._pause_action
+        if action is not None:
+            # Started only now, with the input kept, so an answer that comes
+            # at once (a cached or fake fetch) resumes a consistent state.
+            self._pause_action = None
+            action()
+        leftover = self._upgrade_leftover
+        if leftover is not None:
+            self._upgrade_leftover = None
+            if leftover:
+                self._feed_upgraded(leftover)
 
     def _flush_delivery(self, pending: set) -> None:
         pending.discard(self.channel)
@@ -283,8 +348,11 @@ class V2Protocol(Protocol, TimeoutMixin):
 
         Responses must come back in command order (go-nsq pairs them with
         its publishes), so while a durable publish waits for its OK every
-        later frame of the connection waits behind it.
+        later frame of the connection waits behind it. Buffered message
+        frames go out first, as nsqd flushes before any other frame.
         """
+        if self._obuf:
+            self._flush_output()
         if self._held is None:
             self.transport.write(data)
         else:
@@ -299,6 +367,8 @@ class V2Protocol(Protocol, TimeoutMixin):
     def _release(self, error: str | None) -> None:
         """The commit holding this connection's publishes is synced (or failed)."""
         held, self._held = self._held or [], None
+        if self._obuf:
+            self._flush_output()
         out: list[bytes] = []
         failed = False
         for item in held:
@@ -347,16 +417,55 @@ class V2Protocol(Protocol, TimeoutMixin):
         return self.ready_count - self.in_flight_count
 
     def send_messages(self, messages: list) -> None:
-        out: list[bytes] = []
+        """Buffer the message frames; write them once the buffer is full or the client is not ready.
+
+        nsqd's output buffer (spec section 8): frames wait until the buffer
+        reaches output_buffer_size, the client stops being ready (its RDY
+        window is used up, so nothing more can come to join them), a
+        non-message frame is written, or output_buffer_timeout passes. A
+        consumer with a large RDY thus gets few, large writes; a low-rate
+        stream waits at most output_buffer_timeout. One lazily armed timer
+        per connection, nothing per message.
+        """
+        out = self._obuf
         append = out.append
         pack = _MSG_HEADER_PACK
+        size = self._obuf_len + _MSG_FRAME * len(messages)
         for msg in messages:
             body = msg.body
             append(pack(len(body) + _MSG_OVERHEAD, 2, msg.timestamp, msg.attempts, msg.id))
             append(body)
-        self.transport.writeSequence(out)
+            size += len(body)
+        if size >= self.output_buffer_size or self.in_flight_count >= self.ready_count:
+            self._obuf = []
+            self._obuf_len = 0
+            self.transport.writeSequence(out)
+            return
+        self._obuf_len = size
+        if self._flush_call is None and self.output_buffer_timeout > 0:
+            self._flush_call = self.callLater(self.output_buffer_timeout, self._flush_timer)
+
+    def _flush_timer(self) -> None:
+        # Not cancelled when the buffer is flushed otherwise: firing on an
+        # empty buffer is cheaper than cancelling and re-arming per flush.
+        self._flush_call = None
+        if self._obuf and not self._closed:
+            self._flush_output()
+
+    def _flush_output(self) -> None:
+        """Write the buffered message frames now."""
+        out = self._obuf
+        self._obuf = []
+        self._obuf_len = 0
+        if out:
+            self.transport.writeSequence(out)
+
+    def flush_output(self) -> None:
+        """What the flush timer will do: write what is buffered (tests read with this)."""
+        self._flush_output()
 
     def channel_gone(self) -> None:
+        self._flush_output()
         self.channel = None
         self._closed = True
         self.transport.loseConnection()
@@ -383,7 +492,94 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
         response = self._identify(body)
         self._write_frame(frame(FRAME_TYPE_RESPONSE, response))
-        return end
+        negotiated, self._negotiated = self._negotiated, None
+        if negotiated is None or not any(negotiated):
+            return end
+        self._upgrade(*negotiated)
+        # Whatever followed IDENTIFY in this read was sent for the new
+        # layers (TLS records, compressed bytes): dataReceived hands it to
+        # them once this pass is over, instead of parsing it as commands.
+        self._upgrade_leftover = data[end:]
+        return len(data)
+
+    def _upgrade(self, tls_v1: bool, deflate: bool, snappy: bool) -> None:
+        """nsqd's upgrade order: (JSON already sent) TLS + OK, then compression + OK.
+
+        Each OK goes out through the layers enabled so far: the first one
+        encrypted (queued by the TLS layer until the handshake is done),
+        the second also compressed.
+        """
+        if tls_v1:
+            if self.tls:
+                raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed TLS already enabled")
+            start_tls = getattr(self.transport, "startTLS", None)
+            if start_tls is None or self._held is not None:
+                raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed cannot start TLS on this connection")
+            start_tls(self._tls_config)
+            self.tls = True
+            self._tls_layer = getattr(self.transport, "protocol", None)
+            # nsqd gives a handshake 5 s.
+            self._handshake_timer = self.clock.callLater(5.0, self._handshake_timed_out)
+            self.__dict__.pop("_HANDLERS", None)  # TLS-required policy satisfied
+            self._write_frame(OK)
+        if snappy or deflate:
+            if self._decoder is not None:
+                raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed compression already enabled")
+            if self._held is not None:
+                raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed cannot compress this connection")
+            codec = SnappyCodec() if snappy else DeflateCodec(self.deflate_level)
+            self.transport = CompressedTransport(self.transport, codec)
+            self._decoder = codec.decompress
+            self.snappy = snappy
+            self.deflate = deflate
+            self._write_frame(OK)
+
+    def _feed_upgraded(self, data: bytes) -> None:
+        """Bytes read past IDENTIFY, given to the innermost new layer (TLS, else the decoder)."""
+        if self._closed:
+            return
+        if self._tls_layer is not None and not self.tls_version:
+            self._tls_layer.dataReceived(data)
+        else:
+            self.dataReceived(data)
+
+    def _decode(self, data: bytes) -> bytes:
+        """Decompress a read; a corrupt stream closes this connection only."""
+        try:
+            return self._decoder(data)
+        except CompressionError as e:
+            log.info("client {remote}: bad compressed data ({error}); closing",
+                     remote=self.remote_address, error=str(e))
+            self._closed = True
+            self._pending = []
+            self.transport.loseConnection()
+            return b""
+
+    def handshakeCompleted(self) -> None:
+        """IHandshakeListener: the TLS upgrade is done; note what /stats shows of it."""
+        self._cancel_handshake_timer()
+        try:
+            handle = self.transport.getHandle()
+            self.tls_version = (handle.get_protocol_version_name() or "TLS").replace("TLSv", "TLS")
+            self.tls_cipher_suite = handle.get_cipher_name() or ""
+            cert = handle.get_peer_certificate()
+            if cert is not None:
+                self.tls_common_name = cert.get_subject().CN or ""
+        except Exception as e:  # noqa: BLE001 - details for stats only, never fatal
+            log.debug("client {remote}: TLS details unavailable: {error}",
+                      remote=self.remote_address, error=str(e))
+            self.tls_version = self.tls_version or "TLS"
+
+    def _handshake_timed_out(self) -> None:
+        self._handshake_timer = None
+        log.info("client {remote}: TLS handshake timed out; closing", remote=self.remote_address)
+        self._closed = True
+        self.transport.abortConnection()
+
+    def _cancel_handshake_timer(self) -> None:
+        timer, self._handshake_timer = self._handshake_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
 
     def _identify(self, body: dict[str, Any]) -> bytes:
         """Validate and apply IDENTIFY; nsqd's checks, order and texts."""
@@ -468,10 +664,15 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._identified = True
         self._start_heartbeats()
 
+        tls_v1 = self._tls_config is not None and flags["tls_v1"]
+        deflate = opts.deflate and flags["deflate"]
+        snappy = opts.snappy and flags["snappy"]
+        if deflate and snappy:
+            raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
         if not flags["feature_negotiation"]:
+            # As nsqd: without feature negotiation nothing is upgraded.
             return b"OK"
-        # TLS and compression are negotiated as off until they are built
-        # (issue #5); clients then simply carry on without them.
+        self._negotiated = (tls_v1, deflate, snappy)
         deflate_level = ints["deflate_level"] if ints["deflate_level"] > 0 else 6
         deflate_level = min(deflate_level, opts.max_deflate_level)
         self.deflate_level = deflate_level
@@ -480,13 +681,13 @@ class V2Protocol(Protocol, TimeoutMixin):
             "version": NSQ_VERSION,
             "max_msg_timeout": int(opts.max_msg_timeout * 1000),
             "msg_timeout": int(self.msg_timeout * 1000),
-            "tls_v1": False,
-            "deflate": False,
+            "tls_v1": tls_v1,
+            "deflate": deflate,
             "deflate_level": deflate_level,
             "max_deflate_level": opts.max_deflate_level,
-            "snappy": False,
+            "snappy": snappy,
             "sample_rate": self.sample_rate,
-            "auth_required": False,
+            "auth_required": self._auth_on,
             "output_buffer_size": self.output_buffer_size,
             "output_buffer_timeout": int(self.output_buffer_timeout * 1000),
             "topology_region": "",
@@ -499,9 +700,93 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_INVALID", "cannot AUTH in current state")
         if len(params) != 1:
             raise fatal("E_INVALID", "AUTH invalid number of parameters")
-        if self._command_body("AUTH", data, start) is None:
+        got = self._command_body("AUTH", data, start)
+        if got is None:
             return _NEED_MORE
-        raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+        secret, end = got
+        if self.auth_state is not None and self.auth_state.grants:
+            raise fatal("E_INVALID", "AUTH already set")
+        if not self._auth_on:
+            raise fatal("E_AUTH_DISABLED", "AUTH disabled")
+        self._auth_secret = secret.decode("utf-8", "replace")
+        self._resume_at = end
+        self._pause_action = lambda: self._query_auth(self._authed)
+        return _PAUSED
+
+    # -- auth ---------------------------------------------------------------------
+
+    def _check_auth(self, verb: str, topic: str, channel: str):
+        """nsqd's CheckAuth: None when allowed, _PAUSED while an expired answer is fetched again.
+
+        Raises the fatal errors nsqd sends. A re-query pauses parsing and
+        runs this same command again once the new answer is in.
+        """
+        state = self.auth_state
+        if state is None or not self.authorized:
+            raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
+        if self.clock.seconds() >= state.expires:
+            self._resume_at = -1
+            self._pause_action = lambda: self._query_auth(self._requeried)
+            return _PAUSED
+        if not state.allows(topic, channel):
+            raise fatal("E_UNAUTHORIZED", f'AUTH failed for {verb} on "{topic}" "{channel}"')
+        return None
+
+    def _query_auth(self, then) -> None:
+        """Ask the auth server(s) without blocking; `then(state)` runs with the answer."""
+        d = self.broker.auth.query(remote_ip(self.remote_address), bool(self.tls),
+                                   self._auth_secret, self._common_name())
+        d.addCallbacks(self._auth_answer, self._auth_failed, callbackArgs=(then,))
+        d.addErrback(lambda f: log.failure("AUTH answer handling failed", f))
+
+    def _common_name(self) -> str:
+        """The client certificate's CN when the connection is TLS with one, else ""."""
+        if not self.tls:
+            return ""
+        if getattr(self, "tls_common_name", ""):
+            return self.tls_common_name
+        try:
+            cert = self.transport.getPeerCertificate()
+            return (cert.get_subject().commonName or "") if cert is not None else ""
+        except Exception:
+            return ""
+
+    def _auth_answer(self, state, then) -> None:
+        if self._closed:
+            return
+        self.auth_state = state
+        then(state)
+
+    def _auth_failed(self, failure) -> None:
+        if self._closed:
+            return
+        # The reason stays in the log: nsqd never tells untrusted clients
+        # what went wrong with the auth server.
+        log.warn("client {remote}: AUTH failed - {error}", remote=self.remote_address,
+                 error=failure.getErrorMessage())
+        self._fail(fatal("E_AUTH_FAILED", "AUTH failed"))
+
+    def _authed(self, state) -> None:
+        if not state.grants:
+            self._fail(fatal("E_UNAUTHORIZED", "AUTH no authorizations found"))
+            return
+        self.authorized = True
+        body = {"identity": state.identity, "identity_url": state.identity_url,
+                "permission_count": state.permission_count}
+        self._write_frame(frame(FRAME_TYPE_RESPONSE, json.dumps(body, separators=(",", ":")).encode()))
+        self._resume()
+
+    def _requeried(self, state) -> None:
+        self._resume()
+
+    def _resume(self) -> None:
+        """Parse what arrived while the auth server was asked."""
+        rest = b"".join(self._pending)
+        self._pending = []
+        self._pending_len = 0
+        self._need = 0
+        if rest and not self._closed:
+            self.dataReceived(rest)
 
     def _cmd_sub(self, params, data, start):
         if self.state != STATE_INIT:
@@ -516,6 +801,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         channel_name = _name(params[2])
         if channel_name is None:
             raise fatal("E_BAD_CHANNEL", f"SUB channel name {go_quote(params[2])} is not valid")
+        if self._auth_on and self._check_auth("SUB", topic_name, channel_name) is not None:
+            return _PAUSED
         channel = self.broker.topic(topic_name).channel(channel_name)
         try:
             channel.add_client(self)
@@ -541,6 +828,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         if count > max_rdy:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
         self.ready_count = count
+        if self._obuf and count <= self.in_flight_count:
+            self._flush_output()  # no longer ready: nsqd flushes
         self._deliver_soon()
         return start
 
@@ -643,6 +932,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         got = self._single_body("PUB", data, start)
         if got is None:
             return _NEED_MORE
+        if self._auth_on and self._check_auth("PUB", topic_name, "") is not None:
+            return _PAUSED
         body, end = got
         if self.state == STATE_INIT:
             # A pure publisher: consecutive PUBs to one topic in this read
@@ -681,12 +972,16 @@ class V2Protocol(Protocol, TimeoutMixin):
         got = self._single_body("DPUB", data, start)
         if got is None:
             return _NEED_MORE
+        if self._auth_on and self._check_auth("DPUB", topic_name, "") is not None:
+            return _PAUSED
         body, end = got
         self._publish("DPUB", topic_name, [body], timeout_ms / 1000)
         return end
 
     def _cmd_mpub(self, params, data, start):
         topic_name = self._publish_topic("MPUB", params, 2, code_prefix="E_BAD_TOPIC ")
+        if self._auth_on and self._check_auth("MPUB", topic_name, "") is not None:
+            return _PAUSED
         self.broker.topic(topic_name)  # nsqd creates the topic before reading the body
         size = self._read_body_size(data, start)
         if size is None:
@@ -748,6 +1043,19 @@ class V2Protocol(Protocol, TimeoutMixin):
 
 
 _PUB = V2Protocol._cmd_pub
+
+
+def _tls_required(self, params, data, start):
+    raise fatal("E_INVALID", f"cannot {params[0].decode('utf-8', 'replace')} in current state (TLS required)")
+
+
+# The handler table of a connection that must upgrade to TLS first
+# (--tls-required): IDENTIFY only; swapped for the class's on upgrade, so
+# the policy costs nothing per command.
+_TLS_REQUIRED_HANDLERS = {
+    verb: handler if verb == b"IDENTIFY" else _tls_required
+    for verb, handler in V2Protocol._HANDLERS.items()
+}
 
 # Commands whose follow-up delivery can wait for the end of the read: they
 # write nothing on success and only ever free in-flight slots.

@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ DEFAULT_TIMEOUT = 10.0
 # Loopback only: never through an http_proxy from the environment.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-_LISTENING = re.compile(r"\b(TCP|HTTP): listening on (\S+):(\d+)\s*$", re.MULTILINE)
+_LISTENING = re.compile(r"\b(TCP|HTTPS|HTTP): listening on (\S+):(\d+)\s*$", re.MULTILINE)
 
 
 def child_env() -> dict[str, str]:
@@ -93,6 +94,7 @@ class BrokerProcess:
         self.proc: subprocess.Popen | None = None
         self.tcp_host = self.http_host = ""
         self.tcp_port = self.http_port = 0
+        self.https_port = 0  # only when the broker has --tls-cert/--tls-key
         self.returncodes: list[int] = []
         self._log_offset = 0
 
@@ -128,6 +130,9 @@ class BrokerProcess:
                 self.tcp_host, self.tcp_port = found["TCP"]
                 self.http_host, self.http_port = found["HTTP"]
                 self._wait_until_serving(deadline)
+                # All listeners have logged by the time the reactor serves.
+                found = {m.group(1): int(m.group(3)) for m in _LISTENING.finditer(self.log())}
+                self.https_port = found.get("HTTPS", 0)
                 return self
             if self.proc.poll() is not None:
                 self.returncodes.append(self.proc.returncode)
@@ -153,6 +158,9 @@ class BrokerProcess:
                 with _NO_PROXY.open(url, timeout=1) as response:
                     if response.status == 200:
                         return
+            except urllib.error.HTTPError as e:
+                if e.code == 403:  # --tls-required=true: plain HTTP turns everything away
+                    return
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -150,7 +150,13 @@ class Client:
             self.proto.dataReceived(data[i : i + 1])
 
     def raw(self) -> bytes:
-        """The bytes written since the last read, and forget them."""
+        """The bytes written since the last read, and forget them.
+
+        Buffered message frames are flushed first, as the output-buffer
+        timer would by the time a real client reads; tests of the buffer
+        itself look at `transport.value()` directly.
+        """
+        self.proto.flush_output()
         data = self.transport.value()
         self.transport.clear()
         return data

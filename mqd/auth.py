@@ -1,0 +1,208 @@
+"""nsqd's client authorization: asking an auth server, and checking its answer.
+
+With `--auth-http-address`, a client sends `AUTH <secret>` and nsqd asks an
+HTTP auth server what that secret may do (`internal/auth/authorizations.go`).
+The answer is cached on the connection for its `ttl` and fetched again
+lazily on the next SUB/PUB after it expires. The query is made with
+Twisted's Agent so that a slow or dead auth server never blocks the reactor
+(every other client keeps being served while one waits for its answer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from io import BytesIO
+from urllib.parse import urlencode
+
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.web.client import Agent, FileBodyProducer, readBody
+from twisted.web.http_headers import Headers
+
+from .logs import get_logger
+
+__all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "parse_auth_response"]
+
+log = get_logger(__name__)
+
+ACCEPT = b"application/vnd.nsq; version=1.0"
+
+
+class AuthError(Exception):
+    """The auth server could not be asked or gave an unusable answer (logged, never sent to the client)."""
+
+
+def auth_urls(addresses: list[str]) -> list[str]:
+    """nsqd's endpoint rule: a value with `://` is a URL, else `http://<addr>/auth`."""
+    return [a if "://" in a else f"http://{a}/auth" for a in addresses]
+
+
+@dataclass
+class _Grant:
+    topic: re.Pattern
+    channels: list[re.Pattern]
+    permissions: frozenset[str]
+
+    def allows(self, topic: str, channel: str) -> bool:
+        # nsqd decides the permission from the channel: "" is a publish.
+        if ("subscribe" if channel else "publish") not in self.permissions:
+            return False
+        if self.topic.search(topic) is None:
+            return False
+        return any(c.search(channel) is not None for c in self.channels)
+
+
+@dataclass
+class AuthState:
+    """One auth server answer: who the client is, what it may do, until when."""
+
+    identity: str
+    identity_url: str
+    grants: list[_Grant]
+    expires: float
+    # (topic, channel) -> allowed, so a publisher's every PUB costs one dict lookup.
+    _cache: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+    @property
+    def permission_count(self) -> int:
+        return len(self.grants)
+
+    def allows(self, topic: str, channel: str) -> bool:
+        key = (topic, channel)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = any(g.allows(topic, channel) for g in self.grants)
+            if len(self._cache) < 1024:
+                self._cache[key] = hit
+        return hit
+
+
+def parse_auth_response(body: bytes, now: float) -> AuthState:
+    """An AuthState from the server's JSON, refusing what nsqd refuses.
+
+    A ttl ≤ 0, an unknown permission or a regex that does not compile
+    makes the whole answer a failure, as in nsqd. Go regexes are used as
+    Python ones: the two agree on the syntax auth servers use in practice.
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AuthError(f"invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise AuthError("response is not a JSON object")
+    ttl = data.get("ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+        raise AuthError(f"invalid TTL {ttl!r}")
+    identity = data.get("identity") or ""
+    identity_url = data.get("identity_url") or ""
+    if not isinstance(identity, str) or not isinstance(identity_url, str):
+        raise AuthError("identity and identity_url must be strings")
+    raw = data.get("authorizations") or []
+    if not isinstance(raw, list):
+        raise AuthError("authorizations must be a list")
+    grants = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise AuthError("authorization is not an object")
+        perms = entry.get("permissions") or []
+        channels = entry.get("channels") or []
+        topic = entry.get("topic", "")
+        if not isinstance(perms, list) or not isinstance(channels, list) or not isinstance(topic, str):
+            raise AuthError("malformed authorization")
+        for p in perms:
+            if p not in ("subscribe", "publish"):
+                raise AuthError(f"unknown permission {p}")
+        try:
+            topic_re = re.compile(topic)
+            channel_res = [re.compile(c) for c in channels if isinstance(c, str)]
+        except re.error as e:
+            raise AuthError(f"invalid regex: {e}") from None
+        if len(channel_res) != len(channels):
+            raise AuthError("channel regexes must be strings")
+        grants.append(_Grant(topic_re, channel_res, frozenset(perms)))
+    return AuthState(identity, identity_url, grants, now + ttl)
+
+
+# fetch(url, method, params) -> Deferred firing with the response body;
+# tests pass their own instead of running an HTTP server.
+Fetch = Callable[[str, str, dict[str, str]], Deferred]
+
+
+class AuthClient:
+    """Asks the configured auth servers, one after another from a random start, as nsqd does."""
+
+    def __init__(self, options, clock, fetch: Fetch | None = None) -> None:
+        self.urls = auth_urls(list(getattr(options, "auth_http_address", None) or []))
+        self.method = getattr(options, "auth_http_request_method", "get")
+        self.clock = clock
+        self.connect_timeout = getattr(options, "http_client_connect_timeout", 2.0)
+        self.request_timeout = getattr(options, "http_client_request_timeout", 5.0)
+        self.fetch_function = fetch
+        self._agent = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+    @inlineCallbacks
+    def query(self, remote_ip: str, tls: bool, secret: str, common_name: str):
+        """Deferred firing with an AuthState, or failing with AuthError."""
+        params = {"remote_ip": remote_ip, "tls": "true" if tls else "false",
+                  "secret": secret, "common_name": common_name}
+        urls = self.urls
+        start = random.randrange(len(urls))
+        errors = []
+        for i in range(len(urls)):
+            url = urls[(start + i) % len(urls)]
+            try:
+                body = yield self.fetch(url, self.method, params)
+                state = parse_auth_response(body, self.clock.seconds())
+            except Exception as e:  # any failure: try the next server
+                log.warn("auth server {url} failed: {error}", url=url, error=str(e) or type(e).__name__)
+                errors.append(f"{url}: {e}")
+                continue
+            return state
+        raise AuthError("; ".join(errors))
+
+    def fetch(self, url: str, method: str, params: dict[str, str]) -> Deferred:
+        if self.fetch_function is not None:
+            return self.fetch_function(url, method, params)
+        return self._http(url, method, params)
+
+    @inlineCallbacks
+    def _http(self, url: str, method: str, params: dict[str, str]):
+        from twisted.internet import reactor
+
+        if self._agent is None:
+            self._agent = Agent(reactor, connectTimeout=self.connect_timeout)
+        headers = Headers({b"Accept": [ACCEPT]})
+        producer = None
+        if method == "post":
+            # Go marshals url.Values: every value is a list of strings.
+            payload = json.dumps({k: [v] for k, v in params.items()}).encode()
+            headers.addRawHeader(b"Content-Type", b"application/json")
+            producer = FileBodyProducer(BytesIO(payload))
+            d = self._agent.request(b"POST", url.encode(), headers, producer)
+        else:
+            sep = "&" if "?" in url else "?"
+            full = url + sep + urlencode(sorted(params.items()))
+            d = self._agent.request(b"GET", full.encode(), headers)
+        d.addTimeout(self.request_timeout, reactor)
+        response = yield d
+        body_d = readBody(response)
+        body_d.addTimeout(self.request_timeout, reactor)
+        body = yield body_d
+        if response.code != 200:
+            raise AuthError(f"got response {response.code} {body[:200]!r}")
+        return body
+
+
+def remote_ip(remote_address: str) -> str:
+    """The IP part of a "host:port" peer (empty for a unix socket peer)."""
+    host, sep, port = remote_address.rpartition(":")
+    if not sep or not port.isdigit():
+        return ""
+    return host.strip("[]")

@@ -1,0 +1,180 @@
+"""AUTH against a real auth server (stdlib http.server in a thread) and a real broker."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from ._support import _NO_PROXY, FRAME_ERROR, FRAME_RESPONSE, Collector, RawConn, command
+
+PUBLISH = {"topic": ".*", "channels": [".*"], "permissions": ["publish"]}
+SUBSCRIBE = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
+
+
+class AuthServer:
+    """Answers per secret from `answers` (a dict, changeable between queries); records queries."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, dict] = {}
+        self.queries: list[dict[str, str]] = []
+        self.slow: set[str] = set()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                params = {k: v[0] for k, v in parse_qs(urlparse(self.path).query,
+                                                       keep_blank_values=True).items()}
+                server.queries.append(params)
+                secret = params.get("secret", "")
+                if secret in server.slow:
+                    time.sleep(3)
+                answer = server.answers.get(secret)
+                if answer is None:
+                    self.send_response(403)
+                    self.end_headers()
+                    return
+                body = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def authd():
+    server = AuthServer()
+    yield server
+    server.close()
+
+
+def grant(*authorizations, ttl=3600, identity="someone"):
+    return {"ttl": ttl, "identity": identity, "identity_url": f"http://id/{identity}",
+            "authorizations": list(authorizations)}
+
+
+def identify_auth(conn: RawConn, secret: bytes) -> tuple[int, bytes]:
+    conn.send(command("IDENTIFY", json.dumps({"feature_negotiation": True}).encode()))
+    frame_type, payload = conn.read_frame()
+    assert frame_type == FRAME_RESPONSE
+    assert json.loads(payload)["auth_required"] is True
+    conn.send(command("AUTH", secret))
+    return conn.read_frame()
+
+
+def test_pynsq_reader_and_writer_with_auth(start_broker, authd, loop, name):
+    authd.answers["pub"] = grant(PUBLISH, identity="producer")
+    authd.answers["sub"] = grant(SUBSCRIBE, identity="consumer")
+    broker = start_broker(f"--auth-http-address={authd.address}")
+    topic = name()
+    got = Collector()
+    loop.reader(broker, topic, "c", got, max_in_flight=10, auth_secret="sub")
+    writer = loop.writer(broker, auth_secret="pub")
+    assert loop.publish(writer, "pub", topic, b"hello") == b"OK"
+    loop.run_until(lambda: got.bodies == [b"hello"], what="the message")
+    assert {q["secret"] for q in authd.queries} == {"pub", "sub"}
+    assert all(q["remote_ip"] == "127.0.0.1" and q["tls"] == "false" for q in authd.queries)
+
+    with _NO_PROXY.open(f"http://{broker.http_address}/stats?format=json") as resp:
+        stats = json.load(resp)
+    [topic_stats] = [t for t in stats["topics"] if t["topic_name"] == topic]
+    [client] = topic_stats["channels"][0]["clients"]
+    assert client["authed"] is True
+    assert client["auth_identity"] == "consumer"
+    assert client["auth_identity_url"] == "http://id/consumer"
+
+
+def test_denied(start_broker, authd, name):
+    authd.answers["pub"] = grant(PUBLISH)
+    broker = start_broker(f"--auth-http-address={authd.address}")
+    topic = name()
+    with RawConn(broker) as conn:
+        conn.send(command(f"PUB {topic}", b"x"))
+        assert conn.read_frame() == (FRAME_ERROR, b"E_AUTH_FIRST AUTH required before PUB")
+        conn.expect_closed()
+    with RawConn(broker) as conn:
+        frame_type, payload = identify_auth(conn, b"pub")
+        assert frame_type == FRAME_RESPONSE
+        assert json.loads(payload) == {"identity": "someone", "identity_url": "http://id/someone",
+                                       "permission_count": 1}
+        conn.send(command(f"SUB {topic} c"))
+        assert conn.read_frame() == (FRAME_ERROR, f'E_UNAUTHORIZED AUTH failed for SUB on "{topic}" "c"'.encode())
+        conn.expect_closed()
+    with RawConn(broker) as conn:
+        assert identify_auth(conn, b"nobody") == (FRAME_ERROR, b"E_AUTH_FAILED AUTH failed")
+        conn.expect_closed()
+
+
+def test_expired_ttl_is_queried_again(start_broker, authd, name):
+    authd.answers["s"] = grant(PUBLISH, ttl=1)
+    broker = start_broker(f"--auth-http-address={authd.address}")
+    topic = name()
+    with RawConn(broker) as conn:
+        assert identify_auth(conn, b"s")[0] == FRAME_RESPONSE
+        conn.send(command(f"PUB {topic}", b"1"))
+        assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
+        assert len(authd.queries) == 1
+        time.sleep(1.1)
+        conn.send(command(f"PUB {topic}", b"2"))
+        assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
+        assert len(authd.queries) == 2
+        authd.answers["s"] = grant(SUBSCRIBE, ttl=1)
+        time.sleep(1.1)
+        conn.send(command(f"PUB {topic}", b"3"))
+        assert conn.read_frame() == (FRAME_ERROR, f'E_UNAUTHORIZED AUTH failed for PUB on "{topic}" ""'.encode())
+        conn.expect_closed()
+    assert len(authd.queries) == 3
+
+
+def test_auth_server_down(start_broker):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    broker = start_broker(f"--auth-http-address={dead}")
+    with RawConn(broker) as conn:
+        assert identify_auth(conn, b"x") == (FRAME_ERROR, b"E_AUTH_FAILED AUTH failed")
+        conn.expect_closed()
+    assert "AUTH failed" in broker.log()
+
+
+def test_slow_auth_server_does_not_block_others(start_broker, authd, name):
+    authd.answers["ok"] = grant(PUBLISH)
+    authd.answers["slow"] = grant(PUBLISH)
+    authd.slow.add("slow")
+    broker = start_broker(f"--auth-http-address={authd.address}", "--http-client-request-timeout=1s")
+    topic = name()
+    with RawConn(broker) as waiting, RawConn(broker) as other:
+        waiting.send(command("IDENTIFY", b"{}"))
+        assert waiting.read_frame() == (FRAME_RESPONSE, b"OK")
+        waiting.send(command("AUTH", b"slow") + command(f"PUB {topic}", b"queued"))
+        started = time.monotonic()
+        # While the first connection waits for its auth server, another one is served.
+        assert identify_auth(other, b"ok")[0] == FRAME_RESPONSE
+        other.send(command(f"PUB {topic}", b"x"))
+        assert other.read_frame() == (FRAME_RESPONSE, b"OK")
+        assert time.monotonic() - started < 1.0
+        # The slow one times out (1 s) and fails; its PUB is never run.
+        assert waiting.read_frame() == (FRAME_ERROR, b"E_AUTH_FAILED AUTH failed")
+        waiting.expect_closed()
+    with _NO_PROXY.open(f"http://{broker.http_address}/stats?format=json&topic={topic}") as resp:
+        stats = json.load(resp)
+    assert stats["topics"][0]["message_count"] == 1

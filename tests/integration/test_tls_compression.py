@@ -1,0 +1,323 @@
+"""TLS and compression negotiated by IDENTIFY, against a running broker.
+
+pynsq drives every combination end to end (TLS, TLS with a client
+certificate, snappy, deflate, TLS + either). A raw client (zlib / cramjam's
+snappy) repeats the compressed ones byte by byte, so the tests also show
+what pynsq hides: the exact upgrade order, messages spanning snappy chunks,
+and that corrupt input closes only the offending connection.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import urllib.error
+import urllib.request
+import zlib
+
+import cramjam
+import pytest
+
+from ._certs import make_certs
+from ._support import (
+    FRAME_ERROR,
+    FRAME_RESPONSE,
+    Collector,
+    RawConn,
+    command,
+)
+
+SNAPPY_HEADER = b"\xff\x06\x00\x00sNaPpY"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def get_json(broker, path: str):
+    with _NO_PROXY.open(f"http://{broker.http_address}{path}", timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+def tls_flags(certs, *extra: str) -> tuple[str, ...]:
+    return (f"--tls-cert={certs.server_cert}", f"--tls-key={certs.server_key}",
+            "--https-address=127.0.0.1:0", *extra)
+
+
+def client_context(certs, *, client_cert: bool = False, other: bool = False) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    if client_cert:
+        ctx.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+    if other:
+        ctx.load_cert_chain(str(certs.other_client_cert), str(certs.other_client_key))
+    return ctx
+
+
+class _Deflate:
+    def __init__(self) -> None:
+        self.c = zlib.compressobj(6, zlib.DEFLATED, -15)
+        self.d = zlib.decompressobj(-15)
+
+    def compress(self, data: bytes) -> bytes:
+        return self.c.compress(data) + self.c.flush(zlib.Z_SYNC_FLUSH)
+
+    def decompress(self, data: bytes) -> bytes:
+        return self.d.decompress(data)
+
+
+class _Snappy:
+    """Framed snappy; incoming bytes are cut at chunk boundaries before decoding."""
+
+    def __init__(self) -> None:
+        self.sent_header = False
+        self.buf = b""
+
+    def compress(self, data: bytes) -> bytes:
+        out = bytes(cramjam.snappy.compress(data))
+        if self.sent_header:
+            out = out[len(SNAPPY_HEADER):]
+        self.sent_header = True
+        return out
+
+    def decompress(self, data: bytes) -> bytes:
+        buf = self.buf + data
+        end = 0
+        while end + 4 <= len(buf):
+            length = int.from_bytes(buf[end + 1:end + 4], "little")
+            if end + 4 + length > len(buf):
+                break
+            end += 4 + length
+        self.buf = buf[end:]
+        return bytes(cramjam.snappy.decompress(SNAPPY_HEADER + buf[:end])) if end else b""
+
+
+class UpgradingConn(RawConn):
+    """A raw V2 client that negotiates TLS and/or compression as pynsq/go-nsq do."""
+
+    codec = None
+
+    def negotiate(self, *, tls: ssl.SSLContext | None = None, snappy: bool = False,
+                  deflate: bool = False, **fields) -> dict:
+        body = dict(feature_negotiation=True, tls_v1=tls is not None, snappy=snappy,
+                    deflate=deflate, **fields)
+        self.send(command("IDENTIFY", json.dumps(body).encode()))
+        frame_type, payload = self.read_frame()
+        assert frame_type == FRAME_RESPONSE, payload
+        answer = json.loads(payload)
+        if tls is not None and answer["tls_v1"]:
+            assert not self._buf, "the broker sent bytes before the TLS handshake"
+            self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
+            assert self.read_frame() == (FRAME_RESPONSE, b"OK")
+        if answer["snappy"] or answer["deflate"]:
+            self.codec = _Snappy() if answer["snappy"] else _Deflate()
+            early, self._buf = self._buf, b""
+            self._buf = self.codec.decompress(early)
+            assert self.read_frame() == (FRAME_RESPONSE, b"OK")
+        return answer
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(self.codec.compress(data) if self.codec else data)
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _read_exactly(self, n: int) -> bytes:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError(f"connection closed with {len(self._buf)}/{n} bytes read")
+            self._buf += self.codec.decompress(chunk) if self.codec else chunk
+        data, self._buf = self._buf[:n], self._buf[n:]
+        return data
+
+
+def pub_and_consume(broker, name, **upgrade) -> dict:
+    """Publish through one upgraded connection and consume through another; the IDENTIFY answer."""
+    topic = name()
+    with UpgradingConn(broker) as pub, UpgradingConn(broker) as sub:
+        answer = pub.negotiate(**upgrade)
+        sub.negotiate(**upgrade)
+        sub.send(command(f"SUB {topic} ch") + command("RDY 10"))
+        assert sub.read_frame() == (FRAME_RESPONSE, b"OK")
+        bodies = [b"small", bytes(range(256)) * 300]  # one over snappy's 64 KiB chunk
+        for body in bodies:
+            pub.send(command(f"PUB {topic}", body))
+            assert pub.read_frame() == (FRAME_RESPONSE, b"OK")
+        got = []
+        for _ in bodies:
+            _, _, msg_id, body = sub.read_message()
+            sub.send(command(f"FIN {msg_id.decode()}"))
+            got.append(body)
+        assert got == bodies
+    return answer
+
+
+# -- TLS with pynsq ----------------------------------------------------------------------
+
+
+def test_tls_with_pynsq(start_broker, loop, name, certs):
+    broker = start_broker(*tls_flags(certs))
+    topic = name()
+    opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca)}
+    collector = Collector()
+    loop.reader(broker, topic, "ch", collector, tls_v1=True, tls_options=opts)
+    writer = loop.writer(broker, tls_v1=True, tls_options=opts)
+    assert loop.publish(writer, "pub", topic, b"secret") == b"OK"
+    loop.run_until(lambda: collector.bodies == [b"secret"], what="the message over TLS")
+    stats = get_json(broker, f"/stats?format=json&topic={topic}")
+    clients = stats["topics"][0]["channels"][0]["clients"]
+    assert clients[0]["tls"] is True
+    assert clients[0]["tls_version"].startswith("TLS1.")
+    assert clients[0]["tls_cipher_suite"]
+
+
+def test_tls_client_cert_require_verify(start_broker, loop, name, certs):
+    broker = start_broker(*tls_flags(certs, "--tls-client-auth-policy=require-verify",
+                                     f"--tls-root-ca-file={certs.ca}"))
+    topic = name()
+    opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca),
+            "certfile": str(certs.client_cert), "keyfile": str(certs.client_key)}
+    writer = loop.writer(broker, tls_v1=True, tls_options=opts)
+    assert loop.publish(writer, "pub", topic, b"verified") == b"OK"
+    # Without a certificate, and with one from a CA the broker does not
+    # trust, the handshake fails; the broker carries on.
+    for ctx in (client_context(certs), client_context(certs, other=True)):
+        with UpgradingConn(broker) as conn, pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            conn.negotiate(tls=ctx)
+            conn.send(command("NOP"))
+            conn.read_frame()
+    assert loop.publish(writer, "pub", topic, b"still fine") == b"OK"
+    # The policy forces --tls-required: plaintext commands are refused.
+    with RawConn(broker) as plain:
+        plain.send(command(f"PUB {topic}", b"x"))
+        assert plain.read_frame() == (FRAME_ERROR, b"E_INVALID cannot PUB in current state (TLS required)")
+        plain.expect_closed()
+
+
+def test_tls_require_policy_accepts_any_client_cert(start_broker, certs, name):
+    broker = start_broker(*tls_flags(certs, "--tls-client-auth-policy=require"))
+    with UpgradingConn(broker) as conn:
+        conn.negotiate(tls=client_context(certs, other=True))
+        conn.send(command(f"PUB {name()}", b"x"))
+        assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("kind", ["snappy", "deflate"])
+def test_compression_with_pynsq(start_broker, loop, name, certs, kind, tls):
+    broker = start_broker(*tls_flags(certs))
+    topic = name()
+    kwargs = {kind: True}
+    if tls:
+        kwargs.update(tls_v1=True, tls_options={"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca)})
+    collector = Collector()
+    loop.reader(broker, topic, "ch", collector, **kwargs)
+    writer = loop.writer(broker, **kwargs)
+    bodies = [b"first", bytes(range(256)) * 1000]
+    for body in bodies:
+        assert loop.publish(writer, "pub", topic, body) == b"OK"
+    loop.run_until(lambda: collector.bodies == bodies, what=f"the messages over {kind}")
+    [client] = get_json(broker, f"/stats?format=json&topic={topic}")["topics"][0]["channels"][0]["clients"]
+    assert (client[kind], client["tls"]) == (True, tls)
+
+
+# -- tls-required and HTTPS ---------------------------------------------------------------
+
+
+def test_tls_required_tcp_and_http(start_broker, certs, name):
+    broker = start_broker(*tls_flags(certs, "--tls-required"))
+    with RawConn(broker) as plain:
+        plain.send(command("NOP"))
+        assert plain.read_frame() == (FRAME_ERROR, b"E_INVALID cannot NOP in current state (TLS required)")
+        plain.expect_closed()
+    with UpgradingConn(broker) as conn:
+        assert conn.negotiate(tls=client_context(certs))["tls_v1"] is True
+        conn.send(command(f"PUB {name()}", b"x"))
+        assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
+    assert broker.https_port
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        _NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5)
+    assert refused.value.code == 403
+    assert json.loads(refused.value.read()) == {"message": "TLS_REQUIRED", "https_port": broker.https_port}
+    https = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                        urllib.request.HTTPSHandler(context=client_context(certs)))
+    with https.open(f"https://127.0.0.1:{broker.https_port}/ping", timeout=5) as response:
+        assert response.read() == b"OK"
+
+
+def test_tcp_https_keeps_plain_http(start_broker, certs):
+    broker = start_broker(*tls_flags(certs, "--tls-required=tcp-https"))
+    with _NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5) as response:
+        assert response.read() == b"OK"
+
+
+# -- compression, with and without TLS -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["snappy", "deflate"])
+def test_compression(broker, name, kind):
+    answer = pub_and_consume(broker, name, **{kind: True})
+    assert (answer["snappy"], answer["deflate"], answer["tls_v1"]) == (kind == "snappy", kind == "deflate", False)
+
+
+@pytest.mark.parametrize("kind", ["snappy", "deflate"])
+def test_tls_plus_compression(start_broker, certs, name, kind):
+    broker = start_broker(*tls_flags(certs))
+    answer = pub_and_consume(broker, name, tls=client_context(certs), **{kind: True})
+    assert (answer["tls_v1"], answer[kind]) == (True, True)
+
+
+def test_compression_off_by_flag(start_broker, name):
+    broker = start_broker("--snappy=false", "--deflate=false")
+    answer = pub_and_consume(broker, name, snappy=True)
+    assert (answer["snappy"], answer["deflate"]) == (False, False)
+
+
+# -- bad input closes only the offending connection ------------------------------------------
+
+
+def test_bad_tls_and_compressed_input_close_only_that_connection(start_broker, certs, name):
+    broker = start_broker(*tls_flags(certs))
+    topic = name()
+    with UpgradingConn(broker) as bystander:
+        bystander.negotiate(tls=client_context(certs), deflate=True)
+        bystander.send(command(f"SUB {topic} ch") + command("RDY 5"))
+        assert bystander.read_frame() == (FRAME_RESPONSE, b"OK")
+
+        # Garbage where the TLS handshake should be.
+        with UpgradingConn(broker) as garbage:
+            garbage.send(command("IDENTIFY", json.dumps({"feature_negotiation": True, "tls_v1": True}).encode()))
+            assert garbage.read_frame()[0] == FRAME_RESPONSE
+            garbage.send_raw(b"\x16\x03\x01\x00\x05hello, this is not TLS" * 10)
+            # The broker answers with a TLS alert record, then closes.
+            got = b""
+            while chunk := garbage.sock.recv(65536):
+                got += chunk
+            assert got[:1] in (b"", b"\x15"), got
+
+        # A corrupt stream after snappy / deflate was negotiated.
+        for kind, junk in (("snappy", b"\x00\x10\x00\x00" + b"\xee" * 16), ("deflate", b"\xff" * 64)):
+            with UpgradingConn(broker) as corrupt:
+                corrupt.negotiate(**{kind: True})
+                corrupt.send_raw(junk)
+                corrupt.expect_closed()
+
+        with UpgradingConn(broker) as publisher:
+            publisher.negotiate(snappy=True)
+            publisher.send(command(f"PUB {topic}", b"after the bad ones"))
+            assert publisher.read_frame() == (FRAME_RESPONSE, b"OK")
+        _, _, _, body = bystander.read_message()
+        assert body == b"after the bad ones"
+    assert "Traceback" not in broker.log() and "Unhandled" not in broker.log(), broker.describe()
+
+
+def test_both_compressions_refused(broker):
+    with RawConn(broker) as conn:
+        conn.send(command("IDENTIFY", json.dumps(
+            {"feature_negotiation": True, "snappy": True, "deflate": True}).encode()))
+        assert conn.read_frame() == (
+            FRAME_ERROR, b"E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
+        conn.expect_closed()
+

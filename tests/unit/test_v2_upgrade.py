@@ -1,0 +1,254 @@
+"""IDENTIFY's upgrades: negotiation answers, snappy/deflate streams, the TLS switch and policy."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import cramjam
+import pytest
+from twisted.internet.testing import StringTransport
+
+from mqd.options import MQD_OPTIONS, ConfigError, resolve
+from mqd.protocol.compression import SNAPPY_STREAM_HEADER, DeflateCodec, SnappyCodec
+from mqd.tap import Options
+from mqd.tlsconfig import ServerTLS, server_tls
+
+from .conftest import Client, cmd, err, identify, ok, parse_frames, pub
+
+
+def split_first_frame(data: bytes) -> tuple[dict, bytes]:
+    """The plaintext JSON answer to IDENTIFY, and the bytes after it."""
+    size = struct.unpack(">i", data[:4])[0]
+    frame_type = struct.unpack(">i", data[4:8])[0]
+    assert frame_type == 0, data
+    return json.loads(data[8:4 + size]), data[4 + size:]
+
+
+class DeflateClient:
+    """The client's side of a raw-deflate stream, as pynsq's DeflateSocket."""
+
+    def __init__(self) -> None:
+        self.c = zlib.compressobj(6, zlib.DEFLATED, -15)
+        self.d = zlib.decompressobj(-15)
+
+    def compress(self, data: bytes) -> bytes:
+        return self.c.compress(data) + self.c.flush(zlib.Z_SYNC_FLUSH)
+
+    def decompress(self, data: bytes) -> bytes:
+        return self.d.decompress(data)
+
+
+class SnappyClient:
+    def __init__(self) -> None:
+        self.first = True
+
+    def compress(self, data: bytes) -> bytes:
+        out = bytes(cramjam.snappy.compress(data))
+        if not self.first:
+            out = out[len(SNAPPY_STREAM_HEADER):]
+        self.first = False
+        return out
+
+    def decompress(self, data: bytes) -> bytes:
+        # Every write is whole chunks; the identifier lets each decode alone.
+        return bytes(cramjam.snappy.decompress(SNAPPY_STREAM_HEADER + data)) if data else b""
+
+
+def test_both_compressions_fail(connect):
+    c = connect()
+    assert c.request(identify(feature_negotiation=True, snappy=True, deflate=True)) == [
+        err("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
+    ]
+    assert c.closed
+
+
+def test_both_compressions_fail_without_feature_negotiation(connect):
+    c = connect()
+    assert c.request(identify(snappy=True, deflate=True)) == [
+        err("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
+    ]
+
+
+def test_no_upgrade_without_feature_negotiation(connect):
+    c = connect()
+    assert c.request(identify(snappy=True)) == [ok()]
+    assert c.request(cmd("NOP")) == []
+    assert not c.closed and not c.proto.snappy
+
+
+@pytest.mark.parametrize("kind, client_codec", [("snappy", SnappyClient), ("deflate", DeflateClient)])
+def test_compressed_stream_both_ways(connect, kind, client_codec):
+    c = connect()
+    c.send(identify(feature_negotiation=True, **{kind: True}))
+    answer, rest = split_first_frame(c.raw())
+    assert answer[kind] is True
+    assert answer["snappy" if kind == "deflate" else "deflate"] is False
+    codec = client_codec()
+    # The second OK comes compressed.
+    assert parse_frames(codec.decompress(rest)) == [ok()]
+    c.send(codec.compress(pub("t", b"hello") + pub("t", b"world")))
+    assert parse_frames(codec.decompress(c.raw())) == [ok(), ok()]
+    # A read may stop in the middle of a compressed chunk.
+    data = codec.compress(pub("t", b"x" * 1000))
+    c.send(data[:7])
+    c.send(data[7:])
+    assert parse_frames(codec.decompress(c.raw())) == [ok()]
+    assert getattr(c.proto, kind) is True
+
+
+def test_compressed_bytes_in_the_identify_read(connect):
+    """Bytes after IDENTIFY in the same read are compressed already: they are decoded, not parsed."""
+    c = connect()
+    codec = SnappyClient()
+    c.send(identify(feature_negotiation=True, snappy=True) + codec.compress(pub("t", b"early")))
+    _, rest = split_first_frame(c.raw())
+    assert parse_frames(codec.decompress(rest)) == [ok(), ok()]
+    assert not c.closed
+
+
+def test_deflate_level_capped(make_broker):
+    broker = make_broker(max_deflate_level=3)
+    c = Client(broker)
+    c.send(identify(feature_negotiation=True, deflate=True, deflate_level=9))
+    answer, _ = split_first_frame(c.raw())
+    assert (answer["deflate"], answer["deflate_level"], answer["max_deflate_level"]) == (True, 3, 3)
+
+
+@pytest.mark.parametrize("flag", ["snappy", "deflate"])
+def test_compression_disabled_by_flag(make_broker, flag):
+    broker = make_broker(**{flag: False})
+    c = Client(broker)
+    c.send(identify(feature_negotiation=True, **{flag: True}))
+    answer, rest = split_first_frame(c.raw())
+    assert answer[flag] is False
+    assert rest == b""
+    assert c.request(cmd("NOP")) == [] and not c.closed
+
+
+@pytest.mark.parametrize("kind", ["snappy", "deflate"])
+def test_corrupt_compressed_input_closes_only_that_connection(connect, kind):
+    bad, good = connect(), connect()
+    bad.send(identify(feature_negotiation=True, **{kind: True}))
+    bad.raw()
+    garbage = b"\x00\x05\x00\x00garbage-garbage" if kind == "snappy" else b"\xff" * 32
+    bad.send(garbage)
+    assert bad.closed
+    assert good.request(pub("t", b"still here")) == [ok()]
+    assert not good.closed
+
+
+def test_codecs_round_trip_large_batches():
+    for server, client in ((SnappyCodec(), SnappyClient()), (DeflateCodec(6), DeflateClient())):
+        payload = bytes(range(256)) * 2000  # over snappy's 64 KiB chunk size
+        assert client.decompress(server.compress(payload)) == payload
+        assert server.decompress(client.compress(payload)) == payload
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+class TLSStringTransport(StringTransport):
+    """Records startTLS and what was written before and after it."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.tls_started_at: int | None = None
+
+    def startTLS(self, ctx, normal=True) -> None:
+        self.tls_started_at = len(self.value())
+        self.ctx = ctx
+
+
+class FakeTLS(ServerTLS):
+    def __init__(self, required: str = "false") -> None:
+        super().__init__(context=None, required=required)
+
+
+def tls_client(broker, required="false") -> Client:
+    broker.tls = FakeTLS(required)
+    c = Client(broker, magic=False)
+    c.transport = TLSStringTransport(peerAddress=c.transport.getPeer())
+    c.proto.makeConnection(c.transport)
+    c.send(b"  V2")
+    return c
+
+
+def test_tls_upgrade_order(broker):
+    c = tls_client(broker)
+    c.send(identify(feature_negotiation=True, tls_v1=True, deflate=True))
+    data = c.transport.value()
+    answer, _ = split_first_frame(data)
+    assert (answer["tls_v1"], answer["deflate"]) == (True, True)
+    # JSON in plaintext, then TLS, then OK (through TLS), then the compressed OK.
+    at = c.transport.tls_started_at
+    assert data[:at].endswith(b"}")  # nothing but the JSON before the handshake
+    after = data[at:]
+    assert after.startswith(struct.pack(">ii", 6, 0) + b"OK")  # this OK goes out encrypted
+    codec = DeflateClient()
+    assert parse_frames(codec.decompress(after[10:])) == [ok()]
+    assert c.proto.tls and c.proto.deflate
+
+
+def test_tls_required_rejects_commands_before_upgrade(broker):
+    c = tls_client(broker, required="true")
+    assert c.request(pub("t", b"x")) == [err("E_INVALID cannot PUB in current state (TLS required)")]
+    assert c.closed
+
+
+def test_tls_required_rejects_unknown_commands_alike(broker):
+    c = tls_client(broker, required="tcp-https")
+    assert c.request(cmd("BOGUS")) == [err("E_INVALID cannot BOGUS in current state (TLS required)")]
+
+
+def test_tls_required_allows_identify_then_commands_after_upgrade(broker):
+    c = tls_client(broker, required="true")
+    c.send(identify(feature_negotiation=True, tls_v1=True))
+    c.raw()
+    assert c.request(pub("t", b"x")) == [ok()]
+
+
+def test_tls_required_identify_without_tls_then_fails(broker):
+    c = tls_client(broker, required="true")
+    c.send(identify(feature_negotiation=True))
+    answer, _ = split_first_frame(c.raw())
+    assert answer["tls_v1"] is False
+    assert c.request(cmd("NOP")) == [err("E_INVALID cannot NOP in current state (TLS required)")]
+
+
+# -- options -----------------------------------------------------------------------------
+
+
+def _settings(tmp_path, **flags):
+    values = {"data-path": str(tmp_path)}
+    values.update({k.replace("_", "-"): v for k, v in flags.items()})
+    return resolve(MQD_OPTIONS, values)
+
+
+def test_tls_required_without_certificate_is_a_startup_error(tmp_path):
+    with pytest.raises(ConfigError, match="without TLS key and cert"):
+        server_tls(_settings(tmp_path, tls_required="true"))
+    with pytest.raises(ConfigError, match="without TLS key and cert"):
+        server_tls(_settings(tmp_path, tls_client_auth_policy="require"))
+    assert server_tls(_settings(tmp_path)) is None
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--tls-required"], "true"),
+    (["--tls-required=false"], "false"),
+    (["--tls-required=tcp-https"], "tcp-https"),
+    (["-tls-required=1"], "true"),
+    ([], "false"),
+])
+def test_tls_required_flag_forms(tmp_path, args, expected):
+    opts = Options()
+    opts.parseOptions(args)
+    values = opts.flag_values()
+    values["data-path"] = str(tmp_path)
+    assert resolve(MQD_OPTIONS, values).tls_required == expected
+
+
+def test_bad_tls_required_value(tmp_path):
+    with pytest.raises(ConfigError, match="true, false or tcp-https"):
+        _settings(tmp_path, tls_required="maybe")
