@@ -1,13 +1,13 @@
-"""AUTH against a real auth server (stdlib http.server in a thread) and a real broker."""
+"""AUTH against a real auth server (twisted.web, in its own process) and a real broker."""
 
 from __future__ import annotations
 
 import json
 import socket
-import threading
+import subprocess
+import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from pathlib import Path
 
 import pytest
 
@@ -17,52 +17,57 @@ PUBLISH = {"topic": ".*", "channels": [".*"], "permissions": ["publish"]}
 SUBSCRIBE = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
 
 
+class _Saved(dict):
+    """A dict (or, with `add`, a set) that writes the auth server's state file on every change."""
+
+    def __init__(self, save) -> None:
+        super().__init__()
+        self._save = save
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._save()
+
+    def add(self, key) -> None:
+        self[key] = True
+
+
 class AuthServer:
-    """Answers per secret from `answers` (a dict, changeable between queries); records queries."""
+    """The twisted.web auth server of _authd.py in its own process.
 
-    def __init__(self) -> None:
-        self.answers: dict[str, dict] = {}
-        self.queries: list[dict[str, str]] = []
-        self.slow: set[str] = set()
-        server = self
+    `answers` (secret → answer) and `slow` (secrets answered after 3 s) can
+    change between queries; `queries` lists what the broker asked.
+    """
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                params = {k: v[0] for k, v in parse_qs(urlparse(self.path).query,
-                                                       keep_blank_values=True).items()}
-                server.queries.append(params)
-                secret = params.get("secret", "")
-                if secret in server.slow:
-                    time.sleep(3)
-                answer = server.answers.get(secret)
-                if answer is None:
-                    self.send_response(403)
-                    self.end_headers()
-                    return
-                body = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def __init__(self, workdir) -> None:
+        self._state = workdir / "authd-state.json"
+        self._queries = workdir / "authd-queries.jsonl"
+        self._queries.write_text("")
+        self.answers = _Saved(self._save)
+        self.slow = _Saved(self._save)
+        self._save()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("_authd.py")), str(self._state),
+             str(self._queries)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        self.address = f"127.0.0.1:{int(self.proc.stdout.readline())}"
 
-            def log_message(self, *args):
-                pass
+    def _save(self) -> None:
+        self._state.write_text(json.dumps({"answers": dict(self.answers), "slow": list(self.slow)}))
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+    @property
+    def queries(self) -> list[dict[str, str]]:
+        return [json.loads(line) for line in self._queries.read_text().splitlines() if line]
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.proc.terminate()
+        self.proc.wait(10)
 
 
 @pytest.fixture
-def authd():
-    server = AuthServer()
+def authd(tmp_path):
+    server = AuthServer(tmp_path)
     yield server
     server.close()
 

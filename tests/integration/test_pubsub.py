@@ -163,3 +163,23 @@ def test_readers_sharing_a_channel_split_the_messages(broker, loop, name):
     assert len(together) == 200, "a message was delivered more than once"
     assert sorted(together) == sorted(expected)
     assert a.bodies and b.bodies, f"one reader got nothing ({len(a)} vs {len(b)})"
+
+
+def test_sample_rate_50_delivers_about_half(broker, loop, name):
+    """IDENTIFY sample_rate=50 through pynsq: about half the channel's messages (NSQ D6)."""
+    topic = name()
+    got = Collector()
+    loop.reader(broker, topic, "c", got, max_in_flight=100, sample_rate=50)
+    writer = loop.writer(broker)
+    bodies = [b"s%04d" % i for i in range(2000)]
+    for i in range(0, len(bodies), 200):
+        assert loop.publish(writer, "mpub", topic, bodies[i:i + 200]) == b"OK"
+    # The channel drops what it does not sample, so delivery simply stops.
+    seen = -1
+    while seen != len(got):
+        seen = len(got)
+        loop.run_for(1.0)
+    share = len(got) / len(bodies)
+    # nsqd keeps a message when a draw in [0,100) is <= the rate: 51 % expected.
+    assert 0.45 <= share <= 0.57, f"sample_rate 50 delivered {share:.1%}"
+    assert len(set(got.bodies)) == len(got) and set(got.bodies) <= set(bodies)
