@@ -44,7 +44,8 @@ class Broker:
         self.clients: set = set()
         self.health: str | None = None
         # Objects told when topics and channels come and go (the lookupd
-        # peers); each has topic_created/topic_deleted/channel_created/channel_deleted.
+        # peers); each has topic_created/topic_deleted/channel_created/channel_deleted,
+        # and optionally options_changed(old, new).
         self.observers: list[Any] = []
         self.data_path = options.data_path or "."
         self.metadata_path = os.path.join(self.data_path, METADATA_FILE)
@@ -222,7 +223,12 @@ class Broker:
             parsed[attr] = table[attr].parse(value)
         if "log_level" in parsed:
             set_log_level(parsed["log_level"])
-        self.options = self.options.replace(**parsed)
+        old, self.options = self.options, self.options.replace(**parsed)
+        # Observers that follow options (the lookupd peers, H3) see old and new.
+        for observer in list(self.observers):
+            hook = getattr(observer, "options_changed", None)
+            if hook is not None:
+                hook(old, self.options)
 
     # -- metadata ------------------------------------------------------------------
 

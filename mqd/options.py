@@ -28,6 +28,7 @@ __all__ = [
     "resolve",
     "to_endpoint",
     "MQD_OPTIONS",
+    "LOOKUPD_OPTIONS",
 ]
 
 
@@ -310,6 +311,29 @@ MQD_OPTIONS: tuple[Option, ...] = (
            aliases=("e2e_processing_latency_percentiles",), parser=parse_percentiles),
     Option("e2e-processing-latency-window-time", "duration", 600.0,
            "end-to-end latency percentiles cover this much recent time", _positive_duration),
+)
+
+
+def _required(value: str) -> str | None:
+    return None if value else "must not be empty"
+
+
+# nsqlookupd's (`nsqlookupd/options.go`): it keeps no data, so there is no
+# data path; both listeners are required, as nsqlookupd cannot run without either.
+LOOKUPD_OPTIONS: tuple[Option, ...] = (
+    Option("log-level", "str", "info", "debug, info, warn, error or fatal",
+           _one_of("debug", "info", "warn", "error", "fatal")),
+    Option("tcp-address", "address", "0.0.0.0:4160",
+           "TCP address for brokers to register on: HOST:PORT or a Twisted endpoint string", _required),
+    Option("http-address", "address", "0.0.0.0:4161",
+           "HTTP address for clients and admins: HOST:PORT or a Twisted endpoint string", _required),
+    Option("broadcast-address", "str", None,
+           "address given to brokers in the IDENTIFY response (default: the hostname)"),
+    Option("inactive-producer-timeout", "duration", 300.0,
+           "a broker not heard from (IDENTIFY, PING) for this long is left out of /lookup and /nodes",
+           _positive_duration),
+    Option("tombstone-lifetime", "duration", 45.0,
+           "how long a tombstoned producer of a topic is left out of /lookup", _at_least(0)),
 )
 
 

@@ -13,6 +13,7 @@ from . import __version__
 from .broker import Broker
 from .http.api import NsqdSite
 from .logs import set_log_level
+from .lookup.peer import LookupService
 from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve, to_endpoint
 from .protocol.v2 import NSQ_VERSION, V2Factory
 from .queuescan import QueueScanner
@@ -158,6 +159,9 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
         https_site.noisy = False
         ListeningService("HTTPS", https, https_site, ports, reactor,
                          settings.https_address).setServiceParent(top)
+    # After the listeners, so IDENTIFY can announce the ports they bound;
+    # always present, as lookupds can be added at run time (PUT /config).
+    LookupService(broker, ports, reactor).setServiceParent(top)
     if settings.statsd_address:
         # Last, so it stops first: its final datagrams go out before the broker closes.
         StatsdService(broker, ports, reactor).setServiceParent(top)

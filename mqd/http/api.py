@@ -43,7 +43,7 @@ from .publish import Mpub, Pub
 from .response import respond_v1
 from .status import Info, Ping, Stats
 
-__all__ = ["CappedBody", "NsqdAPI", "NsqdSite"]
+__all__ = ["CappedBody", "NsqdAPI", "NsqdSite", "Router", "client_of"]
 
 log = get_logger(__name__)
 
@@ -52,35 +52,18 @@ _BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
 _CONFIG_PREFIX = "/config/"
 
 
-class NsqdAPI(resource.Resource):
-    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules."""
+class Router(resource.Resource):
+    """One leaf resource routing by exact path with httprouter's rules (see the module doc).
+
+    Shared by nsqd's API and nsqlookupd's (mqd.lookup.http), which answer
+    unknown paths, wrong methods and near-miss paths the same way.
+    """
 
     isLeaf = True
 
-    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+    def __init__(self, routes: Mapping[str, Endpoint]) -> None:
         super().__init__()
-        self.broker = broker
-        # Bound ports, filled in once the listeners are up (port 0 picks one).
-        self.ports = ports
-        self.routes: dict[str, Endpoint] = {
-            "/ping": Ping(broker),
-            "/info": Info(broker, ports),
-            "/stats": Stats(broker),
-            "/metrics": Metrics(broker),
-            "/pub": Pub(broker),
-            "/mpub": Mpub(broker),
-            "/topic/create": TopicCreate(broker),
-            "/topic/delete": TopicDelete(broker),
-            "/topic/empty": TopicEmpty(broker),
-            "/topic/pause": TopicPause(broker, paused=True),
-            "/topic/unpause": TopicPause(broker, paused=False),
-            "/channel/create": ChannelCreate(broker),
-            "/channel/delete": ChannelDelete(broker),
-            "/channel/empty": ChannelEmpty(broker),
-            "/channel/pause": ChannelPause(broker, paused=True),
-            "/channel/unpause": ChannelPause(broker, paused=False),
-        }
-        self.config = Config(broker)
+        self.routes: dict[str, Endpoint] = dict(routes)
         self._lower = {path.lower(): path for path in self.routes}
 
     # -- routing --------------------------------------------------------------------
@@ -90,11 +73,11 @@ class NsqdAPI(resource.Resource):
         endpoint = self.routes.get(path)
         if endpoint is not None:
             return endpoint, {}
-        if path.startswith(_CONFIG_PREFIX):
-            opt = path[len(_CONFIG_PREFIX):]
-            if opt and "/" not in opt:
-                return self.config, {"opt": opt}
         return None
+
+    def _route_like(self, candidate: str) -> str | None:
+        """The route `candidate` names up to case, or None."""
+        return self._lower.get(candidate.lower())
 
     def _fixed_path(self, path: str, method: str) -> str | None:
         """Where httprouter would redirect `path`: the route it names up to a slash or case."""
@@ -102,9 +85,7 @@ class NsqdAPI(resource.Resource):
         candidates = [path[:-1] if path.endswith("/") else path + "/", cleaned]
         candidates.append(cleaned[:-1] if cleaned.endswith("/") else cleaned + "/")
         for candidate in candidates:
-            fixed = self._lower.get(candidate.lower())
-            if fixed is None and candidate.lower().startswith(_CONFIG_PREFIX):
-                fixed = _CONFIG_PREFIX + candidate[len(_CONFIG_PREFIX):]
+            fixed = self._route_like(candidate)
             if fixed is None or fixed == path:
                 continue
             found = self.match(fixed)
@@ -139,6 +120,50 @@ class NsqdAPI(resource.Resource):
                 return b""
             return respond_v1(request, 405, "METHOD_NOT_ALLOWED")
         return respond_v1(request, 404, "NOT_FOUND")
+
+
+class NsqdAPI(Router):
+    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules."""
+
+    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+        super().__init__({
+            "/ping": Ping(broker),
+            "/info": Info(broker, ports),
+            "/stats": Stats(broker),
+            "/metrics": Metrics(broker),
+            "/pub": Pub(broker),
+            "/mpub": Mpub(broker),
+            "/topic/create": TopicCreate(broker),
+            "/topic/delete": TopicDelete(broker),
+            "/topic/empty": TopicEmpty(broker),
+            "/topic/pause": TopicPause(broker, paused=True),
+            "/topic/unpause": TopicPause(broker, paused=False),
+            "/channel/create": ChannelCreate(broker),
+            "/channel/delete": ChannelDelete(broker),
+            "/channel/empty": ChannelEmpty(broker),
+            "/channel/pause": ChannelPause(broker, paused=True),
+            "/channel/unpause": ChannelPause(broker, paused=False),
+        })
+        self.broker = broker
+        # Bound ports, filled in once the listeners are up (port 0 picks one).
+        self.ports = ports
+        self.config = Config(broker)
+
+    def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
+        found = super().match(path)
+        if found is not None:
+            return found
+        if path.startswith(_CONFIG_PREFIX):
+            opt = path[len(_CONFIG_PREFIX):]
+            if opt and "/" not in opt:
+                return self.config, {"opt": opt}
+        return None
+
+    def _route_like(self, candidate: str) -> str | None:
+        fixed = super()._route_like(candidate)
+        if fixed is None and candidate.lower().startswith(_CONFIG_PREFIX):
+            fixed = _CONFIG_PREFIX + candidate[len(_CONFIG_PREFIX):]
+        return fixed
 
 
 def _clean_path(path: str) -> str:
@@ -225,7 +250,7 @@ class NsqdSite(server.Site):
     def log(self, request: server.Request) -> None:
         log.debug("{code} {method} {uri} ({client})", code=request.code,
                   method=request.method.decode("ascii", "replace"),
-                  uri=request.uri.decode("ascii", "replace"), client=_client(request))
+                  uri=request.uri.decode("ascii", "replace"), client=client_of(request))
 
 
 class TLSRequired(resource.Resource):
@@ -245,7 +270,7 @@ class TLSRequired(resource.Resource):
         return f'{{"message": "TLS_REQUIRED", "https_port": {port}}}'.encode()
 
 
-def _client(request: server.Request) -> str:
+def client_of(request: server.Request) -> str:
     peer = request.getClientAddress()
     host = getattr(peer, "host", None)
     return f"{host}:{peer.port}" if host is not None else str(peer)

@@ -494,3 +494,130 @@ class RawConn:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- mqlookupd -------------------------------------------------------------------------
+
+
+class LookupdProcess:
+    """One mqlookupd under twistd on ephemeral loopback ports, log to files.
+
+    `restart()` keeps the arguments; the ports change (and lookupd's
+    memory is gone, as nsqlookupd's is: brokers re-register).
+    """
+
+    def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / "mqlookupd.log"
+        self.stderr_path = self.workdir / "mqlookupd.stderr"
+        self.argv = [TWISTD, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
+                     "--http-address=127.0.0.1:0", *args]
+        self.proc: subprocess.Popen | None = None
+        self.tcp_host = self.http_host = ""
+        self.tcp_port = self.http_port = 0
+        self._log_offset = 0
+
+    @property
+    def tcp_address(self) -> str:
+        return f"{self.tcp_host}:{self.tcp_port}"
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.http_host}:{self.http_port}"
+
+    def start(self, timeout: float = 15.0) -> LookupdProcess:
+        assert not self.running, "mqlookupd already running"
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=err, env=child_env(), cwd=self.workdir)
+        deadline = time.monotonic() + timeout
+        while True:
+            found = {m.group(1): (m.group(2), int(m.group(3)))
+                     for m in _LISTENING.finditer(self.log())}
+            if "TCP" in found and "HTTP" in found:
+                self.tcp_host, self.tcp_port = found["TCP"]
+                self.http_host, self.http_port = found["HTTP"]
+                break
+            if self.proc.poll() is not None:
+                raise BrokerStartError(f"mqlookupd exited with {self.proc.returncode}\n{self.describe()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise BrokerStartError(f"mqlookupd did not listen within {timeout}s\n{self.describe()}")
+            time.sleep(0.02)
+        # Serving (and SIGTERM-safe) once /ping answers: see BrokerProcess._wait_until_serving.
+        while True:
+            try:
+                with _NO_PROXY.open(f"http://{self.http_address}/ping", timeout=1) as response:
+                    if response.status == 200:
+                        return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise BrokerStartError(f"mqlookupd never answered /ping\n{self.describe()}")
+            time.sleep(0.02)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait; returns the exit status (0 or -SIGTERM when clean)."""
+        proc = self.proc
+        assert proc is not None, "mqlookupd never started"
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"mqlookupd ignored SIGTERM\n{self.describe()}") from None
+        return proc.returncode
+
+    def restart(self) -> LookupdProcess:
+        code = self.stop()
+        assert code in (0, -signal.SIGTERM), f"mqlookupd exited with {code}\n{self.describe()}"
+        return self.start()
+
+    def kill(self) -> None:
+        """Make sure the process is gone (teardown, or a crash); harmless if it already is."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:  # pragma: no cover
+                pass
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def get(self, path: str) -> tuple[int, Any]:
+        """(status, JSON body) of a GET on its HTTP API."""
+        try:
+            with _NO_PROXY.open(f"http://{self.http_address}{path}", timeout=5) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def post(self, path: str) -> int:
+        request = urllib.request.Request(f"http://{self.http_address}{path}", data=b"", method="POST")
+        try:
+            with _NO_PROXY.open(request, timeout=5) as response:
+                return response.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode("utf-8", "replace")
+        except FileNotFoundError:
+            return ""
+
+    def describe(self) -> str:
+        try:
+            stderr = self.stderr_path.read_text("utf-8", "replace")
+        except FileNotFoundError:
+            stderr = ""
+        return f"--- log ---\n{self.log()[-4000:]}\n--- stderr ---\n{stderr[-2000:]}"

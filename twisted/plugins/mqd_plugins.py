@@ -1,4 +1,4 @@
-"""twistd plugins: `twistd mqd` (the broker).
+"""twistd plugins: `twistd mqd` (the broker) and `twistd mqlookupd` (its discovery service).
 
 No __init__.py lives in twisted/ or twisted/plugins/: on install this file
 joins Twisted's own plugin package, which is how twistd finds it.
@@ -11,4 +11,11 @@ mqd = ServiceMaker(
     "mqd.tap",
     "A message broker that speaks NSQ's protocols (a drop-in nsqd).",
     "mqd",
+)
+
+mqlookupd = ServiceMaker(
+    "mqlookupd",
+    "mqd.lookup.tap",
+    "The discovery service brokers register with (a drop-in nsqlookupd).",
+    "mqlookupd",
 )

@@ -1,0 +1,52 @@
+"""`twistd mqlookupd`: command-line options and the service tree of a lookup daemon.
+
+The options come from the same machinery as the broker's (mqd.tap), so
+flags, the YAML file and their precedence (flag > file > default) work the
+same way; only the table differs (nsqlookupd's, LOOKUPD_OPTIONS).
+"""
+
+from __future__ import annotations
+
+from twisted.application import service
+from twisted.internet import endpoints
+from twisted.python import usage
+
+from ..logs import set_log_level
+from ..options import LOOKUPD_OPTIONS, Settings, to_endpoint
+from ..service import ListeningService
+from ..tap import make_options_class, settings_from
+from .http import LookupdSite
+from .protocol import LookupdFactory
+from .registry import RegistrationDB
+
+__all__ = ["Options", "build_service", "makeService"]
+
+Options = make_options_class(LOOKUPD_OPTIONS, "mqlookupd")
+
+
+def build_service(settings: Settings, reactor=None) -> service.MultiService:
+    """The two listeners over one in-memory registration DB (nothing is persisted).
+
+    The DB is reachable as `.db` for tests; the bound ports fill `.ports`
+    ("TCP", "HTTP") once listening, and IDENTIFY reports them.
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    set_log_level(settings.log_level)
+    db = RegistrationDB(reactor, settings.inactive_producer_timeout, settings.tombstone_lifetime)
+    ports: dict[str, int] = {}
+    top = service.MultiService()
+    top.db = db
+    top.ports = ports
+    tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
+    factory = LookupdFactory(db, settings.broadcast_address, ports)
+    ListeningService("TCP", tcp, factory, ports, reactor,
+                     settings.tcp_address).setServiceParent(top)
+    http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
+    ListeningService("HTTP", http, LookupdSite(db, reactor), ports, reactor,
+                     settings.http_address).setServiceParent(top)
+    return top
+
+
+def makeService(options: usage.Options) -> service.MultiService:
+    return build_service(settings_from(options, LOOKUPD_OPTIONS, "mqlookupd"))

@@ -1,0 +1,147 @@
+"""A cluster on loopback: two brokers announcing themselves to one mqlookupd (H1-H4).
+
+Consumers find producers only through lookupd here, as a pynsq Reader given
+`lookupd_http_addresses` does in production.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import nsq
+import pytest
+
+from . import _support
+from ._support import FAST_SCAN, Collector
+
+LookupdProcess = getattr(_support, "LookupdProcess", None)
+pytestmark = pytest.mark.skipif(LookupdProcess is None, reason="mqlookupd's LookupdProcess helper not present")
+
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def http(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://{address}{path}", data=body, method=method)
+    try:
+        with _NO_PROXY.open(request, timeout=5) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def producers(lookupd, topic: str) -> set[tuple[str, int, int]]:
+    """(broadcast_address, tcp_port, http_port) of the topic's producers, per lookupd."""
+    status, body = http(lookupd.http_address, "GET", f"/lookup?topic={topic}")
+    if status != 200:
+        return set()
+    return {(p["broadcast_address"], p["tcp_port"], p["http_port"]) for p in body["producers"]}
+
+
+def node(broker) -> tuple[str, int, int]:
+    return ("127.0.0.1", broker.tcp_port, broker.http_port)
+
+
+@pytest.fixture
+def start_lookupd(tmp_path):
+    started: list[Any] = []
+
+    def start(*args: str):
+        lookupd = LookupdProcess(tmp_path / f"lookupd{len(started) + 1}", args)
+        started.append(lookupd)
+        return lookupd.start()
+
+    yield start
+    for lookupd in started:
+        lookupd.kill()
+
+
+@pytest.fixture
+def cluster(start_lookupd, start_broker):
+    lookupd = start_lookupd()
+    brokers = [start_broker(*FAST_SCAN, "--broadcast-address=127.0.0.1",
+                            f"--lookupd-tcp-address={lookupd.tcp_address}") for _ in range(2)]
+    return lookupd, brokers
+
+
+def test_reader_finds_every_producer_through_lookupd(cluster, loop):
+    lookupd, brokers = cluster
+    for i, broker in enumerate(brokers):
+        w = loop.writer(broker)
+        assert loop.publish(w, "pub", "spread", f"from-{i}".encode()) == b"OK"
+    loop.run_until(lambda: producers(lookupd, "spread") == {node(b) for b in brokers},
+                   what="both brokers registered for the topic")
+    got = Collector()
+    reader = nsq.Reader(topic="spread", channel="c", message_handler=got,
+                        lookupd_http_addresses=[f"http://{lookupd.http_address}"],
+                        lookupd_poll_interval=1, max_in_flight=10)
+    loop.clients.append(reader)
+    loop.run_until(lambda: len(got) >= 2, what="a message from each broker")
+    assert sorted(got.bodies) == [b"from-0", b"from-1"]
+    # The channel the Reader made on each broker is registered too.
+    loop.run_until(lambda: http(lookupd.http_address, "GET", "/channels?topic=spread")[1]
+                   and "c" in http(lookupd.http_address, "GET", "/channels?topic=spread")[1]["channels"],
+                   what="the channel registered")
+
+
+def test_killed_broker_drops_out_of_lookup(cluster, loop):
+    lookupd, (alive, dead) = cluster
+    for broker in (alive, dead):
+        assert http(broker.http_address, "POST", "/topic/create?topic=t")[0] == 200
+    loop.run_until(lambda: producers(lookupd, "t") == {node(alive), node(dead)}, what="both registered")
+    dead.kill()
+    loop.run_until(lambda: producers(lookupd, "t") == {node(alive)}, what="the killed broker to go")
+
+
+def test_restarted_lookupd_gets_every_registration_back(cluster, start_lookupd, loop):
+    lookupd, brokers = cluster
+    for broker in brokers:
+        for path in ("/topic/create?topic=only-topic", "/topic/create?topic=with-channel",
+                     "/channel/create?topic=with-channel&channel=ch"):
+            assert http(broker.http_address, "POST", path)[0] == 200
+    loop.run_until(lambda: producers(lookupd, "with-channel") == {node(b) for b in brokers},
+                   what="both registered")
+    lookupd.kill()
+    # A new lookupd (new ports); the brokers are told at run time (H3).
+    replacement = start_lookupd()
+    for broker in brokers:
+        status, _ = http(broker.http_address, "PUT", "/config/nsqlookupd_tcp_addresses",
+                         json.dumps([replacement.tcp_address]).encode())
+        assert status == 200
+    for topic in ("only-topic", "with-channel"):
+        loop.run_until(lambda topic=topic: producers(replacement, topic) == {node(b) for b in brokers},
+                       what=f"{topic} registered again")
+    _, channels = http(replacement.http_address, "GET", "/channels?topic=with-channel")
+    assert channels["channels"] == ["ch"]
+
+
+def test_info_and_nodes_agree(cluster, loop):
+    lookupd, brokers = cluster
+    loop.run_until(lambda: len(http(lookupd.http_address, "GET", "/nodes")[1]["producers"]) == 2,
+                   what="both brokers identified")
+    _, nodes = http(lookupd.http_address, "GET", "/nodes")
+    seen = {(p["broadcast_address"], p["tcp_port"], p["http_port"], p["version"])
+            for p in nodes["producers"]}
+    expected = set()
+    for broker in brokers:
+        _, info = http(broker.http_address, "GET", "/info")
+        expected.add((info["broadcast_address"], info["tcp_port"], info["http_port"], info["version"]))
+    assert seen == expected
+
+
+def test_lookupd_back_on_the_same_port_gets_every_registration_back(cluster, start_lookupd, loop):
+    lookupd, brokers = cluster
+    for broker in brokers:
+        assert http(broker.http_address, "POST", "/topic/create?topic=t")[0] == 200
+    loop.run_until(lambda: producers(lookupd, "t") == {node(b) for b in brokers}, what="both registered")
+    lookupd.kill()
+    # The brokers keep redialling (with a backoff) and re-announce on reconnecting (H2).
+    again = start_lookupd(f"--tcp-address={lookupd.tcp_address}")
+    loop.run_until(lambda: producers(again, "t") == {node(b) for b in brokers},
+                   timeout=20, what="both brokers registered again")

@@ -1,0 +1,258 @@
+"""The broker's lookupd peers (H1-H3): what goes on the wire, and reconnecting.
+
+Each peer's ClientService connects through a fake endpoint that hands the
+test every connection attempt; a connection is a StringTransport, and time
+(PINGs, the 1 s command deadline, the reconnect backoff) is the broker's
+Clock.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from twisted.internet import defer
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.testing import StringTransportWithDisconnection
+
+from mqd.lookup.peer import MAGIC_V1, LookupService, identify_body
+from mqd.protocol.v2 import NSQ_VERSION
+
+PORTS = {"TCP": 4150, "HTTP": 4151}
+LOOKUPD_INFO = {"tcp_port": 4160, "http_port": 4161, "version": NSQ_VERSION,
+                "broadcast_address": "lookup-host", "hostname": "lookup-host"}
+
+
+def sized(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
+
+
+class FakeEndpoint:
+    """Records connection attempts; the test decides each one's fate."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.attempts: list[tuple[defer.Deferred, object]] = []
+
+    def connect(self, factory):
+        d = defer.Deferred()
+        self.attempts.append((d, factory))
+        return d
+
+    def accept(self) -> Conn:
+        d, factory = self.attempts[-1]
+        conn = Conn(factory)
+        d.callback(conn.proxy)
+        return conn
+
+    def refuse(self) -> None:
+        d, _ = self.attempts[-1]
+        d.errback(ConnectionRefusedError())
+
+
+class Conn:
+    """One connection to the fake lookupd."""
+
+    def __init__(self, factory) -> None:
+        self.proxy = factory.buildProtocol(None)
+        self.transport = StringTransportWithDisconnection()
+        self.transport.protocol = self.proxy
+        self.proxy.makeConnection(self.transport)
+        self._read = 0
+
+    def written(self) -> bytes:
+        """Bytes the broker wrote since the last call."""
+        data = self.transport.value()
+        new, self._read = data[self._read:], len(data)
+        return new
+
+    def lines(self) -> list[bytes]:
+        return self.written().splitlines()
+
+    def identified(self) -> list[bytes]:
+        """Check the magic and IDENTIFY, answer it; returns the lines that followed."""
+        data = self.written()
+        assert data.startswith(MAGIC_V1 + b"IDENTIFY\n")
+        rest = data[len(MAGIC_V1 + b"IDENTIFY\n"):]
+        (size,) = struct.unpack(">I", rest[:4])
+        self.identify = json.loads(rest[4:4 + size])
+        self.reply(json.dumps(LOOKUPD_INFO).encode())
+        return rest[4 + size:].splitlines()
+
+    def reply(self, *payloads: bytes) -> None:
+        self.proxy.dataReceived(b"".join(sized(p) for p in payloads))
+
+    def ok(self, n: int = 1) -> None:
+        self.reply(*[b"OK"] * n)
+
+    @property
+    def open(self) -> bool:
+        return self.transport.connected and not self.transport.disconnecting
+
+
+@pytest.fixture
+def lookup(broker):
+    """lookup(*addresses): a started LookupService whose endpoints are FakeEndpoints."""
+    endpoints: dict[str, FakeEndpoint] = {}
+    services = []
+
+    def endpoint_for(address):
+        endpoints[address] = FakeEndpoint(address)
+        return endpoints[address]
+
+    def start(*addresses: str):
+        broker.update_options(lookupd_tcp_address=list(addresses))
+        svc = LookupService(broker, PORTS, reactor=broker.clock, endpoint_for=endpoint_for)
+        svc.endpoints = endpoints
+        svc.startService()
+        services.append(svc)
+        return svc
+
+    yield start
+    for svc in services:
+        if svc.running:
+            svc.stopService()
+
+
+def test_identify_announces_broadcast_ports_and_version(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    assert conn.identified() == []
+    assert conn.identify["version"] == NSQ_VERSION
+    assert conn.identify["broadcast_address"] == "test-host"
+    assert (conn.identify["tcp_port"], conn.identify["http_port"]) == (4150, 4151)
+    assert set(conn.identify) == {"version", "tcp_port", "http_port", "hostname", "broadcast_address",
+                                  "topology_zone", "topology_region"}
+    assert svc.peers["10.0.0.1:4160"].protocol.lookupd_info == LOOKUPD_INFO
+
+
+def test_broadcast_port_options_override_bound_ports(make_broker, tmp_path):
+    broker = make_broker(path=tmp_path / "b", broadcast_tcp_port=5150, broadcast_http_port=5151)
+    info = json.loads(identify_body(broker, PORTS))
+    assert (info["tcp_port"], info["http_port"]) == (5150, 5151)
+
+
+def test_connect_registers_existing_topics_and_channels(broker, lookup):
+    broker.topic("lonely")
+    busy = broker.topic("busy")
+    busy.channel("a")
+    busy.channel("b#ephemeral")
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    # A topic without channels on its own; one with channels once per channel.
+    assert conn.identified() == [b"REGISTER lonely", b"REGISTER busy a", b"REGISTER busy b#ephemeral"]
+
+
+def test_creation_and_deletion_register_and_unregister(broker, lookup):
+    svc = lookup("10.0.0.1:4160", "10.0.0.2:4160")
+    conns = [svc.endpoints[a].accept() for a in ("10.0.0.1:4160", "10.0.0.2:4160")]
+    for conn in conns:
+        conn.identified()
+    topic = broker.topic("t")
+    topic.channel("c")
+    topic.channel("e#ephemeral")
+    topic.delete_channel("c")
+    broker.delete_topic("t")
+    for conn in conns:
+        assert conn.lines() == [b"REGISTER t", b"REGISTER t c", b"REGISTER t e#ephemeral",
+                                b"UNREGISTER t c", b"UNREGISTER t e#ephemeral", b"UNREGISTER t"]
+        conn.ok(6)
+        assert conn.open
+
+
+def test_ping_every_15_seconds(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    conn.identified()
+    broker.clock.advance(14.9)
+    assert conn.lines() == []
+    broker.clock.advance(0.1)
+    assert conn.lines() == [b"PING"]
+    conn.ok()
+    broker.clock.advance(15)
+    assert conn.lines() == [b"PING"]
+    conn.ok()
+    assert conn.open
+
+
+def _reconnected(svc, address):
+    """Let the backoff run out and accept the new connection attempt."""
+    endpoint = svc.endpoints[address]
+    before = len(endpoint.attempts)
+    for _ in range(40):
+        if len(endpoint.attempts) > before:
+            break
+        svc.broker.clock.advance(0.5)
+    assert len(endpoint.attempts) == before + 1
+    return endpoint.accept()
+
+
+def test_error_response_closes_and_reconnect_registers_everything(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    conn.identified()
+    broker.topic("t").channel("c")
+    assert conn.lines() == [b"REGISTER t", b"REGISTER t c"]
+    conn.reply(b"OK", b"E_INVALID something")
+    assert not conn.open
+    # While disconnected, changes are not sent anywhere ...
+    broker.topic("u")
+    # ... the next connection announces the whole state.
+    conn2 = _reconnected(svc, "10.0.0.1:4160")
+    assert conn2.identified() == [b"REGISTER t c", b"REGISTER u"]
+    conn2.ok(2)
+    assert conn2.open
+
+
+def test_unanswered_command_times_out_after_1s(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    conn.identified()
+    broker.clock.advance(15)
+    assert conn.lines() == [b"PING"]
+    broker.clock.advance(0.99)
+    assert conn.open
+    broker.clock.advance(0.01)
+    assert not conn.open
+    conn2 = _reconnected(svc, "10.0.0.1:4160")
+    assert conn2.identified() == []
+
+
+def test_refused_connection_retries_with_backoff(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    endpoint = svc.endpoints["10.0.0.1:4160"]
+    endpoint.refuse()
+    broker.clock.advance(0.1)
+    assert len(endpoint.attempts) == 1
+    broker.topic("t")
+    conn = _reconnected(svc, "10.0.0.1:4160")
+    assert conn.identified() == [b"REGISTER t"]
+
+
+def test_runtime_address_change_drops_removed_and_adds_new(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    old = svc.endpoints["10.0.0.1:4160"].accept()
+    old.identified()
+    broker.topic("t")
+    old.lines()
+    broker.update_options(lookupd_tcp_address=["10.0.0.2:4160"])
+    assert not old.open
+    assert list(svc.peers) == ["10.0.0.2:4160"]
+    new = svc.endpoints["10.0.0.2:4160"].accept()
+    assert new.identified() == [b"REGISTER t"]
+    # The removed lookupd is not reconnected.
+    attempts = len(svc.endpoints["10.0.0.1:4160"].attempts)
+    broker.clock.advance(60)
+    assert len(svc.endpoints["10.0.0.1:4160"].attempts) == attempts
+
+
+def test_stop_disconnects_every_peer(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    conn.identified()
+    svc.stopService()
+    assert not conn.open
+    assert svc not in broker.observers
+    broker.topic("t")
+    assert conn.lines() == []
