@@ -54,6 +54,8 @@ DEFAULT_MAP_SIZE = 1 << 30
 # so reads right after a publish need no decoding (bounded per queue).
 _READ_CACHE = 10000
 _RETRY_AFTER = 1.0
+# How long a commit that needs a bigger map waits for a running snapshot copy.
+_COPY_WAIT = 0.05
 
 
 class StoreOpenError(Exception):
@@ -259,6 +261,8 @@ class LmdbStore:
         self._waiters: list = []
         self._commit_call = None
         self._unsynced = 0
+        # Snapshot copies reading the environment from other threads right now.
+        self.copies = 0
         self._queues: dict[str, LmdbQueue] = {}
         self._known: dict[str, int] = {}
         self._next_qid = 1
@@ -405,8 +409,13 @@ class LmdbStore:
         try:
             written = self._write()
         except lmdb.MapFullError:
-            self._grow()
             self._waiters[:0] = waiters
+            if self.copies:
+                # A snapshot thread is reading the map: resizing it now could
+                # pull it from under the copy. Try again shortly.
+                self._commit_call = self.clock.callLater(_COPY_WAIT, self.commit)
+                return
+            self._grow()
             self.commit()
             return
         except lmdb.Error as e:

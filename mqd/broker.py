@@ -57,6 +57,9 @@ class Broker:
         self._persist_call = None
         self._lock_fd: int | None = None
         self.store = None
+        # Work running in threads on the store (POST /snapshot copies): the
+        # store is closed only once they are done (BrokerService.stopService).
+        self.background: set = set()
         self._ephemeral_store = backends.open_store("dummy", options)
         # Asks the auth servers for AUTH (tests replace its fetch function).
         self.auth = AuthClient(options, clock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from twisted.application import service
+from twisted.internet.defer import DeferredList
 from twisted.python.failure import Failure
 
 from .logs import get_logger
@@ -92,4 +93,12 @@ class BrokerService(service.Service):
 
     def stopService(self):
         super().stopService()
-        self.broker.close()
+        running = list(self.broker.background)
+        if not running:
+            self.broker.close()
+            return None
+        # A snapshot thread still reads the LMDB environment: closing it
+        # under the copy would crash the process, so wait (a copy is short).
+        d = DeferredList(running, consumeErrors=True)
+        d.addCallback(lambda _: self.broker.close())
+        return d

@@ -11,7 +11,8 @@ a known path lists the methods, and anything else is
 
 The endpoints themselves live in one module per concept: status.py
 (/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
-admin.py (/topic/*, /channel/*), config.py (/config/:opt).
+admin.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
+(/snapshot, the Spark bridge's copy of the LMDB store).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .endpoint import Endpoint
 from .metrics import Metrics
 from .publish import Mpub, Pub
 from .response import respond_v1
+from .snapshot import Snapshot
 from .status import Info, Ping, Stats
 
 __all__ = ["CappedBody", "NsqdAPI", "NsqdSite", "Router", "client_of"]
@@ -143,6 +145,7 @@ class NsqdAPI(Router):
             "/channel/empty": ChannelEmpty(broker),
             "/channel/pause": ChannelPause(broker, paused=True),
             "/channel/unpause": ChannelPause(broker, paused=False),
+            "/snapshot": Snapshot(broker),
         })
         self.broker = broker
         # Bound ports, filled in once the listeners are up (port 0 picks one).
