@@ -13,11 +13,10 @@ import json
 import ssl
 import urllib.error
 import urllib.request
-import zlib
 
-import cramjam
 import pytest
 
+from .._codec_clients import DeflateClient, SnappyClient
 from ._certs import make_certs
 from ._support import (
     FRAME_ERROR,
@@ -27,7 +26,6 @@ from ._support import (
     command,
 )
 
-SNAPPY_HEADER = b"\xff\x06\x00\x00sNaPpY"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -55,44 +53,6 @@ def client_context(certs, *, client_cert: bool = False, other: bool = False) -> 
     return ctx
 
 
-class _Deflate:
-    def __init__(self) -> None:
-        self.c = zlib.compressobj(6, zlib.DEFLATED, -15)
-        self.d = zlib.decompressobj(-15)
-
-    def compress(self, data: bytes) -> bytes:
-        return self.c.compress(data) + self.c.flush(zlib.Z_SYNC_FLUSH)
-
-    def decompress(self, data: bytes) -> bytes:
-        return self.d.decompress(data)
-
-
-class _Snappy:
-    """Framed snappy; incoming bytes are cut at chunk boundaries before decoding."""
-
-    def __init__(self) -> None:
-        self.sent_header = False
-        self.buf = b""
-
-    def compress(self, data: bytes) -> bytes:
-        out = bytes(cramjam.snappy.compress(data))
-        if self.sent_header:
-            out = out[len(SNAPPY_HEADER):]
-        self.sent_header = True
-        return out
-
-    def decompress(self, data: bytes) -> bytes:
-        buf = self.buf + data
-        end = 0
-        while end + 4 <= len(buf):
-            length = int.from_bytes(buf[end + 1:end + 4], "little")
-            if end + 4 + length > len(buf):
-                break
-            end += 4 + length
-        self.buf = buf[end:]
-        return bytes(cramjam.snappy.decompress(SNAPPY_HEADER + buf[:end])) if end else b""
-
-
 class UpgradingConn(RawConn):
     """A raw V2 client that negotiates TLS and/or compression as pynsq/go-nsq do."""
 
@@ -111,7 +71,7 @@ class UpgradingConn(RawConn):
             self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
             assert self.read_frame() == (FRAME_RESPONSE, b"OK")
         if answer["snappy"] or answer["deflate"]:
-            self.codec = _Snappy() if answer["snappy"] else _Deflate()
+            self.codec = SnappyClient() if answer["snappy"] else DeflateClient()
             early, self._buf = self._buf, b""
             self._buf = self.codec.decompress(early)
             assert self.read_frame() == (FRAME_RESPONSE, b"OK")

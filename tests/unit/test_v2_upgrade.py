@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 
-import cramjam
 import pytest
 from twisted.internet.testing import StringTransport
 
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from mqd.protocol.compression import SNAPPY_STREAM_HEADER, DeflateCodec, SnappyCodec
+from mqd.protocol.compression import DeflateCodec, SnappyCodec
 from mqd.tap import Options
 from mqd.tlsconfig import ServerTLS, server_tls
 
+from .._codec_clients import DeflateClient, SnappyClient
 from .conftest import Client, cmd, err, identify, ok, parse_frames, pub
 
 
@@ -24,36 +23,6 @@ def split_first_frame(data: bytes) -> tuple[dict, bytes]:
     frame_type = struct.unpack(">i", data[4:8])[0]
     assert frame_type == 0, data
     return json.loads(data[8:4 + size]), data[4 + size:]
-
-
-class DeflateClient:
-    """The client's side of a raw-deflate stream, as pynsq's DeflateSocket."""
-
-    def __init__(self) -> None:
-        self.c = zlib.compressobj(6, zlib.DEFLATED, -15)
-        self.d = zlib.decompressobj(-15)
-
-    def compress(self, data: bytes) -> bytes:
-        return self.c.compress(data) + self.c.flush(zlib.Z_SYNC_FLUSH)
-
-    def decompress(self, data: bytes) -> bytes:
-        return self.d.decompress(data)
-
-
-class SnappyClient:
-    def __init__(self) -> None:
-        self.first = True
-
-    def compress(self, data: bytes) -> bytes:
-        out = bytes(cramjam.snappy.compress(data))
-        if not self.first:
-            out = out[len(SNAPPY_STREAM_HEADER):]
-        self.first = False
-        return out
-
-    def decompress(self, data: bytes) -> bytes:
-        # Every write is whole chunks; the identifier lets each decode alone.
-        return bytes(cramjam.snappy.decompress(SNAPPY_STREAM_HEADER + data)) if data else b""
 
 
 def test_both_compressions_fail(connect):
