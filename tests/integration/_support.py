@@ -63,34 +63,15 @@ class BrokerStartError(AssertionError):
     pass
 
 
-class BrokerProcess:
-    """One mqd under twistd on ephemeral loopback ports, with its own data directory.
+class TwistdProcess:
+    """A twistd daemon (mqd or mqlookupd) on ephemeral loopback ports, logging to files.
 
-    Its log goes to files (never a pipe, so a chatty broker cannot block);
-    `restart()` keeps the data directory and arguments, the ports change.
+    Subclasses set `program`, `workdir`, `log_path`, `stderr_path` and `argv`.
     """
 
-    def __init__(
-        self,
-        workdir: Path,
-        args: Sequence[str] = (),
-        *,
-        addresses: bool = True,
-        data_path: bool = True,
-    ) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.data_dir = self.workdir / "data"
-        self.log_path = self.workdir / "mqd.log"
-        self.stderr_path = self.workdir / "mqd.stderr"
-        argv: list[str] = []
-        if addresses:
-            argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
-        if data_path:
-            argv.append(f"--data-path={self.data_dir}")
-        self._base_argv = list(argv)
-        argv += list(args)
-        self.argv = twistd_command(*argv)
+    program = "twistd"
+
+    def _init_process(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.tcp_host = self.http_host = ""
         self.tcp_port = self.http_port = 0
@@ -110,8 +91,8 @@ class BrokerProcess:
 
     # -- life cycle ------------------------------------------------------------
 
-    def start(self, timeout: float = 15.0) -> BrokerProcess:
-        assert self.proc is None or self.proc.poll() is not None, "broker already running"
+    def start(self, timeout: float = 15.0) -> TwistdProcess:
+        assert self.proc is None or self.proc.poll() is not None, f"{self.program} already running"
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
@@ -137,12 +118,12 @@ class BrokerProcess:
             if self.proc.poll() is not None:
                 self.returncodes.append(self.proc.returncode)
                 raise BrokerStartError(
-                    f"mqd exited with {self.proc.returncode} before listening\n"
+                    f"{self.program} exited with {self.proc.returncode} before listening\n"
                     f"argv: {self.argv}\n{self.describe()}"
                 )
             if time.monotonic() > deadline:
                 self.kill()
-                raise BrokerStartError(f"mqd did not listen within {timeout}s\n{self.describe()}")
+                raise BrokerStartError(f"{self.program} did not listen within {timeout}s\n{self.describe()}")
             time.sleep(0.02)
 
     def _wait_until_serving(self, deadline: float) -> None:
@@ -165,7 +146,7 @@ class BrokerProcess:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise BrokerStartError(f"mqd never answered {url}\n{self.describe()}")
+                raise BrokerStartError(f"{self.program} never answered {url}\n{self.describe()}")
             time.sleep(0.02)
 
     def stop(self, timeout: float = 10.0) -> int:
@@ -176,7 +157,7 @@ class BrokerProcess:
         as often as 0; `assert_clean_exit` accepts both.
         """
         proc = self.proc
-        assert proc is not None, "broker never started"
+        assert proc is not None, f"{self.program} never started"
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -184,37 +165,9 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise AssertionError(
-                    f"mqd did not exit within {timeout}s of SIGTERM\n{self.describe()}"
+                    f"{self.program} did not exit within {timeout}s of SIGTERM\n{self.describe()}"
                 ) from None
         self.returncodes.append(proc.returncode)
-        return proc.returncode
-
-    def assert_clean_exit(self, code: int) -> None:
-        assert code in (0, -signal.SIGTERM), f"mqd exited with {code}\n{self.describe()}"
-        log = self.log()
-        assert "Server Shut Down." in log, f"no clean shutdown in the log\n{self.describe()}"
-        assert "Traceback" not in log and "Unhandled" not in log, self.describe()
-
-    def stop_cleanly(self) -> None:
-        self.assert_clean_exit(self.stop())
-
-    def restart(self) -> BrokerProcess:
-        self.stop_cleanly()
-        return self.start()
-
-    def reconfigure(self, *args: str) -> None:
-        """Other flags for the next start; the work directory, data and addresses stay."""
-        assert not self.running, "reconfigure a stopped broker"
-        self.argv = twistd_command(*self._base_argv, *args)
-
-    def crash(self, timeout: float = 10.0) -> int:
-        """SIGKILL, as a crash stops it: no shutdown code runs (the OS page cache survives)."""
-        proc = self.proc
-        assert proc is not None and proc.poll() is None, "broker not running"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout)
-        self.returncodes.append(proc.returncode)
-        assert proc.returncode == -signal.SIGKILL, f"mqd exited with {proc.returncode}"
         return proc.returncode
 
     def kill(self) -> None:
@@ -256,6 +209,68 @@ class BrokerProcess:
 
     def describe(self) -> str:
         return f"--- log ---\n{self.log()[-4000:]}\n--- stderr ---\n{self.stderr()[-2000:]}"
+
+
+
+class BrokerProcess(TwistdProcess):
+    """One mqd under twistd on ephemeral loopback ports, with its own data directory.
+
+    Its log goes to files (never a pipe, so a chatty broker cannot block);
+    `restart()` keeps the data directory and arguments, the ports change.
+    """
+
+    program = "mqd"
+
+    def __init__(
+        self,
+        workdir: Path,
+        args: Sequence[str] = (),
+        *,
+        addresses: bool = True,
+        data_path: bool = True,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = self.workdir / "data"
+        self.log_path = self.workdir / "mqd.log"
+        self.stderr_path = self.workdir / "mqd.stderr"
+        argv: list[str] = []
+        if addresses:
+            argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
+        if data_path:
+            argv.append(f"--data-path={self.data_dir}")
+        self._base_argv = list(argv)
+        argv += list(args)
+        self.argv = twistd_command(*argv)
+        self._init_process()
+
+    def assert_clean_exit(self, code: int) -> None:
+        assert code in (0, -signal.SIGTERM), f"mqd exited with {code}\n{self.describe()}"
+        log = self.log()
+        assert "Server Shut Down." in log, f"no clean shutdown in the log\n{self.describe()}"
+        assert "Traceback" not in log and "Unhandled" not in log, self.describe()
+
+    def stop_cleanly(self) -> None:
+        self.assert_clean_exit(self.stop())
+
+    def restart(self) -> BrokerProcess:
+        self.stop_cleanly()
+        return self.start()
+
+    def reconfigure(self, *args: str) -> None:
+        """Other flags for the next start; the work directory, data and addresses stay."""
+        assert not self.running, "reconfigure a stopped broker"
+        self.argv = twistd_command(*self._base_argv, *args)
+
+    def crash(self, timeout: float = 10.0) -> int:
+        """SIGKILL, as a crash stops it: no shutdown code runs (the OS page cache survives)."""
+        proc = self.proc
+        assert proc is not None and proc.poll() is None, "broker not running"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout)
+        self.returncodes.append(proc.returncode)
+        assert proc.returncode == -signal.SIGKILL, f"mqd exited with {proc.returncode}"
+        return proc.returncode
 
     @property
     def metadata_path(self) -> Path:
@@ -499,12 +514,14 @@ class RawConn:
 # -- mqlookupd -------------------------------------------------------------------------
 
 
-class LookupdProcess:
+class LookupdProcess(TwistdProcess):
     """One mqlookupd under twistd on ephemeral loopback ports, log to files.
 
     `restart()` keeps the arguments; the ports change (and lookupd's
     memory is gone, as nsqlookupd's is: brokers re-register).
     """
+
+    program = "mqlookupd"
 
     def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
         self.workdir = Path(workdir)
@@ -513,83 +530,12 @@ class LookupdProcess:
         self.stderr_path = self.workdir / "mqlookupd.stderr"
         self.argv = [TWISTD, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
                      "--http-address=127.0.0.1:0", *args]
-        self.proc: subprocess.Popen | None = None
-        self.tcp_host = self.http_host = ""
-        self.tcp_port = self.http_port = 0
-        self._log_offset = 0
-
-    @property
-    def tcp_address(self) -> str:
-        return f"{self.tcp_host}:{self.tcp_port}"
-
-    @property
-    def http_address(self) -> str:
-        return f"{self.http_host}:{self.http_port}"
-
-    def start(self, timeout: float = 15.0) -> LookupdProcess:
-        assert not self.running, "mqlookupd already running"
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=err, env=child_env(), cwd=self.workdir)
-        deadline = time.monotonic() + timeout
-        while True:
-            found = {m.group(1): (m.group(2), int(m.group(3)))
-                     for m in _LISTENING.finditer(self.log())}
-            if "TCP" in found and "HTTP" in found:
-                self.tcp_host, self.tcp_port = found["TCP"]
-                self.http_host, self.http_port = found["HTTP"]
-                break
-            if self.proc.poll() is not None:
-                raise BrokerStartError(f"mqlookupd exited with {self.proc.returncode}\n{self.describe()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise BrokerStartError(f"mqlookupd did not listen within {timeout}s\n{self.describe()}")
-            time.sleep(0.02)
-        # Serving (and SIGTERM-safe) once /ping answers: see BrokerProcess._wait_until_serving.
-        while True:
-            try:
-                with _NO_PROXY.open(f"http://{self.http_address}/ping", timeout=1) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise BrokerStartError(f"mqlookupd never answered /ping\n{self.describe()}")
-            time.sleep(0.02)
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM and wait; returns the exit status (0 or -SIGTERM when clean)."""
-        proc = self.proc
-        assert proc is not None, "mqlookupd never started"
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise AssertionError(f"mqlookupd ignored SIGTERM\n{self.describe()}") from None
-        return proc.returncode
+        self._init_process()
 
     def restart(self) -> LookupdProcess:
         code = self.stop()
         assert code in (0, -signal.SIGTERM), f"mqlookupd exited with {code}\n{self.describe()}"
         return self.start()
-
-    def kill(self) -> None:
-        """Make sure the process is gone (teardown, or a crash); harmless if it already is."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:  # pragma: no cover
-                pass
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def get(self, path: str) -> tuple[int, Any]:
         """(status, JSON body) of a GET on its HTTP API."""
@@ -606,18 +552,3 @@ class LookupdProcess:
                 return response.status
         except urllib.error.HTTPError as e:
             return e.code
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                return f.read().decode("utf-8", "replace")
-        except FileNotFoundError:
-            return ""
-
-    def describe(self) -> str:
-        try:
-            stderr = self.stderr_path.read_text("utf-8", "replace")
-        except FileNotFoundError:
-            stderr = ""
-        return f"--- log ---\n{self.log()[-4000:]}\n--- stderr ---\n{stderr[-2000:]}"
