@@ -449,12 +449,16 @@ class RawConn:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
+    def _decode(self, chunk: bytes) -> bytes:
+        """What arrived, as protocol bytes (a subclass that negotiates compression decodes)."""
+        return chunk
+
     def _read_exactly(self, n: int) -> bytes:
         while len(self._buf) < n:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise ConnectionError(f"connection closed with {len(self._buf)}/{n} bytes read")
-            self._buf += chunk
+            self._buf += self._decode(chunk)
         data, self._buf = self._buf[:n], self._buf[n:]
         return data
 

@@ -83,14 +83,8 @@ class UpgradingConn(RawConn):
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def _read_exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError(f"connection closed with {len(self._buf)}/{n} bytes read")
-            self._buf += self.codec.decompress(chunk) if self.codec else chunk
-        data, self._buf = self._buf[:n], self._buf[n:]
-        return data
+    def _decode(self, chunk: bytes) -> bytes:
+        return self.codec.decompress(chunk) if self.codec else chunk
 
 
 def pub_and_consume(broker, name, **upgrade) -> dict:

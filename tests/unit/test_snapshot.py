@@ -13,7 +13,6 @@ import os
 import lmdb
 import pytest
 from twisted.internet import defer
-from twisted.internet.task import Clock
 
 from backends.lmdb import FORMAT, KEY, LmdbStore, _decode
 from mqd.message import Message
@@ -23,13 +22,6 @@ from spark_bridge.snapshot import MANIFEST, SnapshotError, read_manifest, take_s
 
 from ._http import HTTPClient, error
 from .conftest import START_TIME, new_broker, settings
-
-
-@pytest.fixture
-def clock() -> Clock:
-    c = Clock()
-    c.advance(START_TIME)
-    return c
 
 
 @pytest.fixture
