@@ -1,9 +1,16 @@
 """`python -m spark_bridge <command>`: the Spark bridge's command line.
 
-Only `snapshot` exists so far: it copies a broker's LMDB environment (a
-stopped broker's, or a running one's from outside its process) so the
-analysis never touches the live data. `analyze` and `export` are
-announced so scripts get a clear error instead of argparse's generic one.
+- `snapshot` copies a broker's LMDB environment (a stopped broker's, or a
+  running one's from outside its process) so analysis never touches the
+  live data;
+- `analyze` answers "what is stuck where, since when, and why" with
+  PySpark (local by default, `--master` for a cluster) as a terminal
+  table and an HTML report;
+- `export` writes a snapshot as Parquet for tools outside Spark.
+
+Imports are absolute so spark-submit can run this file directly
+(`spark-submit .../spark_bridge/__main__.py analyze SNAPDIR`); pyspark is
+imported only by `analyze`, so `snapshot` works without it.
 """
 
 from __future__ import annotations
@@ -12,12 +19,11 @@ import argparse
 import os
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from .snapshot import Manifest, SnapshotError, take_snapshot
-
-NOT_BUILT = ("analyze", "export")
+from spark_bridge.snapshot import Manifest, SnapshotError, take_snapshot
 
 
 def summary(manifest: Manifest, path: str) -> str:
@@ -60,22 +66,112 @@ def parser() -> argparse.ArgumentParser:
     snap.add_argument("--broker-id", default=socket.gethostname(),
                       help="broker id recorded in the manifest (default: this host's name)")
     snap.set_defaults(run=_snapshot)
-    for name in NOT_BUILT:
-        sub.add_parser(name, help="not built yet (issue #7)", add_help=False).set_defaults(run=None)
+
+    an = sub.add_parser("analyze", help="backlog, ages, sizes, attempts and deferrals per queue, with PySpark")
+    an.add_argument("snapshot", metavar="SNAPDIR", help="a snapshot directory")
+    an.add_argument("--master", help="Spark master URL (default: spark-submit's, else local[*])")
+    an.add_argument("--report", metavar="FILE", help="also write an HTML report with charts here")
+    an.add_argument("--json-field", metavar="NAME", help="group JSON bodies by this top-level field")
+    an.add_argument("--poison-attempts", type=int, default=None, metavar="N",
+                    help="messages tried more than N times are poison (default: 5, as nsq clients)")
+    an.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting, as spark-submit's --conf (repeatable)")
+    an.add_argument("--partitions", type=int, metavar="N",
+                    help="Spark partitions to read with (default: the session's parallelism)")
+    an.set_defaults(run=_analyze)
+
+    ex = sub.add_parser("export", help="write a snapshot's messages to Parquet (no Spark needed)")
+    ex.add_argument("snapshot", metavar="SNAPDIR", help="a snapshot directory")
+    ex.add_argument("--format", choices=["parquet"], default="parquet")
+    ex.add_argument("--out", required=True, metavar="FILE", help="the Parquet file to write")
+    ex.add_argument("--topic", action="append", help="only this topic (repeatable)")
+    ex.add_argument("--channel", action="append", help="only this channel (repeatable)")
+    ex.set_defaults(run=_export)
     return p
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from spark_bridge.analysis import DEFAULT_POISON_ATTEMPTS, analyze
+    from spark_bridge.report import render_text, write_html
+    from spark_bridge.session import build_session
+    from spark_bridge.snapshot import read_manifest
+
+    try:
+        read_manifest(args.snapshot)
+    except (OSError, ValueError) as e:
+        print(f"analyze failed: {args.snapshot}: not an mqd snapshot ({e})", file=sys.stderr)
+        return 1
+    # No web UI unless asked for (--conf spark.ui.enabled=true): a short
+    # local run does not need one, and it costs start-up time.
+    conf = {"spark.ui.enabled": "false"}
+    for item in args.conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            print(f"analyze failed: --conf {item!r}: expected KEY=VALUE", file=sys.stderr)
+            return 2
+        conf[key] = value
+    interactive = sys.stderr.isatty()
+    started = time.perf_counter()
+    _status(f"starting Spark ({args.master or 'default master'})")
+    spark = build_session(args.master, conf=conf, progress=interactive)
+    _status(f"Spark ready in {time.perf_counter() - started:.1f} s")
+
+    def progress(step: int, steps: int, label: str, seconds: float | None) -> None:
+        if seconds is None:
+            _status(f"[{step}/{steps}] {label} ...")
+        else:
+            _status(f"[{step}/{steps}] {label}: {seconds:.1f} s")
+
+    try:
+        poison = DEFAULT_POISON_ATTEMPTS if args.poison_attempts is None else args.poison_attempts
+        result = analyze(spark, args.snapshot, poison_attempts=poison,
+                         json_field_name=args.json_field, partitions=args.partitions,
+                         progress=progress)
+    finally:
+        spark.stop()
+    print(render_text(result), end="")
+    if args.report:
+        _status("writing the HTML report ...")
+        write_html(result, args.report)
+        print(f"\nHTML report: {args.report}")
+    total = time.perf_counter() - started
+    rate = result.total / total if total > 0 else 0
+    print(f"analyzed {result.total:,} messages in {total:.1f} s ({rate:,.0f} msgs/s, "
+          "Spark start included)")
+    return 0
+
+
+def _status(line: str) -> None:
+    """Progress on stderr: the tables on stdout stay clean for pipes."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from spark_bridge.export import export_parquet
+    from spark_bridge.records import QueueFilter
+
+    where = QueueFilter()
+    if args.topic:
+        where = where.narrowed("topic", args.topic)
+    if args.channel:
+        where = where.narrowed("channel", args.channel)
+    try:
+        result = export_parquet(args.snapshot, args.out, where)
+    except (SnapshotError, OSError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 1
+    rate = result.rows / result.seconds if result.seconds > 0 else 0
+    print(f"exported {result.rows:,} messages to {result.path} ({result.bytes / 1e6:.1f} MB) "
+          f"in {result.seconds:.2f} s ({rate:,.0f} msgs/s)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
-    args, extra = p.parse_known_args(argv)
-    if args.command in NOT_BUILT:
-        print(f"{args.command}: not built yet, issue #7", file=sys.stderr)
-        return 2
+    args = p.parse_args(argv)
     if args.command is None:
         p.print_help(sys.stderr)
         return 2
-    if extra:
-        p.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args)
 
 

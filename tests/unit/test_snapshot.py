@@ -146,12 +146,13 @@ def test_written_in_a_temp_dir_then_renamed(store, clock, tmp_path, monkeypatch)
     seen = {}
     real = snapmod._describe
 
-    def spy(copy_dir):
+    def spy(env, txn):
         # Mid-snapshot: the data is in a hidden sibling, the destination does not exist yet.
-        seen["dir"] = copy_dir
+        (hidden,) = os.listdir(tmp_path / "snaps")
+        seen["dir"] = str(tmp_path / "snaps" / hidden)
         seen["dest_exists"] = (tmp_path / "snaps" / "one").exists()
-        seen["listing"] = sorted(os.listdir(copy_dir))
-        return real(copy_dir)
+        seen["listing"] = sorted(os.listdir(seen["dir"]))
+        return real(env, txn)
 
     monkeypatch.setattr(snapmod, "_describe", spy)
     take_snapshot(store.env, tmp_path / "snaps" / "one")
@@ -166,7 +167,7 @@ def test_written_in_a_temp_dir_then_renamed(store, clock, tmp_path, monkeypatch)
 def test_a_failed_snapshot_leaves_nothing(store, clock, tmp_path, monkeypatch):
     fill(store, clock, {"t": 3})
 
-    def broken(copy_dir):
+    def broken(env, txn):
         raise SnapshotError("boom")
 
     monkeypatch.setattr(snapmod, "_describe", broken)
@@ -230,10 +231,13 @@ def test_cli_default_out_is_under_the_data_path(tmp_path, clock, capsys):
     assert read_manifest(tmp_path / "data" / "snapshots" / snap).queues == []
 
 
-@pytest.mark.parametrize("command", ["analyze", "export"])
-def test_cli_commands_not_built_yet(command, capsys):
-    assert main([command, "--whatever"]) == 2
-    assert "not built yet, issue #7" in capsys.readouterr().err
+@pytest.mark.parametrize("command", [["analyze"], ["export", "--out", "x.parquet"]])
+def test_cli_analyze_and_export_refuse_a_directory_that_is_no_snapshot(command, tmp_path, capsys):
+    # Refused before any Spark session starts (or any file is written).
+    assert main([command[0], str(tmp_path), *command[1:]]) == 1
+    err = capsys.readouterr().err
+    assert f"{command[0]} failed: " in err and str(tmp_path) in err and "not an mqd snapshot" in err
+    assert os.listdir(tmp_path) == []
 
 
 def test_cli_failure_is_reported(tmp_path, capsys):
@@ -296,3 +300,13 @@ def test_http_snapshot_out_stays_under_the_snapshots_dir(tmp_path, clock, sync_t
         assert broker.store.copies == 0
     finally:
         broker.close()
+
+
+def test_cli_analyze_refuses_a_malformed_conf(tmp_path, clock, capsys):
+    snap = tmp_path / "snap"
+    LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock).close()
+    assert main(["snapshot", "--data-path", str(tmp_path / "data"), "--out", str(snap)]) == 0
+    capsys.readouterr()
+    # Refused before Spark starts.
+    assert main(["analyze", str(snap), "--conf", "spark.ui.enabled"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err

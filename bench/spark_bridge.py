@@ -1,0 +1,440 @@
+"""Benchmark the Spark bridge end to end: snapshot + analyze + export of a broker backlog (issue #7).
+
+Fills an LMDB data directory with N messages through the real store (``LmdbStore``),
+shaped like a broker's backlog: 4 topics with nearly empty topic queues and 2-3
+channel queues of uneven sizes, nsqd-style 16-hex-char ids, timestamps over the
+last ~6 hours, attempts mostly 0-1 with a tail up to 10 (> 5 is poison), ~2%
+deferred, JSON bodies of exactly ``--body-size`` bytes with a ``type`` field of 5
+values. Then, each timed on its own:
+
+  1. ``take_snapshot(DATA_DIR, SNAPDIR)`` in-process (copy MB/s from the manifest
+     and for the whole call), and ``python -m spark_bridge snapshot`` once as a
+     subprocess (wall time including interpreter start);
+  2. ``python -m spark_bridge analyze SNAPDIR --master M --json-field type
+     --report FILE`` as a subprocess: wall time, msgs/s, its per-step timings
+     (parsed from its stderr), peak RSS of its largest process;
+  3. ``python -m spark_bridge export SNAPDIR --out FILE``: wall time, rows/s.
+
+The fill is timed and printed but is not part of the benchmark. Targets (issue #7,
+1,000,000 x 200 B on local[2]): snapshot >= 500 MB/s, analyze < 25 s end to end
+including the SparkSession start.
+
+Usage::
+
+    python -m bench.spark_bridge [--messages 1000000] [--body-size 200]
+        [--master local[2]] [--workdir DIR] [--keep] [--seed 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+
+from twisted.internet.task import Clock
+
+from backends.lmdb import LmdbStore
+from mqd.message import Message
+from spark_bridge.snapshot import take_snapshot
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET_SNAPSHOT_MBS = 500.0
+TARGET_ANALYZE_S = 25.0
+CHUNK = 10_000
+HOURS = 6
+TWEPOCH_MS = 1288834974657  # the epoch of nsqd's GUIDs (Twitter snowflake's)
+
+# topic -> share of the messages held by the topic queue itself (nearly none) and
+# by each channel queue; shares are relative, per topic and across topics.
+TOPICS: dict[str, dict[str | None, float]] = {
+    "orders": {None: 0.001, "billing": 0.16, "shipping": 0.09, "audit": 0.05},
+    "clicks": {None: 0.002, "analytics": 0.22, "archive": 0.11},
+    "emails": {None: 0.001, "sender": 0.12, "bounces": 0.03},
+    "payments": {None: 0.001, "ledger": 0.13, "fraud": 0.06, "notify": 0.025},
+}
+# How far back each queue's backlog reaches, in hours (a stuck consumer keeps old messages).
+SPAN_HOURS = {"audit": 6.0, "archive": 5.5, "fraud": 4.0, "bounces": 3.0, "billing": 2.0}
+TYPES = ["order.created", "order.paid", "page.view", "email.sent", "payment.refunded"]
+TYPE_WEIGHTS = [30, 15, 35, 12, 8]
+ATTEMPTS = list(range(11))
+ATTEMPT_WEIGHTS = [70, 20, 3, 2, 1.5, 1, 0.8, 0.6, 0.5, 0.3, 0.3]
+DEFERRED_SHARE = 0.02
+
+now = time.perf_counter
+
+
+def queue_counts(n: int) -> list[tuple[str, int]]:
+    """(queue name, message count) for every queue, summing to n."""
+    names, weights = [], []
+    for topic, queues in TOPICS.items():
+        for channel, w in queues.items():
+            names.append(topic if channel is None else f"{topic}:{channel}")
+            weights.append(w)
+    total = sum(weights)
+    counts = [int(n * w / total) for w in weights]
+    counts[weights.index(max(weights))] += n - sum(counts)
+    return list(zip(names, counts, strict=True))
+
+
+def make_body_factory(size: int):
+    """A function (type, seq, ts_ms) -> JSON body of exactly `size` bytes."""
+    head = '{"type":"%s","seq":%d,"ts":%d,"pad":"'
+    longest = len(head % (max(TYPES, key=len), 10**12, 10**13)) + 2
+    if size < longest:
+        raise SystemExit(f"--body-size must be at least {longest} bytes")
+
+    def body(kind: str, seq: int, ts_ms: int) -> bytes:
+        s = head % (kind, seq, ts_ms)
+        return (s + "x" * (size - len(s) - 2) + '"}').encode()
+
+    return body
+
+
+def fill(data_dir: str, n: int, body_size: int, seed: int) -> dict:
+    """Write n messages through the real LmdbStore; returns what was written."""
+    rng = random.Random(seed)
+    body = make_body_factory(body_size)
+    now_ns = time.time_ns()
+    now_s = now_ns / 1e9
+    store = LmdbStore(
+        types.SimpleNamespace(data_path=data_dir, durable=False, sync_every=10**9, sync_timeout=0),
+        clock=Clock(),
+    )
+    seq = 0
+    poison = deferred = 0
+    try:
+        for name, count in queue_counts(n):
+            q = store.open_queue(name)
+            span_ns = int(SPAN_HOURS.get(name.partition(":")[2], rng.uniform(0.1, HOURS)) * 3600e9)
+            # Publish order: timestamps ascending within a queue, as a broker writes them.
+            stamps = sorted(rng.randrange(now_ns - span_ns, now_ns) for _ in range(count))
+            kinds = rng.choices(TYPES, TYPE_WEIGHTS, k=count)
+            attempts = rng.choices(ATTEMPTS, ATTEMPT_WEIGHTS, k=count)
+            rand = rng.random
+            for start in range(0, count, CHUNK):
+                batch = []
+                for i in range(start, min(start + CHUNK, count)):
+                    ts = stamps[i]
+                    ts_ms = ts // 1_000_000
+                    # nsqd's GUID layout: ms since its epoch << 22 | node/sequence bits;
+                    # the low 22 bits carry a global counter, so ids are unique.
+                    msg_id = b"%016x" % (((ts_ms - TWEPOCH_MS) << 22) | (seq & 0x3FFFFF))
+                    due = 0.0
+                    if rand() < DEFERRED_SHARE:
+                        due = now_s + rng.uniform(-60.0, 7200.0)
+                        deferred += 1
+                    att = attempts[i]
+                    poison += att > 5
+                    batch.append(Message(msg_id, body(kinds[i], seq, ts_ms), ts, att, due))
+                    seq += 1
+                q.put(batch)
+                store.commit()
+    finally:
+        store.close()
+    if n >= 1 << 22:
+        print("  (warning: more than 4,194,304 messages, ids may repeat)")
+    return {"messages": seq, "poison": poison, "deferred": deferred}
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    pp = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + pp if pp else "")
+    return env
+
+
+class TreeSampler(threading.Thread):
+    """Peak RSS of a process and its descendants, sampled from /proc every 100 ms.
+
+    getrusage/wait4 only count descendants that were waited for; Spark's JVM is
+    not waited for by the Python driver, so its memory is only visible here.
+    """
+
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak_total = 0  # bytes, whole tree at once
+        self.peak_single = 0  # bytes, largest single process
+        self.peak_name = ""
+        self.stopped = threading.Event()
+
+    def sample(self) -> None:
+        procs: dict[int, tuple[int, int, str]] = {}  # pid -> (ppid, rss bytes, comm)
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            procs[int(entry)] = (int(fields[1]), int(fields[21]) * self.PAGE, comm)
+        tree, frontier = set(), {self.pid}
+        while frontier:
+            tree |= frontier
+            frontier = {p for p, (pp, _, _) in procs.items() if pp in frontier} - tree
+        total = 0
+        for p in tree:
+            if p in procs:
+                _, rss, comm = procs[p]
+                total += rss
+                if rss > self.peak_single:
+                    self.peak_single, self.peak_name = rss, comm
+        self.peak_total = max(self.peak_total, total)
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.1):
+            self.sample()
+
+
+def run_child(args: list[str], log_dir: str, name: str, echo_stderr: bool = False) -> dict:
+    """Run `python -m spark_bridge ARGS`; wall time, exit code, output, memory.
+
+    Reaped with os.wait4 so the rusage is this child's alone (and of the
+    descendants it waited for): ru_maxrss is one process's peak, not a sum.
+    A /proc sampler sees the whole tree (the JVM included). Each stderr line
+    is kept with its arrival time since the start.
+    """
+    cmd = [sys.executable, "-m", "spark_bridge", *args]
+    out_path = os.path.join(log_dir, f"{name}.stdout")
+    err_lines: list[tuple[float, str]] = []
+    t0 = now()
+    with open(out_path, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
+                             env=child_env(), cwd=REPO_ROOT)
+        sampler = TreeSampler(p.pid)
+        sampler.start()
+        assert p.stderr is not None
+        for line in p.stderr:
+            err_lines.append((now() - t0, line))
+            if echo_stderr:
+                print(f"    | {line.rstrip()}", flush=True)
+        sampler.stopped.set()
+        _pid, status, usage = os.wait4(p.pid, 0)
+    wall = now() - t0
+    sampler.join()
+    p.returncode = os.waitstatus_to_exitcode(status)
+    with open(out_path) as f:
+        stdout = f.read()
+    return {
+        "cmd": cmd,
+        "rc": p.returncode,
+        "wall": wall,
+        "stdout": stdout,
+        "stderr": "".join(line for _, line in err_lines),
+        "stderr_lines": err_lines,
+        "maxrss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
+        "tree_peak_mb": sampler.peak_total / 2**20,
+        "single_peak_mb": sampler.peak_single / 2**20,
+        "single_peak_name": sampler.peak_name,
+    }
+
+
+STEP = re.compile(r"^\[(\d+)/(\d+)\] (.+): ([\d.]+) s$")
+READY = re.compile(r"^Spark ready in ([\d.]+) s$")
+TOTAL = re.compile(r"^analyzed [\d,]+ messages in ([\d.]+) s", re.M)
+
+
+def breakdown(res: dict) -> list[tuple[str, float]]:
+    """Where analyze's wall time went, from its progress lines and final summary.
+
+    The CLI times itself from just before the SparkSession start to after the
+    report is written; what its progress steps do not cover there is the
+    roll-ups of the cached bucket table (four small Spark jobs), spark.stop()
+    and writing the text and HTML reports. Before it: interpreter start and imports
+    (the arrival of "starting Spark"); after it: interpreter and JVM exit.
+    """
+    rows: list[tuple[str, float]] = []
+    first = next((t for t, line in res["stderr_lines"] if line.startswith("starting Spark")), None)
+    if first is not None:
+        rows.append(("interpreter start, imports", first))
+    for _, line in res["stderr_lines"]:
+        line = line.strip()
+        if m := READY.match(line):
+            rows.append(("SparkSession start", float(m.group(1))))
+        elif m := STEP.match(line):
+            rows.append((f"[{m.group(1)}/{m.group(2)}] {m.group(3)}", float(m.group(4))))
+    m = TOTAL.search(res["stdout"])
+    if m and first is not None:
+        cli_total = float(m.group(1))
+        rows.append(("roll-ups, spark.stop(), text + HTML report", cli_total - sum(s for _, s in rows[1:])))
+        rows.append(("exit", res["wall"] - first - cli_total))
+    return rows
+
+
+def fail(what: str, res: dict) -> None:
+    print(f"\n{what} failed (exit {res['rc']}): {' '.join(res['cmd'])}", file=sys.stderr)
+    print(res["stdout"][-4000:], file=sys.stderr)
+    print(res["stderr"][-4000:], file=sys.stderr)
+
+
+def machine() -> str:
+    cores = len(os.sched_getaffinity(0))
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cores} cores" + (f" ({model})" if model else "")
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.spark_bridge",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=1_000_000)
+    p.add_argument("--body-size", type=int, default=200, help="bytes per body (default 200)")
+    p.add_argument("--master", default="local[2]", help="Spark master for analyze")
+    p.add_argument("--workdir", help="where to put data, snapshots, report (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the work dir (data, snapshot, report, parquet)")
+    p.add_argument("--seed", type=int, default=7)
+    args = p.parse_args(argv)
+    n = args.messages
+
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-", dir=args.workdir)
+    else:
+        workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-")
+    data_dir = os.path.join(workdir, "data")
+    snap_dir = os.path.join(workdir, "snap")
+    snap_cli_dir = os.path.join(workdir, "snap-cli")
+    report = os.path.join(workdir, "report.html")
+    parquet = os.path.join(workdir, "snap.parquet")
+    print(f"spark_bridge bench: {n:,} messages x {args.body_size} B, master {args.master}, "
+          f"{machine()}, Python {platform.python_version()}")
+    print(f"workdir {workdir}", flush=True)
+    rc = 1
+    try:
+        rc = run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet)
+    finally:
+        if args.keep:
+            print(f"kept {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return rc
+
+
+def run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet) -> int:
+    # 1. fill (not part of the benchmark)
+    t0 = now()
+    written = fill(data_dir, n, args.body_size, args.seed)
+    fill_s = now() - t0
+    print(f"fill:      {written['messages']:,} messages in {fill_s:.1f} s "
+          f"({written['messages'] / fill_s:,.0f} msgs/s; {written['poison']:,} poison, "
+          f"{written['deferred']:,} deferred), data {dir_bytes(data_dir) / 1e6:.1f} MB on disk",
+          flush=True)
+
+    # 2. snapshot, in-process from the path, then the CLI once
+    t0 = now()
+    manifest = take_snapshot(data_dir, snap_dir)
+    snap_wall = now() - t0
+    mb = manifest.bytes / 1e6
+    copy_mbs = mb / manifest.copy_seconds if manifest.copy_seconds > 0 else float("inf")
+    call_mbs = mb / snap_wall
+    print(f"snapshot:  {mb:.1f} MB, copy {manifest.copy_seconds:.3f} s ({copy_mbs:,.0f} MB/s); "
+          f"whole call {snap_wall:.3f} s ({call_mbs:,.0f} MB/s); "
+          f"{len(manifest.queues)} queues, {manifest.total:,} messages", flush=True)
+    if manifest.total != n:
+        print(f"snapshot holds {manifest.total:,} messages, expected {n:,}", file=sys.stderr)
+        return 1
+    cli = run_child(["snapshot", "--data-path", data_dir, "--out", snap_cli_dir], workdir,
+                    "snapshot")
+    if cli["rc"] != 0:
+        fail("snapshot CLI", cli)
+        return 1
+    print(f"snapshot CLI: {cli['wall']:.2f} s wall incl. interpreter start "
+          f"({mb / cli['wall']:,.0f} MB/s)", flush=True)
+    shutil.rmtree(snap_cli_dir, ignore_errors=True)
+
+    # 3. analyze
+    print(f"analyze:   python -m spark_bridge analyze SNAPDIR --master {args.master} "
+          "--json-field type --report report.html", flush=True)
+    an = run_child(["analyze", snap_dir, "--master", args.master, "--json-field", "type",
+                    "--report", report], workdir, "analyze", echo_stderr=True)
+    if an["rc"] != 0 or not os.path.isfile(report):
+        fail("analyze" + ("" if an["rc"] != 0 else " (no report file)"), an)
+        return 1
+    steps = breakdown(an)
+    for label, seconds in steps:
+        print(f"    {label:<42} {seconds:6.1f} s")
+    print(f"analyze:   {an['wall']:.1f} s wall end to end, {n / an['wall']:,.0f} msgs/s, "
+          f"report {os.path.getsize(report) / 1e3:,.0f} kB", flush=True)
+    print(f"           peak RSS: largest process {an['single_peak_mb']:,.0f} MB "
+          f"({an['single_peak_name']}), whole tree {an['tree_peak_mb']:,.0f} MB (/proc, 100 ms); "
+          f"getrusage {an['maxrss_mb']:,.0f} MB (waited-for processes only: the Python driver, "
+          "not the JVM)", flush=True)
+
+    # 4. export
+    ex = run_child(["export", snap_dir, "--out", parquet], workdir, "export")
+    if ex["rc"] != 0 or not os.path.isfile(parquet):
+        fail("export", ex)
+        return 1
+    pq_mb = os.path.getsize(parquet) / 1e6
+    print(f"export:    {ex['wall']:.2f} s wall, {n / ex['wall']:,.0f} rows/s, "
+          f"parquet {pq_mb:.1f} MB, peak RSS {ex['maxrss_mb']:,.0f} MB", flush=True)
+
+    # 5. targets and table
+    snap_ok = copy_mbs >= TARGET_SNAPSHOT_MBS
+    an_ok = an["wall"] < TARGET_ANALYZE_S
+    full = n == 1_000_000 and args.body_size == 200
+    note = "" if full else " (targets are for 1,000,000 x 200 B)"
+    print(f"\ntargets{note}:")
+    print(f"  snapshot >= {TARGET_SNAPSHOT_MBS:.0f} MB/s: copy {copy_mbs:,.0f} MB/s -> "
+          f"{met(snap_ok)}; whole call {call_mbs:,.0f} MB/s -> "
+          f"{met(call_mbs >= TARGET_SNAPSHOT_MBS)}")
+    print(f"  analyze < {TARGET_ANALYZE_S:.0f} s: {an['wall']:.1f} s -> {met(an_ok)}")
+
+    spark_start = next((s for label, s in steps if label == "SparkSession start"), None)
+    print()
+    print(f"mqd spark_bridge bench, {datetime.date.today().isoformat()}, {machine()}, "
+          f"Python {platform.python_version()}")
+    print()
+    print(f"- data: {n:,} messages x {args.body_size} B, {len(manifest.queues)} queues, "
+          f"master {args.master}")
+    print()
+    print("| step | wall | throughput | target |")
+    print("|---|---:|---:|---|")
+    print(f"| fill (LmdbStore, untimed) | {fill_s:.1f} s | {n / fill_s:,.0f} msgs/s | |")
+    print(f"| snapshot copy ({mb:.0f} MB) | {manifest.copy_seconds:.3f} s | {copy_mbs:,.0f} MB/s "
+          f"| >= {TARGET_SNAPSHOT_MBS:.0f} MB/s: {met(snap_ok)} |")
+    print(f"| snapshot call (copy + manifest) | {snap_wall:.3f} s | {call_mbs:,.0f} MB/s "
+          f"| >= {TARGET_SNAPSHOT_MBS:.0f} MB/s: {met(call_mbs >= TARGET_SNAPSHOT_MBS)} |")
+    print(f"| snapshot CLI subprocess | {cli['wall']:.2f} s | {mb / cli['wall']:,.0f} MB/s | |")
+    start = f", Spark start {spark_start:.1f} s" if spark_start is not None else ""
+    print(f"| analyze ({args.master}{start}) | {an['wall']:.1f} s | {n / an['wall']:,.0f} msgs/s "
+          f"| < {TARGET_ANALYZE_S:.0f} s: {met(an_ok)} |")
+    print(f"| export to Parquet | {ex['wall']:.2f} s | {n / ex['wall']:,.0f} rows/s | |")
+    print(f"\npeak RSS: analyze {an['single_peak_mb']:,.0f} MB largest process "
+          f"({an['single_peak_name']}), {an['tree_peak_mb']:,.0f} MB whole tree; "
+          f"export {ex['maxrss_mb']:,.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

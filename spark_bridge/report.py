@@ -1,0 +1,297 @@
+"""An Analysis as a terminal table and as a self-contained HTML page with charts.
+
+Both render what `analysis.analyze` collected; nothing here talks to
+Spark. The HTML page embeds its charts as PNG data URIs (matplotlib's Agg
+backend, no display needed) so it can be mailed or attached to a ticket
+as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from .analysis import AGE_BUCKETS, DUE_BUCKETS, PERCENTILES, SIZE_BUCKETS, Analysis
+
+__all__ = ["format_age", "format_bytes", "render_html", "render_text", "write_html"]
+
+
+def format_age(seconds: float | None) -> str:
+    """Seconds as the two largest units: 3d 4h, 2h 5m, 4m 10s, 12.5s."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    out = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or out:
+            value, seconds = divmod(seconds, size)
+            out.append(f"{int(value)}{unit}")
+        if len(out) == 2:
+            break
+    return " ".join(out)
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _queue_name(row: dict[str, Any]) -> str:
+    return row["topic"] if row["channel"] is None else f"{row['topic']}/{row['channel']}"
+
+
+def _time(value: datetime | None) -> str:
+    return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[bool]) -> list[str]:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if r else v.ljust(w)
+                         for v, w, r in zip(values, widths, right, strict=True)).rstrip()
+
+    return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells]
+
+
+_TAGS = [f"p{round(p * 100)}" for p in PERCENTILES]
+
+
+def _summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[bool]]:
+    headers = ["queue", "kind", "backlog", "bytes", "oldest", "oldest age",
+               *[f"age {t}" for t in _TAGS], *[f"size {t}" for t in _TAGS], "max attempts",
+               "deferred", "poison"]
+    rows = []
+    for q in analysis.queues:
+        rows.append([
+            _queue_name(q), q["kind"], f"{q['messages']:,}", format_bytes(q["bytes"]),
+            _time(q["oldest"]), format_age(q["oldest_age_s"]),
+            *[format_age(q[f"age_{t}_s"]) for t in _TAGS],
+            *[format_bytes(q[f"size_{t}"]) for t in _TAGS],
+            "-" if q["max_attempts"] is None else q["max_attempts"],
+            f"{q['deferred']:,}", f"{q['poison']:,}",
+        ])
+    right = [False, False] + [True] * (len(headers) - 2)
+    return headers, rows, right
+
+
+def _by_queue(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        out[_queue_name(r)].append(r)
+    return out
+
+
+def render_text(analysis: Analysis) -> str:
+    """The terminal report: summary table, attempts, poison messages, deferred, JSON field."""
+    m = analysis.manifest
+    out = [
+        f"snapshot {analysis.path}",
+        f"  broker {m.broker_id}, taken {m.created_at} (ages are measured from then)",
+        f"  {analysis.total:,} messages in {len(analysis.queues)} queues",
+        "",
+    ]
+    out += _table(*_summary_rows(analysis))
+    out += ["", "attempts (messages per number of attempts)"]
+    attempts = _by_queue(analysis.attempts_histogram)
+    out += _table(["queue", "attempts"],
+                  [[name, "  ".join(f"{r['attempts']}:{r['messages']:,}" for r in rows)]
+                   for name, rows in attempts.items()], [False, False])
+    out += ["", f"poison messages (attempts > {analysis.poison_attempts}): "
+                f"{analysis.poison_total:,}"]
+    if analysis.poison:
+        shown = analysis.poison[:20]
+        out += _table(["queue", "message id", "attempts", "published", "size"],
+                      [[_queue_name(p), p["message_id"], p["attempts"], _time(p["timestamp"]),
+                        format_bytes(p["body_size"])] for p in shown],
+                      [False, False, True, False, True])
+        if analysis.poison_total > len(shown):
+            out.append(f"  ... {analysis.poison_total - len(shown):,} more (see the HTML report "
+                       "or poison_messages() for all)")
+    out += ["", "deferred backlog by due time"]
+    if analysis.deferred:
+        out += _table(["queue", "due", "messages", "next due"],
+                      [[_queue_name(d), d["bucket"], f"{d['messages']:,}", _time(d["next_due"])]
+                       for d in analysis.deferred], [False, False, True, False])
+    else:
+        out.append("  none")
+    if analysis.json_field is not None:
+        out += ["", f"JSON field {analysis.json_field!r} (top 10 values per queue)"]
+        rows = []
+        for name, values in _by_queue(analysis.json_counts).items():
+            for v in values[:10]:
+                value = "(not JSON / no field)" if v["json_value"] is None else v["json_value"]
+                rows.append([name, value, f"{v['messages']:,}", format_bytes(v["bytes"])])
+        out += _table(["queue", "value", "messages", "bytes"], rows, [False, False, True, True])
+    return "\n".join(out) + "\n"
+
+
+# -- HTML ---------------------------------------------------------------------------
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[str, float]],
+             ylabel: str, queues: Sequence[str]):
+    """A stacked bar per queue, one segment per bucket (a histogram per queue, side by side)."""
+    import matplotlib.pyplot as plt
+
+    labels = [label for label, _ in buckets]
+    counts = {(_queue_name(r), r["bucket"]): r["messages"] for r in rows}
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(queues) + 1.6))
+    left = [0] * len(queues)
+    cmap = plt.get_cmap("viridis", max(2, len(labels)))
+    for i, label in enumerate(labels):
+        values = [counts.get((q, label), 0) for q in queues]
+        if any(values):
+            ax.barh(queues, values, left=left, label=label, color=cmap(i))
+            left = [a + b for a, b in zip(left, values, strict=True)]
+    ax.set_title(title)
+    ax.set_xlabel(ylabel)
+    ax.invert_yaxis()
+    ax.legend(fontsize="small", loc="lower right")
+    return fig
+
+
+def _charts(analysis: Analysis) -> list[tuple[str, str]]:
+    """(title, base64 PNG) of each chart; only charts with something to show."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    charts = []
+    queues = [_queue_name(q) for q in analysis.queues]
+    if not queues:
+        return charts
+    try:
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(queues) + 1.6))
+        ax.barh(queues, [q["messages"] for q in analysis.queues], color="tab:blue")
+        ax.set_title("Backlog per queue")
+        ax.set_xlabel("messages")
+        ax.invert_yaxis()
+        charts.append(("Backlog per queue", _png(fig)))
+        plt.close(fig)
+
+        ages = [(q, r["oldest_age_s"]) for q, r in zip(queues, analysis.queues, strict=True)
+                if r["oldest_age_s"] is not None]
+        if ages:
+            fig, ax = plt.subplots(figsize=(8, 0.45 * len(ages) + 1.6))
+            ax.barh([a for a, _ in ages], [max(v, 1e-3) for _, v in ages], color="tab:red")
+            ax.set_xscale("log")
+            ax.set_title("Oldest message age")
+            ax.set_xlabel("seconds (log scale)")
+            ax.invert_yaxis()
+            charts.append(("Oldest message age", _png(fig)))
+            plt.close(fig)
+
+        for title, rows, buckets in (
+            ("Message ages", analysis.age_histogram, AGE_BUCKETS),
+            ("Body sizes", analysis.size_histogram, SIZE_BUCKETS),
+            ("Deferred backlog by due time", analysis.deferred, DUE_BUCKETS),
+        ):
+            if rows:
+                fig = _stacked(title, rows, buckets, "messages", queues)
+                charts.append((title, _png(fig)))
+                plt.close(fig)
+
+        if analysis.attempts_histogram:
+            by_attempts: dict[int, int] = defaultdict(int)
+            for r in analysis.attempts_histogram:
+                by_attempts[r["attempts"]] += r["messages"]
+            xs = sorted(by_attempts)
+            fig, ax = plt.subplots(figsize=(8, 3.2))
+            colors = ["tab:red" if x > analysis.poison_attempts else "tab:blue" for x in xs]
+            heights = [by_attempts[x] for x in xs]
+            ax.bar([str(x) for x in xs], heights, color=colors)
+            # A poison tail is a handful next to thousands: log scale shows it,
+            # when there is such a spread.
+            spread = max(heights) / min(heights) > 20
+            if spread:
+                ax.set_yscale("log")
+            ax.set_title(f"Attempts (red: poison, > {analysis.poison_attempts})")
+            ax.set_xlabel("attempts")
+            ax.set_ylabel("messages (log scale)" if spread else "messages")
+            charts.append(("Attempts", _png(fig)))
+            plt.close(fig)
+    finally:
+        plt.close("all")
+    return charts
+
+
+def _html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+figure { margin: 1.5em 0; }
+"""
+
+
+def render_html(analysis: Analysis) -> str:
+    """The report as one HTML page: the terminal's tables plus the charts, embedded."""
+    m = analysis.manifest
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>mqd snapshot {html.escape(m.created_at)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>mqd snapshot {html.escape(m.created_at)}</h1>",
+        f"<p>{html.escape(analysis.path)} &middot; broker {html.escape(str(m.broker_id))} &middot; "
+        f"{analysis.total:,} messages in {len(analysis.queues)} queues &middot; "
+        "ages are measured from the snapshot's time</p>",
+        "<h2>Queues</h2>",
+        _html_table(*_summary_rows(analysis)[:2]),
+    ]
+    for title, png in _charts(analysis):
+        parts.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'
+                     f"<figcaption>{html.escape(title)}</figcaption></figure>")
+    parts.append(f"<h2>Poison messages (attempts &gt; {analysis.poison_attempts}): "
+                 f"{analysis.poison_total:,}</h2>")
+    if analysis.poison:
+        parts.append(_html_table(
+            ["queue", "message id", "attempts", "published", "deferred until", "size"],
+            [[_queue_name(p), p["message_id"], p["attempts"], _time(p["timestamp"]),
+              _time(p["deferred_until"]), p["body_size"]] for p in analysis.poison]))
+        if analysis.poison_total > len(analysis.poison):
+            parts.append(f"<p>First {len(analysis.poison):,} shown.</p>")
+    parts.append("<h2>Deferred backlog by due time</h2>")
+    parts.append(_html_table(["queue", "due", "messages", "next due"],
+                             [[_queue_name(d), d["bucket"], d["messages"], _time(d["next_due"])]
+                              for d in analysis.deferred]) if analysis.deferred else "<p>none</p>")
+    if analysis.json_field is not None:
+        parts.append(f"<h2>JSON field {html.escape(repr(analysis.json_field))}</h2>")
+        parts.append(_html_table(
+            ["queue", "value", "messages", "bytes", "oldest"],
+            [[_queue_name(v), "(not JSON / no field)" if v["json_value"] is None else v["json_value"],
+              v["messages"], v["bytes"], _time(v["oldest"])] for v in analysis.json_counts]))
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def write_html(analysis: Analysis, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render_html(analysis))
