@@ -249,7 +249,7 @@ def run_child(args: list[str], log_dir: str, name: str, echo_stderr: bool = Fals
 
 
 STEP = re.compile(r"^\[(\d+)/(\d+)\] (.+): ([\d.]+) s$")
-READY = re.compile(r"^Spark ready in ([\d.]+) s$")
+READY = re.compile(r"^Spark ready in ([\d.]+) s\b")
 TOTAL = re.compile(r"^analyzed [\d,]+ messages in ([\d.]+) s", re.M)
 
 

@@ -114,7 +114,7 @@ def _analyze(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _status(f"starting Spark ({args.master or 'default master'})")
     spark = build_session(args.master, conf=conf, progress=interactive)
-    _status(f"Spark ready in {time.perf_counter() - started:.1f} s")
+    _status(f"Spark ready in {time.perf_counter() - started:.1f} s (master {spark.sparkContext.master})")
 
     def progress(step: int, steps: int, label: str, seconds: float | None) -> None:
         if seconds is None:

@@ -36,20 +36,22 @@ def build_session(master: str | None = None, *, app_name: str = "mqd-spark-bridg
                   conf: Mapping[str, str] | None = None, progress: bool = False):
     """A SparkSession with the `mqd` format registered.
 
-    `master`: a Spark master URL; None keeps what spark-submit (or
-    `spark-defaults.conf`) set, else `local[*]`. `progress`: Spark's console
+    `master`: a Spark master URL; None keeps spark-submit's `--master` when
+    run by spark-submit, else `local[*]`. `progress`: Spark's console
     progress bar on stderr, for long jobs run from a terminal.
     """
-    from pyspark import SparkConf
     from pyspark.sql import SparkSession
 
-    base = SparkConf()
-    master = master or base.get("spark.master", None) or DEFAULT_MASTER
-    builder = (SparkSession.builder.master(master).appName(app_name)
+    builder = (SparkSession.builder.appName(app_name)
                .config(PUSHDOWN_CONF, "true")
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.ui.showConsoleProgress", "true" if progress else "false"))
-    if _is_local(master):
+    # spark-submit starts the JVM first and hands the Python driver its port.
+    submitted = master is None and "PYSPARK_GATEWAY_PORT" in os.environ
+    if not submitted:
+        master = master or DEFAULT_MASTER
+        builder = builder.master(master)
+    if master is not None and _is_local(master):
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         builder = builder.config("spark.sql.shuffle.partitions", str(max(2, (os.cpu_count() or 1))))
     for key, value in (conf or {}).items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+import os
 import re
 import subprocess
 import sys
@@ -19,11 +20,15 @@ import time
 import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import DataFrame
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
 
 from spark_bridge import analysis as mq
 from spark_bridge.__main__ import main
 from spark_bridge.report import render_html, render_text, write_html
 from spark_bridge.snapshot import read_manifest
+from tests.ensure_browser import BROWSER, DRIVER
 from tests.integration._support import REPO_ROOT, child_env
 
 from ._snapshots import build_snapshot, expected_rows, message, micros
@@ -223,6 +228,51 @@ def test_html_report_embeds_the_charts(result, tmp_path):
     assert render_html(result) == page
 
 
+# The report is one file, mailed around and opened from disk: a real
+# browser (headless Chromium through Selenium, Debian's packages, installed
+# by tests/ensure_browser.py before the suite) must show every chart and
+# table with nothing fetched from anywhere.
+
+
+@pytest.fixture(scope="module")
+def browser():
+    options = webdriver.ChromeOptions()
+    options.binary_location = BROWSER
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                "--window-size=1400,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_report_shows_its_charts_and_tables_in_a_browser(browser, result, tmp_path):
+    page = tmp_path / "report.html"
+    write_html(result, str(page))
+    browser.get(page.as_uri())
+    assert browser.execute_script("return document.readyState") == "complete"
+    assert browser.title.startswith("mqd snapshot ")
+    images = browser.execute_script(
+        "return Array.from(document.images).map("
+        "i => [i.alt, i.complete, i.naturalWidth, i.naturalHeight, i.getBoundingClientRect().width])")
+    assert [alt for alt, *_ in images] == [
+        "Backlog per queue", "Oldest message age", "Message ages", "Body sizes",
+        "Deferred backlog by due time", "Attempts"]
+    for alt, complete, width, height, shown in images:
+        assert complete and width > 300 and height > 100 and shown > 0, alt
+    # Nothing but the page itself was loaded (the charts are embedded).
+    resources = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(r => r.name)")
+    assert resources == []
+    tables = browser.find_elements(By.TAG_NAME, "table")
+    assert len(tables) == 4  # queues, poison, deferred, JSON field
+    first_rows = [r.text for r in tables[0].find_elements(By.TAG_NAME, "tr")]
+    assert any(r.startswith("orders/billing channel 10 ") for r in first_rows)
+    assert f"{1009:016x}" in tables[1].text
+
+
 def test_export_parquet_gives_the_data_source_rows(snap, now_ns, tmp_path, capsys):
     out = tmp_path / "snap.parquet"
     assert main(["export", str(snap), "--out", str(out)]) == 0
@@ -251,5 +301,26 @@ def test_analyze_command_end_to_end(snap, tmp_path):
     assert "poison messages (attempts > 6): 2" in proc.stdout
     assert "analyzed 17 messages" in proc.stdout
     assert re.search(r"^\[1/\d\] reading 17 messages", proc.stderr, re.M)
+    assert re.search(r"^Spark ready in [\d.]+ s \(master local\[1\]\)$", proc.stderr, re.M)
     assert report.exists() and report.read_text().count("data:image/png;base64,") == 6
     assert read_manifest(snap).total == 17
+
+
+@pytest.mark.slow
+def test_analyze_under_spark_submit_keeps_its_master(snap, tmp_path):
+    # As README's cluster recipe runs it: spark-submit starts the JVM with
+    # its --master, the bridge's session must not replace it.
+    import spark_bridge.__main__ as cli
+
+    submit = os.path.join(os.path.dirname(sys.executable), "spark-submit")
+    env = child_env()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYSPARK_PYTHON"] = sys.executable
+    proc = subprocess.run(
+        [submit, "--master", "local[1]", cli.__file__, "analyze", str(snap)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # spark-submit passes the driver's stderr on to its stdout.
+    output = proc.stdout + proc.stderr
+    assert re.search(r"^Spark ready in [\d.]+ s \(master local\[1\]\)$", output, re.M)
+    assert "17 messages in 4 queues" in proc.stdout

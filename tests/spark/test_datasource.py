@@ -6,16 +6,13 @@ from collections import Counter
 from contextlib import contextmanager
 
 import pytest
+from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
-pytest.importorskip("pyspark")
+from spark_bridge.datasource import PUSHDOWN_CONF, register
+from spark_bridge.records import SPARK_SCHEMA_DDL
 
-from pyspark.sql import functions as F  # noqa: E402
-from pyspark.sql.types import StructType  # noqa: E402
-
-from spark_bridge.datasource import PUSHDOWN_CONF, register  # noqa: E402
-from spark_bridge.records import SPARK_SCHEMA_DDL  # noqa: E402
-
-from ._snapshots import build_snapshot, messages  # noqa: E402
+from ._snapshots import build_snapshot, messages
 
 
 def load(spark, path, partitions: int | None = None):

@@ -21,12 +21,8 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
-import pytest
-
-pytest.importorskip("pyspark")
-
-from spark_bridge.snapshot import read_manifest  # noqa: E402
-from tests.integration._support import (  # noqa: E402
+from spark_bridge.snapshot import read_manifest
+from tests.integration._support import (
     FAST_SCAN,
     FRAME_MESSAGE,
     FRAME_RESPONSE,
@@ -35,7 +31,7 @@ from tests.integration._support import (  # noqa: E402
     command,
     mpub_body,
 )
-from tests.integration.test_snapshot import call, create  # noqa: E402
+from tests.integration.test_snapshot import call, create
 
 TOPIC, SOLO = "live", "solo"
 BATCH = 20
