@@ -44,6 +44,7 @@ import types
 from twisted.internet.task import Clock
 
 from backends.lmdb import LmdbStore
+from bench.run import machine
 from mqd.message import Message
 from spark_bridge.snapshot import take_snapshot
 
@@ -284,20 +285,6 @@ def fail(what: str, res: dict) -> None:
     print(f"\n{what} failed (exit {res['rc']}): {' '.join(res['cmd'])}", file=sys.stderr)
     print(res["stdout"][-4000:], file=sys.stderr)
     print(res["stderr"][-4000:], file=sys.stderr)
-
-
-def machine() -> str:
-    cores = len(os.sched_getaffinity(0))
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cores} cores" + (f" ({model})" if model else "")
 
 
 def met(ok: bool) -> str:

@@ -556,3 +556,15 @@ class LookupdProcess(TwistdProcess):
                 return response.status
         except urllib.error.HTTPError as e:
             return e.code
+
+
+def wait_for(condition, timeout: float = 5.0, what: str = "condition"):
+    """Poll `condition` until it is truthy (its value is returned) or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._support import FAST_SCAN, RawConn, command, mpub_body
+from ._support import FAST_SCAN, RawConn, command, mpub_body, wait_for
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -35,17 +34,6 @@ def traffic(broker, topic: str) -> tuple[RawConn, RawConn]:
     consumer.send(b"REQ " + msgs[1][2] + b" 60000\n")
     consumer.send(b"NOP\n")
     return producer, consumer
-
-
-def wait_for(condition, timeout: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_stats_and_metrics_over_http(start_broker, name):

@@ -30,22 +30,12 @@ from tests.integration._support import (
     RawConn,
     command,
     mpub_body,
+    wait_for,
 )
 from tests.integration.test_snapshot import call, create
 
 TOPIC, SOLO = "live", "solo"
 BATCH = 20
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 30.0) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def number(body: bytes) -> int:
@@ -213,7 +203,7 @@ def test_snapshots_of_a_busy_durable_broker(start_broker, spark):
             goal = 200 * (i + 1)
             wait_for(lambda goal=goal: (traffic.count(TOPIC) >= goal and traffic.count(SOLO) >= goal // 4
                                         and len(traffic.finished) >= goal // 10) or traffic.errors,
-                     f"{goal} messages published")
+                     timeout=30, what=f"{goal} messages published")
             assert not traffic.errors, traffic.errors
             paths.append(snapshot(broker, f"busy{i}"))
     finally:
@@ -230,7 +220,7 @@ def test_snapshots_of_a_busy_durable_broker(start_broker, spark):
     wait_for(lambda: (lambda s: s[f"{TOPIC}:c1"]["client_count"] == 0
                       and s[f"{TOPIC}:c1"]["in_flight_count"] == 0
                       and s[f"{TOPIC}:c1"]["depth"] == want_c1)(channel_stats(broker)),
-             "the consumer's in-flight messages to be requeued")
+             timeout=30, what="the consumer's in-flight messages to be requeued")
     paths.append(snapshot(broker, "final"))
 
     ids: dict[bytes, str] = {}  # body -> message id, the same in every queue and snapshot
