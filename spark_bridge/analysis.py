@@ -309,8 +309,8 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
         base.unpersist()
     _, queues, counts, poison, *json_counts = results
     # The histograms are roll-ups of the few collected bucket counts, done
-    # here: four more Spark jobs for them cost seconds (measured ~8 s on
-    # local[2]). tests/spark check they equal the DataFrame functions'.
+    # here: four more Spark jobs for them cost several seconds on
+    # local[2]; tests/spark check they equal the DataFrame functions'.
     ages = _rollup_rows(counts, "age_bucket", AGE_BUCKETS, keep_due=False)
     sizes = _rollup_rows(counts, "size_bucket", SIZE_BUCKETS, keep_due=False)
     attempts = _rollup_rows(counts, "attempts", None, keep_due=False)
