@@ -31,7 +31,6 @@ import argparse
 import datetime
 import os
 import platform
-import random
 import re
 import shutil
 import subprocess
@@ -39,112 +38,16 @@ import sys
 import tempfile
 import threading
 import time
-import types
 
-from twisted.internet.task import Clock
-
-from backends.lmdb import LmdbStore
 from bench.run import machine
-from mqd.message import Message
+from spark_bridge.sample import MAX_MESSAGES, write_sample
 from spark_bridge.snapshot import take_snapshot
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_SNAPSHOT_MBS = 500.0
 TARGET_ANALYZE_S = 25.0
-CHUNK = 10_000
-HOURS = 6
-TWEPOCH_MS = 1288834974657  # the epoch of nsqd's GUIDs (Twitter snowflake's)
-
-# topic -> share of the messages held by the topic queue itself (nearly none) and
-# by each channel queue; shares are relative, per topic and across topics.
-TOPICS: dict[str, dict[str | None, float]] = {
-    "orders": {None: 0.001, "billing": 0.16, "shipping": 0.09, "audit": 0.05},
-    "clicks": {None: 0.002, "analytics": 0.22, "archive": 0.11},
-    "emails": {None: 0.001, "sender": 0.12, "bounces": 0.03},
-    "payments": {None: 0.001, "ledger": 0.13, "fraud": 0.06, "notify": 0.025},
-}
-# How far back each queue's backlog reaches, in hours (a stuck consumer keeps old messages).
-SPAN_HOURS = {"audit": 6.0, "archive": 5.5, "fraud": 4.0, "bounces": 3.0, "billing": 2.0}
-TYPES = ["order.created", "order.paid", "page.view", "email.sent", "payment.refunded"]
-TYPE_WEIGHTS = [30, 15, 35, 12, 8]
-ATTEMPTS = list(range(11))
-ATTEMPT_WEIGHTS = [70, 20, 3, 2, 1.5, 1, 0.8, 0.6, 0.5, 0.3, 0.3]
-DEFERRED_SHARE = 0.02
 
 now = time.perf_counter
-
-
-def queue_counts(n: int) -> list[tuple[str, int]]:
-    """(queue name, message count) for every queue, summing to n."""
-    names, weights = [], []
-    for topic, queues in TOPICS.items():
-        for channel, w in queues.items():
-            names.append(topic if channel is None else f"{topic}:{channel}")
-            weights.append(w)
-    total = sum(weights)
-    counts = [int(n * w / total) for w in weights]
-    counts[weights.index(max(weights))] += n - sum(counts)
-    return list(zip(names, counts, strict=True))
-
-
-def make_body_factory(size: int):
-    """A function (type, seq, ts_ms) -> JSON body of exactly `size` bytes."""
-    head = '{"type":"%s","seq":%d,"ts":%d,"pad":"'
-    longest = len(head % (max(TYPES, key=len), 10**12, 10**13)) + 2
-    if size < longest:
-        raise SystemExit(f"--body-size must be at least {longest} bytes")
-
-    def body(kind: str, seq: int, ts_ms: int) -> bytes:
-        s = head % (kind, seq, ts_ms)
-        return (s + "x" * (size - len(s) - 2) + '"}').encode()
-
-    return body
-
-
-def fill(data_dir: str, n: int, body_size: int, seed: int) -> dict:
-    """Write n messages through the real LmdbStore; returns what was written."""
-    rng = random.Random(seed)
-    body = make_body_factory(body_size)
-    now_ns = time.time_ns()
-    now_s = now_ns / 1e9
-    store = LmdbStore(
-        types.SimpleNamespace(data_path=data_dir, durable=False, sync_every=10**9, sync_timeout=0),
-        clock=Clock(),
-    )
-    seq = 0
-    poison = deferred = 0
-    try:
-        for name, count in queue_counts(n):
-            q = store.open_queue(name)
-            span_ns = int(SPAN_HOURS.get(name.partition(":")[2], rng.uniform(0.1, HOURS)) * 3600e9)
-            # Publish order: timestamps ascending within a queue, as a broker writes them.
-            stamps = sorted(rng.randrange(now_ns - span_ns, now_ns) for _ in range(count))
-            kinds = rng.choices(TYPES, TYPE_WEIGHTS, k=count)
-            attempts = rng.choices(ATTEMPTS, ATTEMPT_WEIGHTS, k=count)
-            rand = rng.random
-            for start in range(0, count, CHUNK):
-                batch = []
-                for i in range(start, min(start + CHUNK, count)):
-                    ts = stamps[i]
-                    ts_ms = ts // 1_000_000
-                    # nsqd's GUID layout: ms since its epoch << 22 | node/sequence bits;
-                    # the low 22 bits carry a global counter, so ids are unique.
-                    msg_id = b"%016x" % (((ts_ms - TWEPOCH_MS) << 22) | (seq & 0x3FFFFF))
-                    due = 0.0
-                    if rand() < DEFERRED_SHARE:
-                        due = now_s + rng.uniform(-60.0, 7200.0)
-                        deferred += 1
-                    att = attempts[i]
-                    poison += att > 5
-                    batch.append(Message(msg_id, body(kinds[i], seq, ts_ms), ts, att, due))
-                    seq += 1
-                q.put(batch)
-                store.commit()
-    finally:
-        store.close()
-    if n >= 1 << 22:
-        print("  (warning: more than 4,194,304 messages, ids may repeat)")
-    return {"messages": seq, "poison": poison, "deferred": deferred}
 
 
 def dir_bytes(path: str) -> int:
@@ -300,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="where to put data, snapshots, report (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the work dir (data, snapshot, report, parquet)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--json-field", default="type",
+                   help="analyze's --json-field (default type; '' for none)")
     args = p.parse_args(argv)
     n = args.messages
 
@@ -330,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet) -> int:
     # 1. fill (not part of the benchmark)
     t0 = now()
-    written = fill(data_dir, n, args.body_size, args.seed)
+    if n > MAX_MESSAGES:
+        print(f"  (warning: more than {MAX_MESSAGES:,} messages, ids may repeat)")
+    written = write_sample(data_dir, n, args.body_size, args.seed)
     fill_s = now() - t0
     print(f"fill:      {written['messages']:,} messages in {fill_s:.1f} s "
           f"({written['messages'] / fill_s:,.0f} msgs/s; {written['poison']:,} poison, "
@@ -360,9 +267,14 @@ def run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet) -> 
     shutil.rmtree(snap_cli_dir, ignore_errors=True)
 
     # 3. analyze
+    from spark_bridge.jvm_archive import java_options
+
+    json_args = ["--json-field", args.json_field] if args.json_field else []
+    archive = java_options() is not None and not os.environ.get("MQD_NO_JVM_ARCHIVE")
     print(f"analyze:   python -m spark_bridge analyze SNAPDIR --master {args.master} "
-          "--json-field type --report report.html", flush=True)
-    an = run_child(["analyze", snap_dir, "--master", args.master, "--json-field", "type",
+          f"{' '.join(json_args)} --report report.html "
+          f"(JVM class archive: {'yes' if archive else 'no'})", flush=True)
+    an = run_child(["analyze", snap_dir, "--master", args.master, *json_args,
                     "--report", report], workdir, "analyze", echo_stderr=True)
     if an["rc"] != 0 or not os.path.isfile(report):
         fail("analyze" + ("" if an["rc"] != 0 else " (no report file)"), an)

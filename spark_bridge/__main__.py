@@ -19,6 +19,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -80,6 +81,16 @@ def parser() -> argparse.ArgumentParser:
                     help="Spark partitions to read with (default: the session's parallelism)")
     an.set_defaults(run=_analyze)
 
+    sm = sub.add_parser("sample", help="write a sample broker backlog (to try the bridge on)")
+    sm.add_argument("--data-path", required=True, help="data directory to create (must not exist)")
+    sm.add_argument("--messages", type=int, default=100_000, metavar="N")
+    sm.add_argument("--body-size", type=int, default=200, metavar="BYTES")
+    sm.set_defaults(run=_sample)
+
+    ja = sub.add_parser("jvm-archive", help="build the JVM class archive that halves Spark's start "
+                                            "on local masters (~40 s, ~190 MB under ~/.cache/mqd)")
+    ja.set_defaults(run=_jvm_archive)
+
     ex = sub.add_parser("export", help="write a snapshot's messages to Parquet (no Spark needed)")
     ex.add_argument("snapshot", metavar="SNAPDIR", help="a snapshot directory")
     ex.add_argument("--format", choices=["parquet"], default="parquet")
@@ -127,13 +138,21 @@ def _analyze(args: argparse.Namespace) -> int:
         result = analyze(spark, args.snapshot, poison_attempts=poison,
                          json_field_name=args.json_field, partitions=args.partitions,
                          progress=progress)
-    finally:
+    except BaseException:
         spark.stop()
-    print(render_text(result), end="")
-    if args.report:
-        _status("writing the HTML report ...")
-        write_html(result, args.report)
-        print(f"\nHTML report: {args.report}")
+        raise
+    # Everything is collected: Spark shuts down (about a second) while the
+    # report is drawn, which needs no Spark.
+    stopping = threading.Thread(target=spark.stop, name="spark-stop")
+    stopping.start()
+    try:
+        print(render_text(result), end="")
+        if args.report:
+            _status("writing the HTML report ...")
+            write_html(result, args.report)
+            print(f"\nHTML report: {args.report}")
+    finally:
+        stopping.join()
     total = time.perf_counter() - started
     rate = result.total / total if total > 0 else 0
     print(f"analyzed {result.total:,} messages in {total:.1f} s ({rate:,.0f} msgs/s, "
@@ -163,6 +182,41 @@ def _export(args: argparse.Namespace) -> int:
     rate = result.rows / result.seconds if result.seconds > 0 else 0
     print(f"exported {result.rows:,} messages to {result.path} ({result.bytes / 1e6:.1f} MB) "
           f"in {result.seconds:.2f} s ({rate:,.0f} msgs/s)")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from spark_bridge.sample import MAX_MESSAGES, write_sample
+
+    if os.path.exists(args.data_path):
+        print(f"sample failed: {args.data_path} already exists", file=sys.stderr)
+        return 1
+    if not 0 < args.messages <= MAX_MESSAGES:
+        print(f"sample failed: --messages must be 1..{MAX_MESSAGES}", file=sys.stderr)
+        return 2
+    try:
+        written = write_sample(args.data_path, args.messages, args.body_size)
+    except ValueError as e:
+        print(f"sample failed: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {written['messages']:,} messages ({written['poison']:,} poison, "
+          f"{written['deferred']:,} deferred) to {args.data_path}")
+    return 0
+
+
+def _jvm_archive(args: argparse.Namespace) -> int:
+    from spark_bridge.jvm_archive import build_archive
+
+    _status("building the JVM class archive (a sample analysis, then java -Xshare:dump) ...")
+    started = time.perf_counter()
+    try:
+        path = build_archive()
+    except (RuntimeError, OSError) as e:
+        print(f"jvm-archive failed: {e}", file=sys.stderr)
+        return 1
+    size = os.path.getsize(path) / 1e6
+    print(f"JVM class archive: {path} ({size:.0f} MB, {time.perf_counter() - started:.0f} s); "
+          "local analyses use it from now on")
     return 0
 
 
