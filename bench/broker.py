@@ -27,6 +27,18 @@ _HTTP = re.compile(rb"HTTP: listening on (\S+)")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def checkout_env() -> dict[str, str]:
+    """This environment with the working tree first on the path.
+
+    Child processes (twistd, `python -m spark_bridge`) then run this
+    checkout's code, and twistd finds twisted/plugins/mqd_plugins.py, even
+    when mqd is not (or differently) installed.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
 class BrokerError(Exception):
     """The broker did not start, or died; carries the tail of its log."""
 
@@ -88,10 +100,7 @@ class Broker:
 
     def start(self) -> tuple[str, int]:
         """Launch and wait for the ``TCP: listening on HOST:PORT`` log line."""
-        # The working tree first on the path: twistd then finds twisted/plugins/mqd_plugins.py
-        # and benches this checkout's code even when mqd is not (or differently) installed.
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = checkout_env()
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.argv,

@@ -39,11 +39,11 @@ import tempfile
 import threading
 import time
 
+from bench.broker import REPO, checkout_env
 from bench.run import machine
 from spark_bridge.sample import MAX_MESSAGES, write_sample
 from spark_bridge.snapshot import take_snapshot
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_SNAPSHOT_MBS = 500.0
 TARGET_ANALYZE_S = 25.0
 
@@ -52,13 +52,6 @@ now = time.perf_counter
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    pp = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = REPO_ROOT + (os.pathsep + pp if pp else "")
-    return env
 
 
 class TreeSampler(threading.Thread):
@@ -123,7 +116,7 @@ def run_child(args: list[str], log_dir: str, name: str, echo_stderr: bool = Fals
     t0 = now()
     with open(out_path, "w") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
-                             env=child_env(), cwd=REPO_ROOT)
+                             env=checkout_env(), cwd=REPO)
         sampler = TreeSampler(p.pid)
         sampler.start()
         assert p.stderr is not None

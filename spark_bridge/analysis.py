@@ -136,7 +136,7 @@ def _labelled(df: DataFrame, index: str, buckets: Sequence[tuple[str, float]]) -
 def queue_summary(df: DataFrame, as_of: datetime, poison_attempts: int = DEFAULT_POISON_ATTEMPTS,
                   ) -> DataFrame:
     """One row per queue: backlog, bytes, oldest/newest, age and size percentiles, deferred, poison."""
-    aged = with_age(df, as_of) if "age_s" not in df.columns else df
+    aged = with_age(df, as_of)
     pct = F.array(*[F.lit(p) for p in PERCENTILES])
     out = aged.groupBy(*QUEUE).agg(
         F.count(F.lit(1)).alias("messages"),
@@ -164,7 +164,7 @@ def bucket_counts(df: DataFrame, as_of: datetime) -> DataFrame:
     Every histogram of the report is a roll-up of this one small table,
     so the whole set costs one pass over the messages.
     """
-    aged = with_age(df, as_of) if "age_s" not in df.columns else df
+    aged = with_age(df, as_of)
     due_in = _seconds_between(F.col("deferred_until"), F.lit(as_of))
     return (aged.select(
                 *QUEUE, "attempts", "deferred_until",
@@ -281,8 +281,7 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
     rows = read_snapshot(spark, path, partitions, bodies=json_field_name is not None)
     if json_field_name is not None:
         rows = rows.withColumn("json_value", json_field(json_field_name))
-    rows = rows.drop("body")
-    base = with_age(rows, as_of).persist(StorageLevel.MEMORY_AND_DISK)
+    base = rows.drop("body").persist(StorageLevel.MEMORY_AND_DISK)
     steps: list[tuple[str, Callable[[], Any]]] = [
         (f"reading {manifest.total:,} messages", base.count),
         ("backlog, ages and sizes per queue", lambda: queue_summary(base, as_of, poison_attempts)),
@@ -371,7 +370,7 @@ def _with_empty_queues(rows: list[dict[str, Any]], manifest: Manifest) -> list[d
     for q in manifest.queues:
         if (q.topic, q.channel) not in seen:
             out.append({"topic": q.topic, "channel": q.channel,
-                        "kind": "topic" if q.channel is None else "channel",
+                        "kind": q.kind,
                         "messages": 0, "bytes": 0, "oldest": None, "newest": None,
                         "oldest_age_s": None, "size_max": None, "max_attempts": None,
                         "deferred": 0, "poison": 0,

@@ -50,7 +50,7 @@ from .records import (
     read_ranges,
     snapshot_ranges,
 )
-from .snapshot import SnapshotError, read_manifest
+from .snapshot import MANIFEST, SnapshotError, read_manifest
 
 __all__ = ["FORMAT_NAME", "MqdDataSource", "register"]
 
@@ -136,7 +136,7 @@ class MqdDataSource(DataSource):
         if not path:
             raise SnapshotError('mqd: no snapshot given: spark.read.format("mqd").load(SNAPDIR)')
         path = os.path.abspath(path)
-        if not os.path.exists(os.path.join(path, "manifest.json")):
+        if not os.path.exists(os.path.join(path, MANIFEST)):
             raise SnapshotError(f"mqd: {path} is not an mqd snapshot (no manifest.json)")
         partitions = int(self.options.get("partitions") or os.cpu_count() or 1)
         bodies = str(self.options.get("bodies", "true")).lower() != "false"

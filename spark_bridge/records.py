@@ -23,7 +23,7 @@ import math
 import os
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import lmdb
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from backends.lmdb import KEY, RECORD
 
-from .snapshot import DATA_FILE, Manifest, QueueInfo, SnapshotError, read_manifest
+from .snapshot import DATA_FILE, Manifest, QueueInfo, SnapshotError, kind_of, read_manifest
 
 __all__ = [
     "ARROW_SCHEMA",
@@ -92,6 +92,10 @@ class KeyRange:
     last: int
     count: int
 
+    @property
+    def kind(self) -> str:
+        return kind_of(self.channel)
+
 
 @dataclass(frozen=True)
 class QueueFilter:
@@ -106,19 +110,15 @@ class QueueFilter:
     kinds: frozenset[str] | None = None
 
     def admits(self, q: QueueInfo) -> bool:
-        kind = "topic" if q.channel is None else "channel"
         return ((self.topics is None or q.topic in self.topics)
                 and (self.channels is None or q.channel in self.channels)
-                and (self.kinds is None or kind in self.kinds))
+                and (self.kinds is None or q.kind in self.kinds))
 
     def narrowed(self, column: str, allowed: Iterable[str | None]) -> QueueFilter:
         """This filter ANDed with `column IN allowed`."""
         field = {"topic": "topics", "channel": "channels", "kind": "kinds"}[column]
-        new = frozenset(allowed)
-        old = getattr(self, field)
-        values = {"topics": self.topics, "channels": self.channels, "kinds": self.kinds}
-        values[field] = new if old is None else old & new
-        return QueueFilter(**values)
+        new, old = frozenset(allowed), getattr(self, field)
+        return replace(self, **{field: new if old is None else old & new})
 
 
 def snapshot_ranges(manifest: Manifest, where: QueueFilter | None = None) -> list[KeyRange]:
@@ -151,13 +151,13 @@ def plan_partitions(ranges: Sequence[KeyRange], partitions: int) -> list[list[Ke
                 plan.append([])
                 room = target
             if count <= room:
-                plan[-1].append(KeyRange(r.queue_id, r.topic, r.channel, first, r.last, count))
+                plan[-1].append(replace(r, first=first, count=count))
                 room -= count
                 break
             # Cut: the first `room` of an estimated `count` records.
             span = r.last - first + 1
             cut = first + max(1, span * room // count) - 1
-            plan[-1].append(KeyRange(r.queue_id, r.topic, r.channel, first, cut, room))
+            plan[-1].append(replace(r, first=first, last=cut, count=room))
             first, count, room = cut + 1, count - room, 0
     return plan
 
@@ -257,11 +257,10 @@ def _batch(r: KeyRange, keys: list[bytes], values: list[bytes], sizes: np.ndarra
     header = np.frombuffer(headers.buffers()[2], dtype=_HEADER_DTYPE, count=n,
                            offset=int(first))
     deferred = header["deferred"].astype(np.float64)
-    kind = "topic" if r.channel is None else "channel"
     columns = [
         pa.repeat(pa.scalar(r.topic, pa.string()), n),
         pa.repeat(pa.scalar(r.channel, pa.string()), n),
-        pa.repeat(pa.scalar(kind, pa.string()), n),
+        pa.repeat(pa.scalar(r.kind, pa.string()), n),
         pa.array(seqs, pa.int64()),
         pa.array(header["id"], pa.binary(16)).cast(pa.binary()).cast(pa.string()),
         pa.array(header["ts"].astype(np.int64) // 1000, _UTC_US),

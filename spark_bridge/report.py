@@ -142,19 +142,38 @@ def render_text(analysis: Analysis) -> str:
 
 
 def _png(fig) -> str:
+    """The figure as base64 PNG; the figure is closed (matplotlib keeps open ones alive)."""
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _per_queue(rows: int):
+    """A figure with one horizontal bar row per queue."""
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(8, 0.45 * rows + 1.6))
+
+
+def _queue_chart(fig, ax, title: str, xlabel: str) -> tuple[str, str]:
+    """(title, PNG) of a per-queue chart: queues top to bottom in report order."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.invert_yaxis()
+    return title, _png(fig)
+
+
 def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[str, float]],
-             ylabel: str, queues: Sequence[str]):
+             queues: Sequence[str]) -> tuple[str, str]:
     """A stacked bar per queue, one segment per bucket (a histogram per queue, side by side)."""
     import matplotlib.pyplot as plt
 
     labels = [label for label, _ in buckets]
     counts = {(_queue_name(r), r["bucket"]): r["messages"] for r in rows}
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(queues) + 1.6))
+    fig, ax = _per_queue(len(queues))
     left = [0] * len(queues)
     cmap = plt.get_cmap("viridis", max(2, len(labels)))
     for i, label in enumerate(labels):
@@ -162,11 +181,8 @@ def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple
         if any(values):
             ax.barh(queues, values, left=left, label=label, color=cmap(i))
             left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.set_title(title)
-    ax.set_xlabel(ylabel)
-    ax.invert_yaxis()
     ax.legend(fontsize="small", loc="lower right")
-    return fig
+    return _queue_chart(fig, ax, title, "messages")
 
 
 def _charts(analysis: Analysis) -> list[tuple[str, str]]:
@@ -181,25 +197,17 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
     if not queues:
         return charts
     try:
-        fig, ax = plt.subplots(figsize=(8, 0.45 * len(queues) + 1.6))
+        fig, ax = _per_queue(len(queues))
         ax.barh(queues, [q["messages"] for q in analysis.queues], color="tab:blue")
-        ax.set_title("Backlog per queue")
-        ax.set_xlabel("messages")
-        ax.invert_yaxis()
-        charts.append(("Backlog per queue", _png(fig)))
-        plt.close(fig)
+        charts.append(_queue_chart(fig, ax, "Backlog per queue", "messages"))
 
         ages = [(q, r["oldest_age_s"]) for q, r in zip(queues, analysis.queues, strict=True)
                 if r["oldest_age_s"] is not None]
         if ages:
-            fig, ax = plt.subplots(figsize=(8, 0.45 * len(ages) + 1.6))
+            fig, ax = _per_queue(len(ages))
             ax.barh([a for a, _ in ages], [max(v, 1e-3) for _, v in ages], color="tab:red")
             ax.set_xscale("log")
-            ax.set_title("Oldest message age")
-            ax.set_xlabel("seconds (log scale)")
-            ax.invert_yaxis()
-            charts.append(("Oldest message age", _png(fig)))
-            plt.close(fig)
+            charts.append(_queue_chart(fig, ax, "Oldest message age", "seconds (log scale)"))
 
         for title, rows, buckets in (
             ("Message ages", analysis.age_histogram, AGE_BUCKETS),
@@ -207,9 +215,7 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
             ("Deferred backlog by due time", analysis.deferred, DUE_BUCKETS),
         ):
             if rows:
-                fig = _stacked(title, rows, buckets, "messages", queues)
-                charts.append((title, _png(fig)))
-                plt.close(fig)
+                charts.append(_stacked(title, rows, buckets, queues))
 
         if analysis.attempts_histogram:
             by_attempts: dict[int, int] = defaultdict(int)
@@ -229,9 +235,8 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
             ax.set_xlabel("attempts")
             ax.set_ylabel("messages (log scale)" if spread else "messages")
             charts.append(("Attempts", _png(fig)))
-            plt.close(fig)
     finally:
-        plt.close("all")
+        plt.close("all")  # whatever a failing chart left open
     return charts
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "Manifest",
     "QueueInfo",
     "SnapshotError",
+    "kind_of",
     "read_manifest",
     "take_snapshot",
 ]
@@ -55,6 +56,11 @@ class SnapshotError(Exception):
     """The snapshot could not be taken: not an mqd environment, destination taken, ..."""
 
 
+def kind_of(channel: str | None) -> str:
+    """A queue's kind column: "topic" for a topic's own queue (no channel), else "channel"."""
+    return "topic" if channel is None else "channel"
+
+
 @dataclass
 class QueueInfo:
     """One queue as the snapshot holds it: a topic queue (channel None) or a channel queue."""
@@ -66,6 +72,10 @@ class QueueInfo:
     count: int
     first_seq: int | None
     last_seq: int | None
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.channel)
 
 
 @dataclass
