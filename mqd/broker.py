@@ -304,7 +304,7 @@ class Broker:
         self._loading = True
         try:
             for entry in topics:
-                name = entry.get("name", "") if isinstance(entry, dict) else ""
+                name = entry.get("name", "")
                 if not is_valid_name(name) or name.endswith("#ephemeral"):
                     log.warn("skipping topic {name!r} in metadata: invalid name", name=name)
                     continue
@@ -312,7 +312,7 @@ class Broker:
                 if entry.get("paused"):
                     topic.pause()
                 for ch in entry.get("channels") or []:
-                    ch_name = ch.get("name", "") if isinstance(ch, dict) else ""
+                    ch_name = ch.get("name", "")
                     if not is_valid_name(ch_name) or ch_name.endswith("#ephemeral"):
                         log.warn("skipping channel {name!r} in metadata: invalid name", name=ch_name)
                         continue

@@ -233,9 +233,11 @@ def _parse_tls_required(value: Any) -> str:
         raise ValueError(f"expected true, false or tcp-https, got {value!r}") from None
 
 
+_LOG_LEVEL = Option("log-level", "str", "info", "debug, info, warn, error or fatal",
+                    _one_of("debug", "info", "warn", "error", "fatal"))
+
 MQD_OPTIONS: tuple[Option, ...] = (
-    Option("log-level", "str", "info", "debug, info, warn, error or fatal",
-           _one_of("debug", "info", "warn", "error", "fatal")),
+    _LOG_LEVEL,
     Option("node-id", "int", None, "unique part of message ids, 0-1023 (default: from the hostname, as nsqd)",
            _between(0, 1023), aliases=("id",)),
     Option("tcp-address", "address", "0.0.0.0:4150", "TCP clients: HOST:PORT, a unix socket path, or a Twisted endpoint string"),
@@ -321,8 +323,7 @@ def _required(value: str) -> str | None:
 # nsqlookupd's (`nsqlookupd/options.go`): it keeps no data, so there is no
 # data path; both listeners are required, as nsqlookupd cannot run without either.
 LOOKUPD_OPTIONS: tuple[Option, ...] = (
-    Option("log-level", "str", "info", "debug, info, warn, error or fatal",
-           _one_of("debug", "info", "warn", "error", "fatal")),
+    _LOG_LEVEL,
     Option("tcp-address", "address", "0.0.0.0:4160",
            "TCP address for brokers to register on: HOST:PORT or a Twisted endpoint string", _required),
     Option("http-address", "address", "0.0.0.0:4161",

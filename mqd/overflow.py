@@ -97,16 +97,18 @@ class OverflowQueue:
         if not self.backend.depth():
             return []
         batch = self.backend.read(n)
-        if any([m.deferred_until for m in batch]):
-            later = [m for m in batch if m.deferred_until > now]
-            for m in batch:
-                if m.deferred_until <= now:
-                    m.deferred_until = 0.0
-            batch = [m for m in batch if not m.deferred_until]
+        if not any([m.deferred_until for m in batch]):
             self.mem.extend(batch)
-            return later
-        self.mem.extend(batch)
-        return []
+            return []
+        later = []
+        mem = self.mem
+        for m in batch:
+            if m.deferred_until > now:
+                later.append(m)
+            else:
+                m.deferred_until = 0.0
+                mem.append(m)
+        return later
 
     def take(self, n: int) -> list[Message]:
         """Remove up to `n` messages from the head, memory first, then the backend.

@@ -262,6 +262,22 @@ def connect(broker):
 
     return make
 
+@pytest.fixture
+def publish(connect):
+    """publish(*bodies, topic="t"): PUB one body or MPUB several, each answered OK."""
+    p = connect()
+    p.send(identify(heartbeat_interval=-1))
+    assert p.read() == [ok()]
+
+    def do(*data: bytes, topic="t"):
+        if len(data) == 1:
+            assert p.request(pub(topic, data[0])) == [ok()]
+        else:
+            assert p.request(mpub(topic, list(data))) == [ok()]
+
+    return do
+
+
 def failing_once(store, error="No space left on device"):
     """Make the store's next commit fail as a full disk would, once; returns the call log."""
     real = store._write

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from .conftest import Client, Msg, cmd, dpub, err, identify, mpub, ok, pub, scan
 
 
@@ -13,23 +11,17 @@ def bodies(msgs) -> list[bytes]:
     return [m.body for m in msgs]
 
 
-@pytest.fixture
-def publish(connect):
-    p = connect()
-    p.send(identify(heartbeat_interval=-1))
-    assert p.read() == [ok()]
-
-    def do(*data: bytes, topic="t"):
-        if len(data) == 1:
-            assert p.request(pub(topic, data[0])) == [ok()]
-        else:
-            assert p.request(mpub(topic, list(data))) == [ok()]
-
-    return do
-
-
 def channel_of(broker, topic="t", channel="c"):
     return broker.topics[topic].channels[channel]
+
+
+def one_in_flight(broker) -> tuple[Client, Msg]:
+    """A client of t/c with RDY 1, and the one message "x" it was sent."""
+    c = Client(broker)
+    c.sub(rdy=1)
+    Client(broker).send(pub("t", b"x"))
+    [m] = c.messages()
+    return c, m
 
 
 # -- RDY window -------------------------------------------------------------------------
@@ -144,10 +136,7 @@ def test_req_delay_frees_the_slot_for_others(connect, publish):
 
 def test_msg_timeout_requeues(make_broker, clock):
     broker = make_broker(msg_timeout="2s")
-    c = Client(broker)
-    c.sub(rdy=1)
-    Client(broker).send(pub("t", b"x"))
-    [m] = c.messages()
+    c, m = one_in_flight(broker)
     channel = channel_of(broker)
     clock.advance(1.999)
     assert scan(broker) == 0
@@ -163,10 +152,7 @@ def test_msg_timeout_requeues(make_broker, clock):
 
 def test_fin_after_timeout_fails(make_broker, clock):
     broker = make_broker(msg_timeout="2s")
-    c = Client(broker)
-    c.sub(rdy=1)
-    Client(broker).send(pub("t", b"x"))
-    [m] = c.messages()
+    c, m = one_in_flight(broker)
     c.send(cmd("RDY", 0))
     clock.advance(2)
     scan(broker)
@@ -196,10 +182,7 @@ def test_identify_msg_timeout_applies(connect, publish, broker, clock):
 
 def test_touch_postpones_timeout(make_broker, clock):
     broker = make_broker(msg_timeout="10s", max_msg_timeout="25s")
-    c = Client(broker)
-    c.sub(rdy=1)
-    Client(broker).send(pub("t", b"x"))
-    [m] = c.messages()
+    c, m = one_in_flight(broker)
     clock.advance(8)
     c.touch(m)  # deadline now 18
     clock.advance(2)  # t = 10, the original deadline
@@ -217,10 +200,7 @@ def test_touch_postpones_timeout(make_broker, clock):
 
 def test_touch_never_moves_deadline_earlier_than_max(make_broker, clock):
     broker = make_broker(msg_timeout="10s", max_msg_timeout="12s")
-    c = Client(broker)
-    c.sub(rdy=1)
-    Client(broker).send(pub("t", b"x"))
-    [m] = c.messages()
+    c, m = one_in_flight(broker)
     for _ in range(5):
         clock.advance(2)
         c.touch(m)
