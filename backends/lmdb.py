@@ -97,15 +97,15 @@ class LmdbQueue:
         return KEY.unpack(self._tail[0].key)[1] if self._tail else self._next_seq
 
     def put(self, messages) -> None:
-        store = self._store
-        if store.failure:
-            raise BackendError(store.failure)
         self._store_new(messages)
         self._tail.extend(messages)
         self._depth += len(messages)
 
     def _store_new(self, messages) -> None:
+        """Give the messages the queue's next keys and stage them for the commit."""
         store = self._store
+        if store.failure:
+            raise BackendError(store.failure)
         puts = store._puts
         qid = self.qid
         seq = self._next_seq
@@ -119,11 +119,8 @@ class LmdbQueue:
         store._schedule()
 
     def hold(self, messages) -> None:
-        store = self._store
-        if not store.durable:
+        if not self._store.durable:
             return
-        if store.failure:
-            raise BackendError(store.failure)
         self._store_new(messages)
         self._held.update(m.key for m in messages)
 
@@ -151,6 +148,8 @@ class LmdbQueue:
         held = self._held
         out: list[Message] = []
         store = self._store
+        dels = store._dels
+        updates = store._updates
         with store.env.begin(db=store.data_db, buffers=False) as txn:
             cursor = txn.cursor()
             if not cursor.set_range(start):
@@ -158,11 +157,9 @@ class LmdbQueue:
             for key, value in cursor:
                 if key >= stop or len(out) >= count:
                     break
-                if held and key in held:
+                if (held and key in held) or key in dels:
                     continue
-                if key in store._dels:
-                    continue
-                msg = store._updates.get(key)
+                msg = updates.get(key)
                 out.append(msg if msg is not None else _decode(key, value))
         if not out:
             # Only held or deleted records before the cached tail.
@@ -190,12 +187,14 @@ class LmdbQueue:
         store = self._store
         puts = store._puts
         updates = store._updates
+        held = self._held
         for msg in messages:
             key = msg.key
-            if key is not None and key not in puts:
+            if key is None:
+                continue
+            held.discard(key)
+            if key not in puts:
                 updates[key] = msg
-            if key is not None:
-                self._held.discard(key)
         store._schedule()
 
     def depth(self) -> int:
@@ -351,24 +350,20 @@ class LmdbStore:
         """First sequence, next sequence and record count of a stored queue."""
         prefix = _QID.pack(qid)
         count = 0
-        first = last = -1
+        first = last = None
         with self.env.begin(db=self.data_db) as txn:
             cursor = txn.cursor()
             if cursor.set_range(prefix):
                 for key in cursor.iternext(keys=True, values=False):
                     if not key.startswith(prefix):
                         break
-                    if first < 0:
-                        first = KEY.unpack(key)[1]
+                    if first is None:
+                        first = key
+                    last = key
                     count += 1
-                if count:
-                    cursor.set_range(_QID.pack(qid + 1)) or cursor.last()
-                    if not bytes(cursor.key()).startswith(prefix):
-                        cursor.prev()
-                    last = KEY.unpack(cursor.key())[1]
         if not count:
             return 0, 0, 0
-        return first, last + 1, count
+        return KEY.unpack(first)[1], KEY.unpack(last)[1] + 1, count
 
     def _forget_queue(self, queue: LmdbQueue) -> None:
         self._queues.pop(queue.name, None)
@@ -439,10 +434,11 @@ class LmdbStore:
         with env.begin(write=True, db=self.data_db) as txn:
             for qid, bound in self._drops:
                 cursor = txn.cursor()
+                # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.
                 stop = KEY.pack(qid, bound)
                 if cursor.set_range(_QID.pack(qid)):
-                    while cursor.key() < stop and cursor.key()[:4] == _QID.pack(qid):
-                        if not cursor.delete():
+                    while cursor.key() < stop:
+                        if not cursor.delete():  # False once past the last record
                             break
             delete = txn.delete
             for key in self._dels:

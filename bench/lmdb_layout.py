@@ -370,12 +370,13 @@ def run_layout(name: str, args, rng: random.Random) -> dict:
     lay.env.sync(True)
     info = lay.env.info()
     psize = lay.env.stat()["psize"]
+    entries = lay.entries()
     res["size"] = {
         "data_mdb_bytes": os.path.getsize(os.path.join(path, "data.mdb")),
         "last_pgno_bytes": (info["last_pgno"] + 1) * psize,
         "tree_pages_bytes": lay.pages() * psize,
-        "entries": lay.entries(),
-        "payload_bytes": lay.entries() * len(MSG),
+        "entries": entries,
+        "payload_bytes": entries * len(MSG),
         "main_db_entries": lay.env.stat()["entries"],
     }
 

@@ -59,6 +59,14 @@ def registry(store: LmdbStore) -> list[str]:
         return [bytes(k).decode() for k, _ in txn.cursor()]
 
 
+def queue_t(path, clock, n: int, **flags) -> tuple[LmdbStore, LmdbQueue]:
+    """A new store and its queue "t" holding msgs(n), not committed yet."""
+    store = lmdb_store(path, clock, **flags)
+    q = store.open_queue("t")
+    q.put(msgs(n))
+    return store, q
+
+
 def reopen(store: LmdbStore, path, clock, **flags) -> LmdbStore:
     store.close()
     return lmdb_store(path, clock, **flags)
@@ -126,9 +134,7 @@ def test_fifo_across_many_puts_and_batch_reads(tmp_path, clock, durable):
 
 @BOTH
 def test_read_spans_committed_and_uncommitted(tmp_path, clock, durable):
-    store = lmdb_store(tmp_path, clock, durable=durable)
-    q = store.open_queue("t")
-    q.put(msgs(3))
+    store, q = queue_t(tmp_path, clock, 3, durable=durable)
     assert store._commit_call is not None and store._commit_call.active()
     clock.advance(0)
     assert store._commit_call is None
@@ -163,9 +169,7 @@ def test_read_spans_stored_records_and_cache_after_restart(tmp_path, clock, dura
 
 @BOTH
 def test_depth_and_order_survive_restart(tmp_path, clock, durable):
-    store = lmdb_store(tmp_path, clock, durable=durable)
-    q = store.open_queue("t")
-    q.put(msgs(10))
+    store, q = queue_t(tmp_path, clock, 10, durable=durable)
     clock.advance(0)
     q.put(msgs(5, 10))  # committed by close()
     store = reopen(store, tmp_path, clock, durable=durable)
@@ -198,9 +202,7 @@ def test_message_fields_round_trip(tmp_path, clock):
 
 
 def test_default_read_removes_records(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock)
-    q = store.open_queue("t")
-    q.put(msgs(5))
+    store, q = queue_t(tmp_path, clock, 5)
     clock.advance(0)
     assert len(records(store)) == 5
     assert bodies(q.read(3)) == expected(3)
@@ -217,9 +219,7 @@ def test_default_read_removes_records(tmp_path, clock):
 
 
 def test_default_read_before_commit_is_never_written(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock)
-    q = store.open_queue("t")
-    q.put(msgs(3))
+    store, q = queue_t(tmp_path, clock, 3)
     assert bodies(q.read(2)) == expected(2)
     clock.advance(0)
     assert [r[2] for r in records(store)] == [b"m2"]
@@ -230,9 +230,7 @@ def test_default_read_before_commit_is_never_written(tmp_path, clock):
 
 
 def test_default_finish_update_hold_keep_nothing(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock)
-    q = store.open_queue("t")
-    q.put(msgs(2))
+    store, q = queue_t(tmp_path, clock, 2)
     clock.advance(0)
     got = q.read(2)
     assert [m.key for m in got] == [None, None]
@@ -253,9 +251,7 @@ def test_default_finish_update_hold_keep_nothing(tmp_path, clock):
 
 
 def test_durable_read_keeps_record_until_finish(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(4))
+    store, q = queue_t(tmp_path, clock, 4, durable=True)
     clock.advance(0)
     got = q.read(4)
     assert bodies(got) == expected(4)
@@ -275,9 +271,7 @@ def test_durable_read_keeps_record_until_finish(tmp_path, clock):
 
 
 def test_durable_finish_before_commit_never_writes(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(3))
+    store, q = queue_t(tmp_path, clock, 3, durable=True)
     got = q.read(2)
     q.finish(got)
     clock.advance(0)
@@ -286,9 +280,7 @@ def test_durable_finish_before_commit_never_writes(tmp_path, clock):
 
 
 def test_durable_update_rewrites_attempts_and_deferral(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(3))
+    store, q = queue_t(tmp_path, clock, 3, durable=True)
     clock.advance(0)
     a, b, c = q.read(3)
     a.attempts = 4
@@ -306,9 +298,7 @@ def test_durable_update_rewrites_attempts_and_deferral(tmp_path, clock):
 
 
 def test_durable_update_before_commit_writes_latest_state(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(1))
+    store, q = queue_t(tmp_path, clock, 1, durable=True)
     (m,) = q.read(1)
     m.attempts = 3
     q.update([m])
@@ -319,9 +309,7 @@ def test_durable_update_before_commit_writes_latest_state(tmp_path, clock):
 
 
 def test_durable_hold_is_hidden_until_restart(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(1))
+    store, q = queue_t(tmp_path, clock, 1, durable=True)
     later = msgs(1, 1)
     later[0].deferred_until = START_TIME + 45
     q.hold(later)
@@ -346,12 +334,10 @@ def test_durable_hold_is_hidden_until_restart(tmp_path, clock):
 
 def test_durable_hold_hidden_when_reading_committed_records(tmp_path, clock):
     store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
+    store.open_queue("t")
     store.close()
     # After a restart nothing is cached: reads go to disk and must pass held keys.
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(2))
+    store, q = queue_t(tmp_path, clock, 2, durable=True)
     held = msgs(1, 2)
     held[0].deferred_until = START_TIME + 5
     q.hold(held)
@@ -368,9 +354,7 @@ def test_durable_many_messages_beyond_read_cache(tmp_path, clock, monkeypatch):
     import backends.lmdb as mod
 
     monkeypatch.setattr(mod, "_READ_CACHE", 10)
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(50))
+    store, q = queue_t(tmp_path, clock, 50, durable=True)
     clock.advance(0)
     assert len(q._tail) == 10
     q.put(msgs(5, 50))
@@ -386,9 +370,7 @@ def test_durable_many_messages_beyond_read_cache(tmp_path, clock, monkeypatch):
 
 @BOTH
 def test_empty_drops_records_and_keeps_the_queue(tmp_path, clock, durable):
-    store = lmdb_store(tmp_path, clock, durable=durable)
-    q = store.open_queue("t")
-    q.put(msgs(5))
+    store, q = queue_t(tmp_path, clock, 5, durable=durable)
     clock.advance(0)
     q.put(msgs(2, 5))  # uncommitted: dropped too
     q.empty()
@@ -408,9 +390,7 @@ def test_empty_drops_records_and_keeps_the_queue(tmp_path, clock, durable):
 
 
 def test_durable_empty_drops_read_and_held_records(tmp_path, clock):
-    store = lmdb_store(tmp_path, clock, durable=True)
-    q = store.open_queue("t")
-    q.put(msgs(3))
+    store, q = queue_t(tmp_path, clock, 3, durable=True)
     clock.advance(0)
     in_flight = q.read(2)
     held = msgs(1, 9)
@@ -569,8 +549,6 @@ def test_map_grows_for_one_large_message(tmp_path, clock):
 
 
 # -- commit failures -----------------------------------------------------------------
-
-
 
 
 @BOTH

@@ -78,8 +78,6 @@ def delivered(c: Client) -> list:
     return frames
 
 
-
-
 # -- restarts in the default (non-durable) mode ------------------------------------------
 
 
