@@ -198,11 +198,3 @@ class AuthClient:
         if response.code != 200:
             raise AuthError(f"got response {response.code} {body[:200]!r}")
         return body
-
-
-def remote_ip(remote_address: str) -> str:
-    """The IP part of a "host:port" peer (empty for a unix socket peer)."""
-    host, sep, port = remote_address.rpartition(":")
-    if not sep or not port.isdigit():
-        return ""
-    return host.strip("[]")

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from .options import ConfigError
 
-__all__ = ["TLS_VERSIONS", "ServerTLS", "server_tls"]
-
-# --tls-min-version values, as nsqd's flag spells them.
-TLS_VERSIONS = ("tls1.0", "tls1.1", "tls1.2", "tls1.3")
+__all__ = ["ServerTLS", "server_tls"]
 
 
 class ServerTLS:

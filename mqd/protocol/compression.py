@@ -35,8 +35,6 @@ class DeflateCodec:
     been sent without waiting for more.
     """
 
-    name = "deflate"
-
     def __init__(self, level: int) -> None:
         self._compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
         self._decompressor = zlib.decompressobj(-15)
@@ -64,8 +62,6 @@ class SnappyCodec:
     checks; this class only cuts the incoming stream at chunk boundaries
     (a read may end mid-chunk) and sends the stream identifier once.
     """
-
-    name = "snappy"
 
     def __init__(self) -> None:
         self._header_sent = False

@@ -20,7 +20,6 @@ from zope.interface import implementer
 
 from backends import BackendError
 
-from ..auth import remote_ip
 from ..channel import ChannelError
 from ..consumer import IConsumer
 from ..logs import get_logger
@@ -85,6 +84,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.hostname = ""
         self.user_agent = ""
         self.remote_address = ""
+        self._remote_ip = ""  # what the auth server is told; "" for a unix socket peer
         self.connect_ts = 0
         self.heartbeat_interval = CLIENT_TIMEOUT / 2
         self.msg_timeout = options.msg_timeout
@@ -104,10 +104,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._auth_on = broker.auth.enabled
         self.auth_state = None
         self._auth_secret = ""
-        # Set by a handler that needs the auth server: run after the read is
+        # Set by a handler that needs the auth server: what to run with its
+        # answer (_authed or _resume). The query starts after the read is
         # parsed, with the rest of the input kept (from _resume_at, or from
         # the command itself when -1) until the answer comes.
-        self._pause_action = None
+        self._after_auth = None
         self._resume_at = -1
         # Output buffer of message frames (nsqd's bufio.Writer; spec section 8).
         self._obuf: list[bytes] = []
@@ -138,7 +139,6 @@ class V2Protocol(Protocol, TimeoutMixin):
         if self._tls_config is not None and self._tls_config.tcp_required:
             self._HANDLERS = _TLS_REQUIRED_HANDLERS
         self._decoder = None
-        self._negotiated: tuple[bool, bool, bool] | None = None
         self._upgrade_leftover: bytes | None = None
         self._tls_layer = None
         self._handshake_timer = None
@@ -154,6 +154,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         host = getattr(peer, "host", None) or str(getattr(peer, "name", "") or "")
         port = getattr(peer, "port", None)
         self.remote_address = f"{host}:{port}" if port is not None else host
+        if port is not None:
+            self._remote_ip = host
         self.client_id = self.hostname = host
         self.connect_ts = int(self.clock.seconds())
         self.broker.client_connected(self)
@@ -300,12 +302,12 @@ class V2Protocol(Protocol, TimeoutMixin):
                 broker.pending_deliveries = None
                 for channel in pending:
                     channel.deliver()
-        action = self._pause_action
-        if action is not None:
-            # Started only now, with the input kept, so an answer that comes
+        then = self._after_auth
+        if then is not None:
+            # Asked only now, with the input kept, so an answer that comes
             # at once (a cached or fake fetch) resumes a consistent state.
-            self._pause_action = None
-            action()
+            self._after_auth = None
+            self._query_auth(then)
         leftover = self._upgrade_leftover
         if leftover is not None:
             self._upgrade_leftover = None
@@ -490,12 +492,11 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
         if not isinstance(body, dict):
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
-        response = self._identify(body)
+        response, upgrades = self._identify(body)
         self._write_frame(frame(FRAME_TYPE_RESPONSE, response))
-        negotiated, self._negotiated = self._negotiated, None
-        if negotiated is None or not any(negotiated):
+        if not any(upgrades):
             return end
-        self._upgrade(*negotiated)
+        self._upgrade(*upgrades)
         # Whatever followed IDENTIFY in this read was sent for the new
         # layers (TLS records, compressed bytes): dataReceived hands it to
         # them once this pass is over, instead of parsing it as commands.
@@ -581,8 +582,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         if timer is not None and timer.active():
             timer.cancel()
 
-    def _identify(self, body: dict[str, Any]) -> bytes:
-        """Validate and apply IDENTIFY; nsqd's checks, order and texts."""
+    def _identify(self, body: dict[str, Any]) -> tuple[bytes, tuple[bool, bool, bool]]:
+        """Validate and apply IDENTIFY; nsqd's checks, order and texts.
+
+        Returns the response and the upgrades to make: (tls_v1, deflate, snappy).
+        """
         opts = self.broker.options
         ints = {}
         for key in ("heartbeat_interval", "output_buffer_size", "output_buffer_timeout",
@@ -671,8 +675,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
         if not flags["feature_negotiation"]:
             # As nsqd: without feature negotiation nothing is upgraded.
-            return b"OK"
-        self._negotiated = (tls_v1, deflate, snappy)
+            return b"OK", (False, False, False)
         deflate_level = ints["deflate_level"] if ints["deflate_level"] > 0 else 6
         deflate_level = min(deflate_level, opts.max_deflate_level)
         self.deflate_level = deflate_level
@@ -693,7 +696,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             "topology_region": "",
             "topology_zone": "",
         }
-        return json.dumps(response, separators=(",", ":")).encode()
+        return json.dumps(response, separators=(",", ":")).encode(), (tls_v1, deflate, snappy)
 
     def _cmd_auth(self, params, data, start):
         if self.state != STATE_INIT:
@@ -710,7 +713,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_AUTH_DISABLED", "AUTH disabled")
         self._auth_secret = secret.decode("utf-8", "replace")
         self._resume_at = end
-        self._pause_action = lambda: self._query_auth(self._authed)
+        self._after_auth = self._authed
         return _PAUSED
 
     # -- auth ---------------------------------------------------------------------
@@ -726,36 +729,26 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
         if self.clock.seconds() >= state.expires:
             self._resume_at = -1
-            self._pause_action = lambda: self._query_auth(self._requeried)
+            self._after_auth = self._resume
             return _PAUSED
         if not state.allows(topic, channel):
             raise fatal("E_UNAUTHORIZED", f'AUTH failed for {verb} on "{topic}" "{channel}"')
         return None
 
     def _query_auth(self, then) -> None:
-        """Ask the auth server(s) without blocking; `then(state)` runs with the answer."""
-        d = self.broker.auth.query(remote_ip(self.remote_address), bool(self.tls),
-                                   self._auth_secret, self._common_name())
+        """Ask the auth server(s) without blocking; `then()` runs once auth_state holds the answer."""
+        # tls_common_name is set by handshakeCompleted, which runs before
+        # any byte read over TLS reaches dataReceived.
+        d = self.broker.auth.query(self._remote_ip, bool(self.tls),
+                                   self._auth_secret, self.tls_common_name)
         d.addCallbacks(self._auth_answer, self._auth_failed, callbackArgs=(then,))
         d.addErrback(lambda f: log.failure("AUTH answer handling failed", f))
-
-    def _common_name(self) -> str:
-        """The client certificate's CN when the connection is TLS with one, else ""."""
-        if not self.tls:
-            return ""
-        if getattr(self, "tls_common_name", ""):
-            return self.tls_common_name
-        try:
-            cert = self.transport.getPeerCertificate()
-            return (cert.get_subject().commonName or "") if cert is not None else ""
-        except Exception:
-            return ""
 
     def _auth_answer(self, state, then) -> None:
         if self._closed:
             return
         self.auth_state = state
-        then(state)
+        then()
 
     def _auth_failed(self, failure) -> None:
         if self._closed:
@@ -766,7 +759,8 @@ class V2Protocol(Protocol, TimeoutMixin):
                  error=failure.getErrorMessage())
         self._fail(fatal("E_AUTH_FAILED", "AUTH failed"))
 
-    def _authed(self, state) -> None:
+    def _authed(self) -> None:
+        state = self.auth_state
         if not state.grants:
             self._fail(fatal("E_UNAUTHORIZED", "AUTH no authorizations found"))
             return
@@ -774,9 +768,6 @@ class V2Protocol(Protocol, TimeoutMixin):
         body = {"identity": state.identity, "identity_url": state.identity_url,
                 "permission_count": state.permission_count}
         self._write_frame(frame(FRAME_TYPE_RESPONSE, json.dumps(body, separators=(",", ":")).encode()))
-        self._resume()
-
-    def _requeried(self, state) -> None:
         self._resume()
 
     def _resume(self) -> None:

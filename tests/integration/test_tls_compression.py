@@ -19,14 +19,13 @@ import pytest
 from .._codec_clients import DeflateClient, SnappyClient
 from ._certs import make_certs
 from ._support import (
+    _NO_PROXY,
     FRAME_ERROR,
     FRAME_RESPONSE,
     Collector,
     RawConn,
     command,
 )
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def get_json(broker, path: str):

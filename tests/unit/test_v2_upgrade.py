@@ -130,13 +130,8 @@ class TLSStringTransport(StringTransport):
         self.ctx = ctx
 
 
-class FakeTLS(ServerTLS):
-    def __init__(self, required: str = "false") -> None:
-        super().__init__(context=None, required=required)
-
-
 def tls_client(broker, required="false") -> Client:
-    broker.tls = FakeTLS(required)
+    broker.tls = ServerTLS(context=None, required=required)  # startTLS is faked: no context needed
     c = Client(broker, magic=False)
     c.transport = TLSStringTransport(peerAddress=c.transport.getPeer())
     c.proto.makeConnection(c.transport)
