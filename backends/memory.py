@@ -9,6 +9,20 @@ from zope.interface import implementer
 from .interface import IBackendQueue, IBackendStore
 
 
+def take(items: deque, n: int) -> list:
+    """Pop up to `n` items from the left of a deque, as a list.
+
+    Here because the memory backend is a deque; the broker's own memory
+    queues (mqd.overflow, mqd.channel) take from theirs the same way.
+    """
+    if n >= len(items):
+        batch = list(items)
+        items.clear()
+        return batch
+    pop = items.popleft
+    return [pop() for _ in range(n)]
+
+
 @implementer(IBackendQueue)
 class MemoryQueue:
     __slots__ = ("name", "_items")
@@ -21,13 +35,7 @@ class MemoryQueue:
         self._items.extend(messages)
 
     def read(self, count: int) -> list:
-        items = self._items
-        if count >= len(items):
-            batch = list(items)
-            items.clear()
-            return batch
-        pop = items.popleft
-        return [pop() for _ in range(count)]
+        return take(self._items, count)
 
     def finish(self, messages) -> None:
         """Nothing kept once read."""

@@ -104,6 +104,14 @@ class Channel:
         """Messages from the topic; delivered at once if a client is ready."""
         self.message_count += len(msgs)
         self._queue.put(msgs)
+        self.deliver_soon()
+
+    def deliver_soon(self) -> None:
+        """Deliver now, or once the connection being read has handled its whole read.
+
+        While a read is processed the broker collects channels to deliver
+        in `pending_deliveries` (one delivery pass per read, not per command).
+        """
         pending = self.topic.broker.pending_deliveries
         if pending is None:
             self.deliver()

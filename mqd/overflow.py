@@ -11,21 +11,12 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from backends import BackendError
+from backends.memory import take
 
 if TYPE_CHECKING:
     from .message import Message
 
 __all__ = ["OverflowQueue", "take"]
-
-
-def take(items: deque, n: int) -> list:
-    """Pop up to `n` items from the left of a deque, as a list."""
-    if n >= len(items):
-        batch = list(items)
-        items.clear()
-        return batch
-    pop = items.popleft
-    return [pop() for _ in range(n)]
 
 
 class OverflowQueue:

@@ -320,14 +320,8 @@ class V2Protocol(Protocol, TimeoutMixin):
 
     def _deliver_soon(self) -> None:
         """This connection's channel may deliver again (RDY, FIN, REQ freed a slot)."""
-        channel = self.channel
-        if channel is None:
-            return
-        pending = self.broker.pending_deliveries
-        if pending is None:
-            channel.deliver()
-        else:
-            pending.add(channel)
+        if self.channel is not None:
+            self.channel.deliver_soon()
 
     def _keep(self, rest: bytes, need: int) -> None:
         """Hold an incomplete command until `need` bytes of it have arrived."""

@@ -6,24 +6,9 @@ import pytest
 
 from mqd.protocol.v2 import STATE_CLOSING, STATE_SUBSCRIBED
 
-from .conftest import CLOSE_WAIT, Client, Msg, cmd, err, identify, mpub, ok, pub, scan
+from .conftest import CLOSE_WAIT, Client, Msg, cmd, err, ok, pub, scan
 
 UNKNOWN_ID = b"0123456789abcdef"
-
-
-@pytest.fixture
-def producer(connect):
-    p = connect()
-    p.send(identify(heartbeat_interval=-1))
-    assert p.read() == [ok()]
-
-    def publish(*bodies: bytes, topic="t"):
-        if len(bodies) == 1:
-            assert p.request(pub(topic, bodies[0])) == [ok()]
-        else:
-            assert p.request(mpub(topic, list(bodies))) == [ok()]
-
-    return publish
 
 
 @pytest.fixture
@@ -145,8 +130,8 @@ def test_rdy_has_no_response(consumer):
     assert consumer.proto.ready_count == 10
 
 
-def test_rdy_without_count_means_one(consumer, producer):
-    producer(b"1", b"2")
+def test_rdy_without_count_means_one(consumer, publish):
+    publish(b"1", b"2")
     consumer.send(cmd("RDY"))
     assert [m.body for m in consumer.messages()] == [b"1"]
     assert consumer.proto.ready_count == 1
@@ -182,8 +167,8 @@ def test_rdy_range_follows_max_rdy_count(make_broker):
     assert c.request(cmd("RDY", 101)) == [err("E_INVALID RDY count 101 out of range 0-100")]
 
 
-def test_rdy_zero_accepted(consumer, producer):
-    producer(b"x")
+def test_rdy_zero_accepted(consumer, publish):
+    publish(b"x")
     assert consumer.request(cmd("RDY", 0)) == []
     assert not consumer.closed
 
@@ -232,12 +217,12 @@ def test_unknown_id_is_not_fatal(consumer, verb, args):
 
 
 @pytest.mark.parametrize("verb, args", [("FIN", []), ("TOUCH", []), ("REQ", [0])])
-def test_not_owner_is_not_fatal(connect, producer, verb, args):
+def test_not_owner_is_not_fatal(connect, publish, verb, args):
     a = connect()
     a.sub(rdy=1)
     b = connect()
     b.sub(rdy=1)
-    producer(b"x")
+    publish(b"x")
     msgs = a.messages() + b.messages()
     assert len(msgs) == 1
     owner, other = (a, b) if a.proto.in_flight_count else (b, a)
@@ -252,8 +237,8 @@ def test_not_owner_is_not_fatal(connect, producer, verb, args):
     assert owner.proto.in_flight_count == 0
 
 
-def test_fin_success(consumer, producer, broker):
-    producer(b"x")
+def test_fin_success(consumer, publish, broker):
+    publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     channel = broker.topics["t"].channels["c"]
@@ -270,8 +255,8 @@ def test_fin_success(consumer, producer, broker):
     assert not consumer.closed
 
 
-def test_fin_batch_in_one_chunk(consumer, producer, broker):
-    producer(*[b"%d" % i for i in range(6)])
+def test_fin_batch_in_one_chunk(consumer, publish, broker):
+    publish(*[b"%d" % i for i in range(6)])
     consumer.send(cmd("RDY", 3))
     first = consumer.messages()
     assert [m.body for m in first] == [b"0", b"1", b"2"]
@@ -283,8 +268,8 @@ def test_fin_batch_in_one_chunk(consumer, producer, broker):
 # -- REQ ---------------------------------------------------------------------------
 
 
-def test_req_zero_redelivers_at_once(consumer, producer, broker):
-    producer(b"x")
+def test_req_zero_redelivers_at_once(consumer, publish, broker):
+    publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     assert consumer.request(cmd("REQ", m.id, 0)) == [Msg(m.timestamp, 2, m.id, b"x")]
@@ -294,8 +279,8 @@ def test_req_zero_redelivers_at_once(consumer, producer, broker):
     assert channel.in_flight_count() == 1
 
 
-def test_req_goes_to_tail(consumer, producer):
-    producer(b"1", b"2", b"3")
+def test_req_goes_to_tail(consumer, publish):
+    publish(b"1", b"2", b"3")
     consumer.send(cmd("RDY", 1))
     [m1] = consumer.messages()
     consumer.req(m1)
@@ -321,8 +306,8 @@ def test_req_timeout_clamped_to_max(make_broker, clock):
     assert channel.deferred_count() == 0
 
 
-def test_req_default_max_is_one_hour(consumer, producer, broker, clock):
-    producer(b"x")
+def test_req_default_max_is_one_hour(consumer, publish, broker, clock):
+    publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     consumer.send(cmd("REQ", m.id, 3_600_001))
@@ -334,8 +319,8 @@ def test_req_default_max_is_one_hour(consumer, producer, broker, clock):
 # -- TOUCH ------------------------------------------------------------------------------
 
 
-def test_touch_success_has_no_response(consumer, producer):
-    producer(b"x")
+def test_touch_success_has_no_response(consumer, publish):
+    publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     assert consumer.request(cmd("TOUCH", m.id)) == []
@@ -351,8 +336,8 @@ def test_cls_before_sub(connect):
     assert c.closed
 
 
-def test_cls_then_rdy_ignored_fin_allowed(consumer, producer, broker):
-    producer(b"1", b"2", b"3")
+def test_cls_then_rdy_ignored_fin_allowed(consumer, publish, broker):
+    publish(b"1", b"2", b"3")
     consumer.send(cmd("RDY", 2))
     m1, m2 = consumer.messages()
     assert consumer.request(cmd("CLS")) == [CLOSE_WAIT]
@@ -367,7 +352,7 @@ def test_cls_then_rdy_ignored_fin_allowed(consumer, producer, broker):
     assert consumer.request(cmd("FIN", m1.id)) == []
     assert consumer.request(cmd("TOUCH", m2.id)) == []
     assert consumer.request(cmd("REQ", m2.id, 0)) == []
-    producer(b"4")
+    publish(b"4")
     assert consumer.raw() == b""
     channel = broker.topics["t"].channels["c"]
     assert channel.in_flight_count() == 0
