@@ -165,12 +165,6 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
     return row
 
 
-def _e2e(percentiles: list[float], windows: list) -> dict[str, Any]:
-    if not windows:
-        return disabled_result()
-    return merged_result(percentiles, windows)
-
-
 def channel_stats(channel: Channel, include_clients: bool = True, topic: str | None = None) -> dict[str, Any]:
     """One channel as nsqd's ChannelStats; `clients` is null without include_clients."""
     clients = None
@@ -195,6 +189,7 @@ def channel_stats(channel: Channel, include_clients: bool = True, topic: str | N
 
 def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
     """One topic as nsqd's TopicStats; its latency merges all its channels' (not just the listed)."""
+    # merged_result of no window (feature off, or no channel) is nsqd's empty result.
     windows = [c.e2e for c in list(topic.channels.values()) if c.e2e is not None]
     percentiles = topic.broker.options.e2e_processing_latency_percentile
     return {
@@ -205,7 +200,7 @@ def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
         "message_count": topic.message_count,
         "message_bytes": topic.message_bytes,
         "paused": topic.paused,
-        "e2e_processing_latency": _e2e(percentiles, windows),
+        "e2e_processing_latency": merged_result(percentiles, windows),
     }
 
 

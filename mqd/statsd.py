@@ -23,6 +23,7 @@ from twisted.internet.protocol import DatagramProtocol
 from twisted.internet.task import LoopingCall
 
 from .logs import get_logger
+from .names import EPHEMERAL_SUFFIX
 from .stats import memory_stats, stats_json
 
 if TYPE_CHECKING:
@@ -31,9 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["StatsdService", "pack_lines", "statsd_prefix"]
 
 log = get_logger(__name__)
-
-_EPHEMERAL = "#ephemeral"
-
 
 def statsd_prefix(template: str, broadcast_address: str, http_port: int) -> str:
     """nsqd's prefix: `%s` → `<broadcast-address>_<http port>` with '.' and ':' as '_', then a '.'.
@@ -168,7 +166,7 @@ class StatsdService(service.Service):
         for t in stats["topics"] or ():
             name = t["topic_name"]
             topics_now[name] = (t["message_count"], t["message_bytes"])
-            if self.exclude_ephemeral and name.endswith(_EPHEMERAL):
+            if self.exclude_ephemeral and name.endswith(EPHEMERAL_SUFFIX):
                 continue
             last_msgs, last_bytes = self._last_topics.get(name, (0, 0))
             counter(f"topic.{name}.message_count", delta(t["message_count"], last_msgs))
@@ -180,7 +178,7 @@ class StatsdService(service.Service):
             for c in t["channels"]:
                 cname = c["channel_name"]
                 channels_now[(name, cname)] = (c["message_count"], c["requeue_count"], c["timeout_count"])
-                if self.exclude_ephemeral and cname.endswith(_EPHEMERAL):
+                if self.exclude_ephemeral and cname.endswith(EPHEMERAL_SUFFIX):
                     continue
                 last = self._last_channels.get((name, cname), (0, 0, 0))
                 base = f"topic.{name}.channel.{cname}"

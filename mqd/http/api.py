@@ -20,7 +20,6 @@ from __future__ import annotations
 import html
 import io
 import posixpath
-import re
 from collections.abc import Mapping
 from urllib.parse import unquote_to_bytes
 
@@ -37,6 +36,7 @@ from .admin import (
     TopicEmpty,
     TopicPause,
 )
+from .args import BAD_ESCAPE
 from .config import Config
 from .endpoint import Endpoint
 from .metrics import Metrics
@@ -45,11 +45,10 @@ from .response import respond_v1
 from .snapshot import Snapshot
 from .status import Info, Ping, Stats
 
-__all__ = ["CappedBody", "NsqdAPI", "NsqdSite", "Router", "client_of"]
+__all__ = ["ApiSite", "CappedBody", "NsqdAPI", "NsqdSite", "Router", "client_of"]
 
 log = get_logger(__name__)
 
-_BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
 # The one route with a parameter: /config/:opt (one non-empty segment).
 _CONFIG_PREFIX = "/config/"
 
@@ -91,7 +90,7 @@ class Router(resource.Resource):
             if fixed is None or fixed == path:
                 continue
             found = self.match(fixed)
-            if found is not None and method in found[0].methods():
+            if found is not None and method in found[0].methods:
                 return fixed
         return None
 
@@ -99,7 +98,7 @@ class Router(resource.Resource):
 
     def render(self, request: server.Request) -> bytes | int:
         raw_path = request.path
-        if _BAD_ESCAPE.search(raw_path):
+        if BAD_ESCAPE.search(raw_path):
             # Go's server refuses a request line it cannot decode before any handler runs.
             request.setResponseCode(400)
             request.setHeader(b"Content-Type", b"text/plain; charset=utf-8")
@@ -107,7 +106,7 @@ class Router(resource.Resource):
         path = unquote_to_bytes(raw_path).decode("utf-8", "surrogateescape")
         method = request.method.decode("ascii", "replace")
         found = self.match(path)
-        if found is not None and method in found[0].methods():
+        if found is not None and method in found[0].methods:
             endpoint, params = found
             return endpoint.render(request, params)
         if method != "CONNECT" and path != "/":
@@ -115,7 +114,7 @@ class Router(resource.Resource):
             if fixed is not None:
                 return _redirect(request, fixed, 301 if method == "GET" else 307)
         if found is not None:
-            allow = ", ".join(sorted({*found[0].methods(), "OPTIONS"})).encode()
+            allow = ", ".join(sorted({*found[0].methods, "OPTIONS"})).encode()
             request.setHeader(b"Allow", allow)
             if method == "OPTIONS":
                 request.defaultContentType = None
@@ -147,9 +146,6 @@ class NsqdAPI(Router):
             "/channel/unpause": ChannelPause(broker, paused=False),
             "/snapshot": Snapshot(broker),
         })
-        self.broker = broker
-        # Bound ports, filled in once the listeners are up (port 0 picks one).
-        self.ports = ports
         self.config = Config(broker)
 
     def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
@@ -213,8 +209,8 @@ class CappedBody(io.BytesIO):
         return len(data)
 
 
-class NsqdSite(server.Site):
-    """The HTTP factory serving an NsqdAPI.
+class ApiSite(server.Site):
+    """The HTTP factory of a Router: nsqd's API here, nsqlookupd's (mqd.lookup.http).
 
     Requests are logged as nsqd logs them, at debug level through mqd's
     logger (so `--log-level` and `PUT /config/log_level` govern them),
@@ -225,9 +221,21 @@ class NsqdSite(server.Site):
 
     noisy = False
 
+    def __init__(self, root: Router, reactor=None) -> None:
+        super().__init__(root, reactor=reactor, parsePOSTFormSubmission=False)
+
+    def log(self, request: server.Request) -> None:
+        log.debug("{code} {method} {uri} ({client})", code=request.code,
+                  method=request.method.decode("ascii", "replace"),
+                  uri=request.uri.decode("ascii", "replace"), client=client_of(request))
+
+
+class NsqdSite(ApiSite):
+    """The HTTP factory serving an NsqdAPI."""
+
     def __init__(self, broker, ports: Mapping[str, int], reactor=None, *,
                  tls_required: bool = False) -> None:
-        super().__init__(NsqdAPI(broker, ports), reactor=reactor, parsePOSTFormSubmission=False)
+        super().__init__(NsqdAPI(broker, ports), reactor)
         self.broker = broker
         self.ports = ports
         # The plain-HTTP site of a broker run with --tls-required=true
@@ -249,11 +257,6 @@ class NsqdSite(server.Site):
         """
         opts = self.broker.options
         return CappedBody(max(opts.max_msg_size, opts.max_body_size) + 1)
-
-    def log(self, request: server.Request) -> None:
-        log.debug("{code} {method} {uri} ({client})", code=request.code,
-                  method=request.method.decode("ascii", "replace"),
-                  uri=request.uri.decode("ascii", "replace"), client=client_of(request))
 
 
 class TLSRequired(resource.Resource):

@@ -17,6 +17,7 @@ from ..names import is_valid_name
 from .response import ApiError
 
 __all__ = [
+    "BAD_ESCAPE",
     "Query",
     "go_parse_bool",
     "parse_query",
@@ -25,7 +26,8 @@ __all__ = [
     "topic_channel_args",
 ]
 
-_BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
+# A `%` not followed by two hex digits: what Go refuses to unescape.
+BAD_ESCAPE = re.compile(rb"%(?![0-9a-fA-F]{2})")
 
 # strconv.ParseBool's spellings.
 _GO_TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
@@ -43,7 +45,7 @@ class Query(dict[str, list[str]]):
 
 def _unescape(raw: bytes) -> str:
     """Go's QueryUnescape: '+' is a space; a '%' without two hex digits is an error."""
-    if _BAD_ESCAPE.search(raw):
+    if BAD_ESCAPE.search(raw):
         raise ValueError(f"invalid URL escape in {raw!r}")
     # Go strings are bytes: keep any byte, names with odd ones fail validation later.
     return unquote_to_bytes(raw.replace(b"+", b" ")).decode("utf-8", "surrogateescape")

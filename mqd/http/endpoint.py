@@ -11,6 +11,7 @@ defines are the ones its route allows (others get 405 from the router).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from twisted.web.server import NOT_DONE_YET, Request
@@ -21,7 +22,7 @@ from .response import ApiError, respond_v1
 if TYPE_CHECKING:
     from ..broker import Broker
 
-__all__ = ["Endpoint", "LATER", "finish_v1", "read_body"]
+__all__ = ["Endpoint", "LATER", "client_gone", "finish_v1", "read_body"]
 
 log = get_logger(__name__)
 
@@ -35,13 +36,10 @@ class Endpoint:
     def __init__(self, broker: Broker) -> None:
         self.broker = broker
 
+    @cached_property
     def methods(self) -> tuple[str, ...]:
         """The HTTP methods this endpoint answers, sorted (looked up once: asked per request)."""
-        methods = self.__dict__.get("_methods")
-        if methods is None:
-            methods = self._methods = tuple(
-                sorted(name[len("handle_"):] for name in dir(self) if name.startswith("handle_")))
-        return methods
+        return tuple(sorted(name[len("handle_"):] for name in dir(self) if name.startswith("handle_")))
 
     def render(self, request: Request, params: Mapping[str, str]) -> Any:
         """The body for twisted.web (status and headers set), or NOT_DONE_YET.
@@ -64,11 +62,21 @@ class Endpoint:
 
 
 def finish_v1(request: Request, code: int, data: Any = None) -> None:
-    """Answer a request whose handler returned LATER."""
+    """Answer a request whose handler returned LATER, unless its client has gone meanwhile."""
+    if client_gone(request):
+        return
     body = respond_v1(request, code, data)
     request.setHeader(b"Content-Length", b"%d" % len(body))
     request.write(body)
     request.finish()
+
+
+def client_gone(request: Request) -> bool:
+    """Whether the request's connection was lost (twisted.web then drops its `channel`).
+
+    Read when the answer is ready, instead of a `notifyFinish()` Deferred per request.
+    """
+    return request.channel is None
 
 
 def read_body(request: Request, limit: int) -> bytes:

@@ -22,7 +22,7 @@ from backends import BackendError
 
 from ..logs import get_logger
 from .args import go_parse_bool, query_of, topic_arg
-from .endpoint import LATER, Endpoint, finish_v1, read_body
+from .endpoint import LATER, Endpoint, client_gone, finish_v1, read_body
 from .response import ApiError
 
 if TYPE_CHECKING:
@@ -134,11 +134,9 @@ class _Publisher(Endpoint):
         store = self.broker.store
         if not store.durable:
             return "OK"
-        gone: list[bool] = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
 
         def committed(error: str | None) -> None:
-            if gone:
+            if client_gone(request):
                 return
             if error is None:
                 finish_v1(request, 200, "OK")

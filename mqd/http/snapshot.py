@@ -56,28 +56,23 @@ class Snapshot(Endpoint):
         d = threads.deferToThread(take_snapshot, env, out, broker_id=opts.broadcast_address,
                                   node_id=opts.node_id)
         broker.background.add(d)
-        gone: list[bool] = []
-        request.notifyFinish().addErrback(lambda _: gone.append(True))
 
         def done(manifest) -> None:
             log.info("snapshot {path}: {n} messages in {q} queues", path=out,
                      n=manifest.total, q=len(manifest.queues))
-            if not gone:
-                finish_v1(request, 200, {"path": out, "manifest": manifest.to_json()})
+            finish_v1(request, 200, {"path": out, "manifest": manifest.to_json()})
 
         def failed(failure) -> None:
             if failure.check(SnapshotError):
                 log.error("snapshot {path} failed: {error}", path=out, error=failure.value)
             else:
                 log.failure("snapshot {path} failed", failure, path=out)
-            if not gone:
-                finish_v1(request, 500, "SNAPSHOT_FAILED")
+            finish_v1(request, 500, "SNAPSHOT_FAILED")
 
-        d.addCallbacks(done, failed)
-        d.addBoth(lambda _: broker.background.discard(d))
-
-        def copied(_) -> None:
+        def settled(_) -> None:
+            broker.background.discard(d)
             store.copies -= 1
 
-        d.addBoth(copied)
+        d.addCallbacks(done, failed)
+        d.addBoth(settled)
         return LATER

@@ -21,7 +21,7 @@ _BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
 
 
 def nanoseconds(seconds: float) -> int:
-    """A duration as Go's encoding/json writes a time.Duration: integer nanoseconds."""
+    """Seconds as integer nanoseconds: a time.Duration in Go's JSON, or a time's UnixNano."""
     return round(seconds * 1e9)
 
 

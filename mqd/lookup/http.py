@@ -13,17 +13,16 @@ order, so clients cannot rely on any).
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping
 from typing import Any
 
-from twisted.web import server
 from twisted.web.server import Request
 
-from ..http.api import Router, client_of
+from ..http.api import ApiSite, CappedBody, Router
 from ..http.args import query_of, topic_arg, topic_channel_args
 from ..http.endpoint import Endpoint
 from ..http.response import ApiError, respond_plain
+from ..http.status import nanoseconds
 from ..logs import get_logger
 from .protocol import LOOKUPD_VERSION
 from .registry import GO_ZERO_TIME_NS, Producer, Registration, RegistrationDB
@@ -31,11 +30,6 @@ from .registry import GO_ZERO_TIME_NS, Producer, Registration, RegistrationDB
 __all__ = ["LookupdAPI", "LookupdSite"]
 
 log = get_logger(__name__)
-
-
-def _ns(seconds: float) -> int:
-    """A clock time as Go's UnixNano."""
-    return round(seconds * 1e9)
 
 
 class _LookupdEndpoint(Endpoint):
@@ -129,11 +123,11 @@ def _debug_entry(producer: Producer) -> dict[str, Any]:
         "hostname": peer.hostname,
         "http_port": peer.http_port,
         "id": peer.id,
-        "last_update": _ns(peer.last_update),
+        "last_update": nanoseconds(peer.last_update),
         "tcp_port": peer.tcp_port,
         "tombstoned": producer.tombstoned,
         "tombstoned_at": (GO_ZERO_TIME_NS if producer.tombstoned_at is None
-                          else _ns(producer.tombstoned_at)),
+                          else nanoseconds(producer.tombstoned_at)),
         "topology_region": peer.topology_region,
         "topology_zone": peer.topology_zone,
         "version": peer.version,
@@ -225,34 +219,17 @@ class LookupdAPI(Router):
             "/channel/create": ChannelCreate(db),
             "/channel/delete": ChannelDelete(db),
         })
-        self.db = db
 
 
-class LookupdSite(server.Site):
+class LookupdSite(ApiSite):
     """The HTTP factory serving a LookupdAPI.
 
     Every argument is in the query, so request bodies are never kept (a
-    client cannot make lookupd store one) and never parsed as forms.
-    Requests are logged at debug level through mqd's logger.
+    client cannot make lookupd store one): each is accepted and dropped.
     """
 
-    noisy = False
-
     def __init__(self, db: RegistrationDB, reactor=None) -> None:
-        super().__init__(LookupdAPI(db), reactor=reactor, parsePOSTFormSubmission=False)
-        self.db = db
+        super().__init__(LookupdAPI(db), reactor)
 
-    def getContentFile(self, length: int | None) -> io.BytesIO:
-        return _Discard()
-
-    def log(self, request: server.Request) -> None:
-        log.debug("{code} {method} {uri} ({client})", code=request.code,
-                  method=request.method.decode("ascii", "replace"),
-                  uri=request.uri.decode("ascii", "replace"), client=client_of(request))
-
-
-class _Discard(io.BytesIO):
-    """A request body nobody reads: accepted and dropped."""
-
-    def write(self, data) -> int:
-        return len(data)
+    def getContentFile(self, length: int | None) -> CappedBody:
+        return CappedBody(0)

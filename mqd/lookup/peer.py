@@ -30,12 +30,13 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 
 from ..logs import get_logger
+from ..protocol.v2 import NSQ_VERSION
+from .protocol import MAGIC_V1
 
 __all__ = ["LookupPeer", "LookupPeerProtocol", "LookupService", "MAGIC_V1", "registrations"]
 
 log = get_logger(__name__)
 
-MAGIC_V1 = b"  V1"
 # nsqd's per-command read/write deadline and its ping interval.
 COMMAND_TIMEOUT = 1.0
 PING_INTERVAL = 15.0
@@ -66,8 +67,6 @@ def identify_body(broker, ports: dict) -> bytes:
     Keys are sorted as Go's encoding of nsqd's map sorts them.
     """
     opts = broker.options
-    from ..protocol.v2 import NSQ_VERSION
-
     info = {
         "version": NSQ_VERSION,
         "tcp_port": opts.broadcast_tcp_port or ports.get("TCP", 0),

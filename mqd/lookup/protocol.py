@@ -220,13 +220,7 @@ class LookupdProtocol(Protocol):
         peer = self._identified()
         topic, channel = _topic_channel("UNREGISTER", params)
         if channel:
-            reg = Registration("channel", topic, channel)
-            removed, left = self.db.remove_producer(reg, peer.id)
-            if removed:
-                self._logged("UNREGISTER", reg)
-            # An ephemeral channel nobody produces is gone; a durable one stays listed.
-            if left == 0 and channel.endswith(EPHEMERAL_SUFFIX):
-                self.db.remove_registration(reg)
+            self._remove_producer(Registration("channel", topic, channel), peer, channel)
             return b"OK"
         # A topic's unregistration takes the broker out of its channels too
         # (nsqd unregisters those first, so normally there is nothing left).
@@ -235,13 +229,16 @@ class LookupdProtocol(Protocol):
             if removed:
                 log.warn("client({peer}) unexpected UNREGISTER category:{reg.category} "
                          "key:{reg.key} subkey:{reg.subkey}", peer=self.peer_id, reg=reg)
-        reg = Registration("topic", topic, "")
+        self._remove_producer(Registration("topic", topic, ""), peer, topic)
+        return b"OK"
+
+    def _remove_producer(self, reg: Registration, peer: PeerInfo, name: str) -> None:
+        """UNREGISTER's rule: an ephemeral `name` nobody produces is gone, a durable one stays listed."""
         removed, left = self.db.remove_producer(reg, peer.id)
         if removed:
             self._logged("UNREGISTER", reg)
-        if left == 0 and topic.endswith(EPHEMERAL_SUFFIX):
+        if left == 0 and name.endswith(EPHEMERAL_SUFFIX):
             self.db.remove_registration(reg)
-        return b"OK"
 
     def _identified(self) -> PeerInfo:
         if self.peer is None:

@@ -543,19 +543,21 @@ class LookupdProcess(TwistdProcess):
 
     def get(self, path: str) -> tuple[int, Any]:
         """(status, JSON body) of a GET on its HTTP API."""
-        try:
-            with _NO_PROXY.open(f"http://{self.http_address}{path}", timeout=5) as response:
-                return response.status, json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
+        status, raw = http_request(self.http_address, "GET", path)
+        return status, json.loads(raw or b"null")
 
     def post(self, path: str) -> int:
-        request = urllib.request.Request(f"http://{self.http_address}{path}", data=b"", method="POST")
-        try:
-            with _NO_PROXY.open(request, timeout=5) as response:
-                return response.status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return http_request(self.http_address, "POST", path, b"")[0]
+
+
+def http_request(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of one request to `host:port`, error statuses included, no proxy."""
+    request = urllib.request.Request(f"http://{address}{path}", data=body, method=method)
+    try:
+        with _NO_PROXY.open(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def wait_for(condition, timeout: float = 5.0, what: str = "condition"):

@@ -7,29 +7,17 @@ Consumers find producers only through lookupd here, as a pynsq Reader given
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import nsq
 import pytest
 
-from . import _support
-from ._support import FAST_SCAN, Collector
-
-LookupdProcess = getattr(_support, "LookupdProcess", None)
-pytestmark = pytest.mark.skipif(LookupdProcess is None, reason="mqlookupd's LookupdProcess helper not present")
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from ._support import FAST_SCAN, Collector, LookupdProcess, http_request
 
 
 def http(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-    request = urllib.request.Request(f"http://{address}{path}", data=body, method=method)
-    try:
-        with _NO_PROXY.open(request, timeout=5) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
+    """(status, JSON body, or the raw body when it is not JSON)."""
+    status, raw = http_request(address, method, path, body)
     try:
         return status, json.loads(raw)
     except ValueError:
