@@ -17,7 +17,9 @@ cluster where exact percentiles would gather every value of a queue.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -272,8 +274,9 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
             progress: Progress | None = None) -> Analysis:
     """Every question of the report, over one scan of the snapshot.
 
-    `progress(step, steps, label, seconds)` is called before each step
-    (seconds None) and after it (seconds taken).
+    `progress(step, steps, label, seconds)` is called as each step is
+    submitted (seconds None; they are all submitted at once, see
+    _run_concurrently) and as it finishes (seconds taken).
     """
     path = str(path)
     manifest = read_manifest(path)
@@ -282,33 +285,24 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
     if json_field_name is not None:
         rows = rows.withColumn("json_value", json_field(json_field_name))
     base = rows.drop("body").persist(StorageLevel.MEMORY_AND_DISK)
+    # No job of its own fills the cache: the questions' jobs fill it as they
+    # read (each takes every partition whole), which saves a job, about a
+    # second on local[2]. The poison listing, the cheapest, carries the
+    # reading's name in the progress lines.
     steps: list[tuple[str, Callable[[], Any]]] = [
-        (f"reading {manifest.total:,} messages", base.count),
+        (f"reading {manifest.total:,} messages, poison messages (attempts > {poison_attempts})",
+         lambda: poison_messages(base, poison_attempts).limit(POISON_ROWS)),
         ("backlog, ages and sizes per queue", lambda: queue_summary(base, as_of, poison_attempts)),
         ("ages, sizes, attempts and due times", lambda: bucket_counts(base, as_of)),
-        (f"poison messages (attempts > {poison_attempts})",
-         lambda: poison_messages(base, poison_attempts).limit(POISON_ROWS)),
     ]
     if json_field_name is not None:
         steps.append((f"JSON field {json_field_name!r}",
                       lambda: json_field_counts(base, json_field_name)))
-    results: list[Any] = []
-    seconds: dict[str, float] = {}
     try:
-        for i, (label, step) in enumerate(steps, 1):
-            if progress:
-                progress(i, len(steps), label, None)
-            started = time.perf_counter()
-            result = step()
-            if isinstance(result, DataFrame):
-                result = _collect(result)
-            seconds[label] = time.perf_counter() - started
-            results.append(result)
-            if progress:
-                progress(i, len(steps), label, seconds[label])
+        results, seconds = _run_concurrently(spark, steps, progress)
     finally:
         base.unpersist()
-    _, queues, counts, poison, *json_counts = results
+    poison, queues, counts, *json_counts = results
     # The histograms are roll-ups of the few collected bucket counts, done
     # here: four more Spark jobs for them cost several seconds on
     # local[2]; tests/spark check they equal the DataFrame functions'.
@@ -323,6 +317,52 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
         json_field=json_field_name, json_counts=json_counts[0] if json_counts else [],
         seconds=seconds,
     )
+
+
+def _run_concurrently(spark: SparkSession, steps: Sequence[tuple[str, Callable[[], Any]]],
+                      progress: Progress | None) -> tuple[list[Any], dict[str, float]]:
+    """Each step's result (DataFrames collected) and seconds, all submitted to Spark at once.
+
+    While the first job waits for Python workers to start and read, the
+    driver plans and compiles the other queries: ~1.3 s less of ~23 s on
+    local[2]. The jobs share the cache: a task that needs a partition
+    another job is filling waits for it rather than reading the snapshot
+    again. Progress is reported from this thread, finishes as they come.
+    """
+    sc = spark.sparkContext
+    # Tagged, so a failure cancels these jobs and not others of the session.
+    tag = f"mqd-analyze-{uuid.uuid4().hex}"
+
+    def run(step: Callable[[], Any]) -> tuple[Any, float]:
+        started = time.perf_counter()
+        sc.addJobTag(tag)  # per thread
+        try:
+            result = step()
+            if isinstance(result, DataFrame):
+                result = _collect(result)
+        finally:
+            sc.removeJobTag(tag)
+        return result, time.perf_counter() - started
+
+    results: list[Any] = [None] * len(steps)
+    seconds: dict[str, float] = {}
+    with ThreadPoolExecutor(len(steps), thread_name_prefix="analyze") as pool:
+        pending = {}
+        for i, (label, step) in enumerate(steps):
+            if progress:
+                progress(i + 1, len(steps), label, None)
+            pending[pool.submit(run, step)] = i
+        try:
+            for done in as_completed(pending):
+                i = pending[done]
+                label = steps[i][0]
+                results[i], seconds[label] = done.result()
+                if progress:
+                    progress(i + 1, len(steps), label, seconds[label])
+        except BaseException:
+            sc.cancelJobsWithTag(tag)  # the others fail fast instead of running on
+            raise
+    return results, {label: seconds[label] for label, _ in steps}
 
 
 def _rollup_rows(counts: list[dict[str, Any]], column: str,

@@ -28,12 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .cache import cache_dir
+
 __all__ = ["archive_path", "build_archive", "java_options"]
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mqd"
 
 
 def _java() -> str | None:
@@ -44,7 +41,7 @@ def _java() -> str | None:
 
 
 def archive_path() -> Path | None:
-    """Where the archive for this JVM and this pyspark lives (None: no java found)."""
+    """Where the archive for this JVM and this pyspark lives (None: no java, or no pip-installed pyspark)."""
     import pyspark
 
     java = _java()
@@ -52,9 +49,11 @@ def archive_path() -> Path | None:
         return None
     real = os.path.realpath(java)
     jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    if not os.path.isdir(jars):
+        return None  # not pip's pyspark (e.g. run by spark-submit from its zip)
     stamp = f"{real}:{os.stat(real).st_mtime_ns}:{pyspark.__version__}:{sorted(os.listdir(jars))}"
     digest = hashlib.sha256(stamp.encode()).hexdigest()[:16]
-    return _cache_dir() / f"spark-{pyspark.__version__}-{digest}.jsa"
+    return cache_dir() / f"spark-{pyspark.__version__}-{digest}.jsa"
 
 
 def java_options() -> str | None:

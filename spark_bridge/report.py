@@ -18,7 +18,7 @@ from typing import Any
 
 from .analysis import AGE_BUCKETS, DUE_BUCKETS, PERCENTILES, SIZE_BUCKETS, Analysis
 
-__all__ = ["format_age", "format_bytes", "render_html", "render_text", "write_html"]
+__all__ = ["format_age", "format_bytes", "load_charting", "render_html", "render_text", "write_html"]
 
 
 def format_age(seconds: float | None) -> str:
@@ -141,6 +141,14 @@ def render_text(analysis: Analysis) -> str:
 # -- HTML ---------------------------------------------------------------------------
 
 
+def load_charting() -> None:
+    """Import matplotlib (~0.8 s), e.g. on a thread while Spark starts, so the report does not wait for it."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot  # noqa: F401
+
+
 def _png(fig) -> str:
     """The figure as base64 PNG; the figure is closed (matplotlib keeps open ones alive)."""
     import matplotlib.pyplot as plt
@@ -187,9 +195,7 @@ def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple
 
 def _charts(analysis: Analysis) -> list[tuple[str, str]]:
     """(title, base64 PNG) of each chart; only charts with something to show."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
+    load_charting()
     import matplotlib.pyplot as plt
 
     charts = []

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pyarrow.parquet as pq
@@ -177,8 +178,45 @@ def test_progress_is_reported_for_each_step(result):
     labels = [label for _, _, label, seconds in steps if seconds is None]
     assert len(labels) == steps[0][1] and labels[0].startswith("reading 17 messages")
     assert any("JSON field 'type'" in label for label in labels)
-    # Each step is announced, then reported with its time.
-    assert [s[3] is None for s in steps] == [True, False] * len(labels)
+    # Every step is announced (all are submitted at once), then each is
+    # reported once with its time as it finishes.
+    n = len(labels)
+    assert [s[:3] for s in steps[:n]] == [(i, n, label) for i, label in enumerate(labels, 1)]
+    finished = steps[n:]
+    assert sorted((s[0], s[2]) for s in finished) == list(enumerate(labels, 1))
+    assert all(s[3] >= 0 for s in finished) and result.seconds == {s[2]: s[3] for s in finished}
+
+
+def test_a_failing_step_cancels_the_other_jobs_of_analyze_only(spark):
+    from pyspark.sql import functions as F
+
+    def sleepy(rows: int, seconds: float) -> DataFrame:
+        nap = F.udf(lambda x: time.sleep(seconds) or x, "long")
+        return spark.range(0, rows, numPartitions=1).select(nap("id").alias("id"))
+
+    outcome = []
+
+    def long_job():  # ~60 s unless cancelled
+        try:
+            return sleepy(300, 0.2).collect()
+        except Exception as e:
+            outcome.append(type(e).__name__)
+            raise
+
+    def failing():
+        time.sleep(2)  # the long job is running by then
+        raise ValueError("boom")
+
+    # A job of someone else's in the same session, started alongside.
+    others = []
+    bystander = threading.Thread(target=lambda: others.append(sleepy(40, 0.1).collect()))
+    bystander.start()
+    with pytest.raises(ValueError, match="boom"):
+        mq._run_concurrently(spark, [("long", long_job), ("fails", failing)], None)
+    bystander.join()
+    # Cancelled, not run to its end; the bystander's job was left alone.
+    assert outcome and outcome[0] != "ValueError"
+    assert [r.id for r in others[0]] == list(range(40))
 
 
 def test_library_functions_return_dataframes(spark, snap, result):
@@ -292,11 +330,17 @@ def test_export_of_empty_snapshot_writes_an_empty_file(tmp_path):
 @pytest.mark.slow
 def test_analyze_command_end_to_end(snap, tmp_path):
     # A separate process with its own Spark, as an operator runs it.
+    # A new cache dir: no JVM class archive yet (hence the hint), and the
+    # Python launcher written anew.
     report = tmp_path / "r.html"
+    env = child_env()
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    for name in ("MQD_NO_JVM_ARCHIVE", "PYSPARK_PYTHON"):  # the latter set by this process's session
+        env.pop(name, None)
     proc = subprocess.run(
         [sys.executable, "-m", "spark_bridge", "analyze", str(snap), "--master", "local[1]",
          "--report", str(report), "--json-field", "type", "--poison-attempts", "6"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=child_env())
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "poison messages (attempts > 6): 2" in proc.stdout
     assert "analyzed 17 messages" in proc.stdout
@@ -304,6 +348,8 @@ def test_analyze_command_end_to_end(snap, tmp_path):
     assert re.search(r"^Spark ready in [\d.]+ s \(master local\[1\]\)$", proc.stderr, re.M)
     assert report.exists() and report.read_text().count("data:image/png;base64,") == 6
     assert read_manifest(snap).total == 17
+    assert "hint: `python -m spark_bridge jvm-archive`" in proc.stderr
+    assert [p.name.startswith("python-") for p in (tmp_path / "cache" / "mqd").iterdir()] == [True]
 
 
 @pytest.mark.slow

@@ -1,15 +1,20 @@
-"""What build_session asks Spark for, and the JVM class archive's plumbing (no JVM started here)."""
+"""What build_session asks Spark for: settings, the Python its workers run, the JVM class archive.
+
+Only the last tests start Spark: the shared session (workers' imports)
+and the slow archive build.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from spark_bridge import jvm_archive
-from spark_bridge.__main__ import main
+from spark_bridge import jvm_archive, python_launcher
+from spark_bridge.__main__ import _shut_down, main
 from spark_bridge.sample import write_sample_snapshot
 from spark_bridge.session import JAVA_OPTIONS, PUSHDOWN_CONF, session_conf
 from spark_bridge.snapshot import read_manifest
@@ -63,6 +68,63 @@ def test_the_archive_is_used_once_built(cache, monkeypatch):
     monkeypatch.delenv("MQD_NO_JVM_ARCHIVE")
     assert session_conf("local[2]", {JAVA_OPTIONS: "-Xmx2g"})[1][JAVA_OPTIONS] == "-Xmx2g"
     assert JAVA_OPTIONS not in session_conf("spark://head:7077")[1]
+
+
+def test_the_python_launcher_runs_this_interpreter_without_sparks_zips(cache):
+    entries = python_launcher.sparks_python_path()
+    assert entries is not None and [os.path.basename(e) for e in entries][0] == "pyspark.zip"
+    path = python_launcher.launcher_path()
+    assert path is not None and Path(path).parent == cache / "mqd" and os.access(path, os.X_OK)
+    written = os.stat(path).st_mtime_ns
+    assert python_launcher.launcher_path() == path and os.stat(path).st_mtime_ns == written
+    # What Spark gives its Python processes: its zips and a jar first, then
+    # the caller's own PYTHONPATH (an empty entry, a space in a name).
+    home = os.path.dirname(os.path.dirname(os.path.dirname(entries[0])))
+    jar = os.path.join(home, "jars", "spark-core_2.13-4.3.0.jar")
+    spark_path = os.pathsep.join([*entries, jar, "/opt/my lib", "", "/srv/x"])
+    probe = ("import os, sys, pyspark; "
+             "print(os.environ['PYTHONPATH'], pyspark.__file__, sys.executable, sys.argv[1], sep='|')")
+    proc = subprocess.run([path, "-c", probe, "an 'argument' with spaces"], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=spark_path), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import pyspark
+    assert proc.stdout.strip().split("|") == [
+        "/opt/my lib:/srv/x", pyspark.__file__, sys.executable, "an 'argument' with spaces"]
+
+
+def test_no_launcher_when_spark_home_is_another_spark(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARK_HOME", str(tmp_path))
+    assert python_launcher.sparks_python_path() is None and python_launcher.launcher_path() is None
+
+
+def test_shutting_down_stops_spark_then_ends_the_jvm_it_launched(monkeypatch):
+    # The JVM pyspark launches exits at EOF on its stdin; a stand-in that
+    # does the same shows the CLI closes it and waits for it.
+    from pyspark import SparkContext
+
+    jvm = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                           stdin=subprocess.PIPE)
+    monkeypatch.setattr(SparkContext, "_gateway", type("Gateway", (), {"proc": jvm})())
+    calls = []
+
+    class Session:
+        def stop(self):
+            calls.append(jvm.poll())
+
+    _shut_down(Session())
+    assert calls == [None] and jvm.returncode == 0
+    # Under spark-submit the JVM is our parent, not our child: only stop.
+    monkeypatch.setattr(SparkContext, "_gateway", type("Gateway", (), {"proc": None})())
+    _shut_down(Session())
+    assert len(calls) == 2
+
+
+def test_spark_workers_import_the_installed_pyspark(spark):
+    import pyspark
+
+    assert os.environ["PYSPARK_PYTHON"] == python_launcher.launcher_path()
+    seen = spark.sparkContext.parallelize([0], 1).map(lambda _: __import__("pyspark").__file__)
+    assert seen.collect() == [pyspark.__file__]
 
 
 def test_launch_classpath_is_read_from_sparks_launch_command():
