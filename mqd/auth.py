@@ -135,11 +135,11 @@ class AuthClient:
     """Asks the configured auth servers, one after another from a random start, as nsqd does."""
 
     def __init__(self, options, clock, fetch: Fetch | None = None) -> None:
-        self.urls = auth_urls(list(getattr(options, "auth_http_address", None) or []))
-        self.method = getattr(options, "auth_http_request_method", "get")
+        self.urls = auth_urls(options.auth_http_address)
+        self.method = options.auth_http_request_method
         self.clock = clock
-        self.connect_timeout = getattr(options, "http_client_connect_timeout", 2.0)
-        self.request_timeout = getattr(options, "http_client_request_timeout", 5.0)
+        self.connect_timeout = options.http_client_connect_timeout
+        self.request_timeout = options.http_client_request_timeout
         self.fetch_function = fetch
         self._agent = None
 

@@ -63,6 +63,9 @@ class Broker:
         self._ephemeral_store = backends.open_store("dummy", options)
         # Asks the auth servers for AUTH (tests replace its fetch function).
         self.auth = AuthClient(options, clock)
+        # The server TLS context (tlsconfig.ServerTLS) IDENTIFY upgrades
+        # with, and whose policy may require it; set by tap.build_service.
+        self.tls = None
 
     def open(self) -> None:
         """Open the store and bring back the last run's topics and channels.

@@ -143,7 +143,7 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
         "user_agent": client.user_agent,
     }
     # omitempty in nsqd: only a connection that passed AUTH shows them.
-    state = getattr(client, "auth_state", None)
+    state = client.auth_state
     if state is not None and state.grants:
         row["authed"] = True
         if state.identity:
@@ -153,14 +153,15 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
     pub_counts = _pub_counts(client, topic)
     if pub_counts:
         row["pub_counts"] = pub_counts
+    # No ALPN and no topology (IDENTIFY answers them empty): nsqd's zero values.
     row.update(
         tls=client.tls,
-        tls_cipher_suite=getattr(client, "tls_cipher_suite", ""),
-        tls_version=getattr(client, "tls_version", ""),
-        tls_negotiated_protocol=getattr(client, "tls_negotiated_protocol", ""),
-        tls_negotiated_protocol_is_mutual=getattr(client, "tls_negotiated_protocol_is_mutual", False),
-        topology_zone=getattr(client, "topology_zone", ""),
-        topology_region=getattr(client, "topology_region", ""),
+        tls_cipher_suite=client.tls_cipher_suite,
+        tls_version=client.tls_version,
+        tls_negotiated_protocol="",
+        tls_negotiated_protocol_is_mutual=False,
+        topology_zone="",
+        topology_region="",
     )
     return row
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 from twisted.web.server import NOT_DONE_YET, Request
 
 from ..logs import get_logger
-from .response import ApiError, respond_v1
+from .response import ApiError, respond_plain, respond_v1
 
 if TYPE_CHECKING:
     from ..broker import Broker
 
-__all__ = ["Endpoint", "LATER", "client_gone", "finish_v1", "read_body"]
+__all__ = ["Endpoint", "LATER", "PlainTextEndpoint", "client_gone", "finish_v1", "read_body"]
 
 log = get_logger(__name__)
 
@@ -59,6 +59,21 @@ class Endpoint:
         if result is LATER:
             return NOT_DONE_YET
         return respond_v1(request, 200, result)
+
+
+class PlainTextEndpoint(Endpoint):
+    """An endpoint nsqd wraps in PlainText rather than V1 (`/ping`): the text and status alone.
+
+    Load balancers and scripts check the status and compare the text, so
+    neither JSON nor the V1 header is added. Subclasses define
+    `handle_GET` returning the text, or raising ApiError for another status.
+    """
+
+    def render(self, request: Request, params: Mapping[str, str]) -> bytes:
+        try:
+            return respond_plain(request, 200, self.handle_GET(request, params))
+        except ApiError as e:
+            return respond_plain(request, e.code, e.message)
 
 
 def finish_v1(request: Request, code: int, data: Any = None) -> None:

@@ -11,8 +11,8 @@ from twisted.web.server import Request
 from ..protocol.v2 import NSQ_VERSION
 from ..stats import stats_json, stats_text
 from .args import query_of
-from .endpoint import Endpoint
-from .response import ApiError, respond_plain
+from .endpoint import Endpoint, PlainTextEndpoint
+from .response import ApiError
 
 __all__ = ["Info", "Ping", "Stats", "nanoseconds"]
 
@@ -25,24 +25,14 @@ def nanoseconds(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-class Ping(Endpoint):
-    """`GET /ping`: `OK`, or `500 NOK - <error>` after a storage failure (PlainText, not V1).
-
-    Load balancers and scripts check the status and compare the text, so
-    neither JSON nor the V1 header is added.
-    """
+class Ping(PlainTextEndpoint):
+    """`GET /ping`: `OK`, or `500 NOK - <error>` after a storage failure."""
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
         health = self.broker.health
         if health:
             raise ApiError(500, f"NOK - {health}")
         return "OK"
-
-    def render(self, request: Request, params: Mapping[str, str]) -> bytes:
-        try:
-            return respond_plain(request, 200, self.handle_GET(request, params))
-        except ApiError as e:
-            return respond_plain(request, e.code, e.message)
 
 
 class Info(Endpoint):
@@ -67,8 +57,9 @@ class Info(Endpoint):
             "max_output_buffer_size": opts.max_output_buffer_size,
             "max_output_buffer_timeout": nanoseconds(opts.max_output_buffer_timeout),
             "max_deflate_level": opts.max_deflate_level,
-            "topology_zone": getattr(opts, "topology_zone", ""),
-            "topology_region": getattr(opts, "topology_region", ""),
+            # No --topology-* options (IDENTIFY answers them empty too).
+            "topology_zone": "",
+            "topology_region": "",
         }
 
 

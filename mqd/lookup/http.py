@@ -20,8 +20,8 @@ from twisted.web.server import Request
 
 from ..http.api import ApiSite, CappedBody, Router
 from ..http.args import query_of, topic_arg, topic_channel_args
-from ..http.endpoint import Endpoint
-from ..http.response import ApiError, respond_plain
+from ..http.endpoint import Endpoint, PlainTextEndpoint
+from ..http.response import ApiError
 from ..http.status import nanoseconds
 from ..logs import get_logger
 from .protocol import LOOKUPD_VERSION
@@ -40,14 +40,11 @@ class _LookupdEndpoint(Endpoint):
         self.db = db
 
 
-class Ping(_LookupdEndpoint):
+class Ping(PlainTextEndpoint):
     """`GET /ping`: `OK` as plain text (health checks compare the text)."""
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
         return "OK"
-
-    def render(self, request: Request, params: Mapping[str, str]) -> bytes:
-        return respond_plain(request, 200, "OK")
 
 
 class Info(_LookupdEndpoint):

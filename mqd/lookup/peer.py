@@ -73,8 +73,9 @@ def identify_body(broker, ports: dict) -> bytes:
         "http_port": opts.broadcast_http_port or ports.get("HTTP", 0),
         "hostname": socket.gethostname(),
         "broadcast_address": opts.broadcast_address,
-        "topology_zone": getattr(opts, "topology_zone", "") or "",
-        "topology_region": getattr(opts, "topology_region", "") or "",
+        # No --topology-* options: nsqd's defaults.
+        "topology_zone": "",
+        "topology_region": "",
     }
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 

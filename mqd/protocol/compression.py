@@ -113,9 +113,7 @@ class CompressedTransport:
             self._transport.write(self._codec.compress(data))
 
     def writeSequence(self, seq) -> None:
-        data = b"".join(seq)
-        if data:
-            self._transport.write(self._codec.compress(data))
+        self.write(b"".join(seq))
 
     def __getattr__(self, name):
         return getattr(self._transport, name)

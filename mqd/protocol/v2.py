@@ -135,7 +135,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._close_after_release = False
         # TLS and compression (IDENTIFY's upgrades). _decoder is the only
         # thing a read checks: None unless compression was negotiated.
-        self._tls_config = getattr(broker, "tls", None)
+        self._tls_config = broker.tls
         if self._tls_config is not None and self._tls_config.tcp_required:
             self._HANDLERS = _TLS_REQUIRED_HANDLERS
         self._decoder = None
@@ -348,7 +348,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         frames go out first, as nsqd flushes before any other frame.
         """
         if self._obuf:
-            self._flush_output()
+            self.flush_output()
         if self._held is None:
             self.transport.write(data)
         else:
@@ -364,7 +364,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         """The commit holding this connection's publishes is synced (or failed)."""
         held, self._held = self._held or [], None
         if self._obuf:
-            self._flush_output()
+            self.flush_output()
         out: list[bytes] = []
         failed = False
         for item in held:
@@ -432,12 +432,10 @@ class V2Protocol(Protocol, TimeoutMixin):
             append(pack(len(body) + _MSG_OVERHEAD, 2, msg.timestamp, msg.attempts, msg.id))
             append(body)
             size += len(body)
-        if size >= self.output_buffer_size or self.in_flight_count >= self.ready_count:
-            self._obuf = []
-            self._obuf_len = 0
-            self.transport.writeSequence(out)
-            return
         self._obuf_len = size
+        if size >= self.output_buffer_size or self.in_flight_count >= self.ready_count:
+            self.flush_output()
+            return
         if self._flush_call is None and self.output_buffer_timeout > 0:
             self._flush_call = self.callLater(self.output_buffer_timeout, self._flush_timer)
 
@@ -446,22 +444,18 @@ class V2Protocol(Protocol, TimeoutMixin):
         # empty buffer is cheaper than cancelling and re-arming per flush.
         self._flush_call = None
         if self._obuf and not self._closed:
-            self._flush_output()
+            self.flush_output()
 
-    def _flush_output(self) -> None:
-        """Write the buffered message frames now."""
+    def flush_output(self) -> None:
+        """Write the buffered message frames now (what the flush timer does; tests read with it)."""
         out = self._obuf
         self._obuf = []
         self._obuf_len = 0
         if out:
             self.transport.writeSequence(out)
 
-    def flush_output(self) -> None:
-        """What the flush timer will do: write what is buffered (tests read with this)."""
-        self._flush_output()
-
     def channel_gone(self) -> None:
-        self._flush_output()
+        self.flush_output()
         self.channel = None
         self._closed = True
         self.transport.loseConnection()
@@ -814,7 +808,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
         self.ready_count = count
         if self._obuf and count <= self.in_flight_count:
-            self._flush_output()  # no longer ready: nsqd flushes
+            self.flush_output()  # no longer ready: nsqd flushes
         self._deliver_soon()
         return start
 
