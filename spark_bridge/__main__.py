@@ -182,7 +182,7 @@ def _shut_down(spark) -> None:
     from pyspark import SparkContext
 
     spark.stop()
-    launched = getattr(SparkContext._gateway, "proc", None)
+    launched = SparkContext._gateway.proc  # None under spark-submit
     if launched is not None and launched.stdin is not None:
         launched.stdin.close()
         try:

@@ -380,8 +380,7 @@ def _rollup_rows(counts: list[dict[str, Any]], column: str,
             entry[1] = due
     out = []
     for (topic, channel, kind, value), (messages, next_due) in sorted(
-            sums.items(), key=lambda item: (item[0][0], item[0][1] is not None, item[0][1] or "",
-                                            item[0][3])):
+            sums.items(), key=lambda item: (*_queue_order(item[0][0], item[0][1]), item[0][3])):
         row: dict[str, Any] = {"topic": topic, "channel": channel, "kind": kind}
         row["bucket_index" if buckets is not None else column] = value
         row["messages"] = messages
@@ -416,5 +415,10 @@ def _with_empty_queues(rows: list[dict[str, Any]], manifest: Manifest) -> list[d
                         "deferred": 0, "poison": 0,
                         **{f"age_p{round(p * 100)}_s": None for p in PERCENTILES},
                         **{f"size_p{round(p * 100)}": None for p in PERCENTILES}})
-    out.sort(key=lambda r: (r["topic"], "" if r["channel"] is None else "\0" + r["channel"]))
+    out.sort(key=lambda r: _queue_order(r["topic"], r["channel"]))
     return out
+
+
+def _queue_order(topic: str, channel: str | None) -> tuple[str, bool, str]:
+    """Report order in Python, as `_sorted`'s in Spark: by topic, its own queue before its channels."""
+    return topic, channel is not None, channel or ""

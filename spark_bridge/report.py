@@ -67,6 +67,8 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
 
 
 _TAGS = [f"p{round(p * 100)}" for p in PERCENTILES]
+# How the group of bodies without the JSON field (json_value null) is shown.
+_NO_JSON_VALUE = "(not JSON / no field)"
 
 
 def _summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[bool]]:
@@ -132,7 +134,7 @@ def render_text(analysis: Analysis) -> str:
         rows = []
         for name, values in _by_queue(analysis.json_counts).items():
             for v in values[:10]:
-                value = "(not JSON / no field)" if v["json_value"] is None else v["json_value"]
+                value = _NO_JSON_VALUE if v["json_value"] is None else v["json_value"]
                 rows.append([name, value, f"{v['messages']:,}", format_bytes(v["bytes"])])
         out += _table(["queue", "value", "messages", "bytes"], rows, [False, False, True, True])
     return "\n".join(out) + "\n"
@@ -297,7 +299,7 @@ def render_html(analysis: Analysis) -> str:
         parts.append(f"<h2>JSON field {html.escape(repr(analysis.json_field))}</h2>")
         parts.append(_html_table(
             ["queue", "value", "messages", "bytes", "oldest"],
-            [[_queue_name(v), "(not JSON / no field)" if v["json_value"] is None else v["json_value"],
+            [[_queue_name(v), _NO_JSON_VALUE if v["json_value"] is None else v["json_value"],
               v["messages"], v["bytes"], _time(v["oldest"])] for v in analysis.json_counts]))
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
