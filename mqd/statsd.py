@@ -14,6 +14,7 @@ last datagram, as nsqd dials once per push.
 from __future__ import annotations
 
 import ipaddress
+from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -115,8 +116,8 @@ class StatsdService(service.Service):
         self._last_gc_runs = 0
         self._loop: LoopingCall | None = None
         # (DelayedCall, sender, datagram) of the push being spread over the
-        # interval, and that push's socket.
-        self._pending: list[tuple[Any, _Sender, bytes]] = []
+        # interval, in the order they fire, and that push's socket.
+        self._pending: deque[tuple[Any, _Sender, bytes]] = deque()
         self._udp = None
 
     # -- life cycle --------------------------------------------------------------------
@@ -247,14 +248,14 @@ class StatsdService(service.Service):
             self._pending.append((call, sender, packet))
 
     def _send_one(self, sender: _Sender, packet: bytes) -> None:
-        self._pending = [item for item in self._pending if item[0].active()]
+        self._pending.popleft()  # this one: they fire in the order they were scheduled
         sender.send(packet)
         if not self._pending:
             self._close()
 
     def _finish_now(self) -> None:
         """Send what is still scheduled from the previous push, and close its socket."""
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, deque()
         for call, sender, packet in pending:
             if call.active():
                 call.cancel()
