@@ -9,7 +9,7 @@ on the test's Clock.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.internet.address import IPv4Address
@@ -27,7 +27,6 @@ class Response:
     status: int
     headers: dict[str, str]
     body: bytes
-    raw: bytes = field(repr=False, default=b"")
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -61,18 +60,17 @@ def parse_response(raw: bytes, head: bool = False) -> Response | None:
     length = 0 if head else int(headers.get("content-length", "0"))
     if len(rest) < length:
         return None
-    return Response(status, headers, rest[:length], raw)
+    return Response(status, headers, rest[:length])
 
 
 class HTTPClient:
-    """Sends requests to an NsqdAPI built on `broker`, one connection per request."""
+    """Sends requests to an NsqdSite built on `broker`, one connection per request."""
+
+    _port = 40000  # the client port of the last request
 
     def __init__(self, broker, ports: dict[str, int] | None = None) -> None:
-        self.broker = broker
         ports = ports if ports is not None else {"TCP": 4150, "HTTP": 4151}
         self.site = NsqdSite(broker, ports, reactor=broker.clock)
-        self.api = self.site.resource
-        self._port = 40000
 
     def send(self, method: str, path: str, body: bytes | None = None,
              headers: dict[str, str] | None = None) -> StringTransport:

@@ -20,7 +20,9 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
+from backends.lmdb import LmdbStore
 from mqd.broker import Broker
+from mqd.message import Message
 from mqd.options import MQD_OPTIONS, resolve
 from mqd.protocol.v2 import V2Factory
 from mqd.queuescan import QueueScanner
@@ -200,6 +202,13 @@ class Client:
         self.send(cmd("TOUCH", msg.id if isinstance(msg, Msg) else msg))
 
 
+def consumer(broker, topic="t", channel="c", rdy=100) -> Client:
+    """A subscribed client with RDY `rdy`."""
+    c = Client(broker)
+    c.sub(topic, channel, rdy)
+    return c
+
+
 def scan(broker: Broker) -> int:
     """One queue-scan tick over every channel that exists now."""
     scanner = QueueScanner(broker)
@@ -224,6 +233,23 @@ def new_broker(path, clock: Clock, **flags) -> Broker:
     broker = Broker(settings(path, **flags), clock=clock)
     broker.open()
     return broker
+
+
+def lmdb_store(path, clock: Clock, **flags) -> LmdbStore:
+    """An LMDB store of its own (no broker) in `path`."""
+    return LmdbStore(settings(path, backend="lmdb", **flags), clock)
+
+
+def msgs(n: int, start: int = 0, body: bytes = b"m") -> list[Message]:
+    """`n` messages numbered from `start`: id i in 16 digits, body `body`+i, timestamp 1000+i."""
+    return [Message(b"%016d" % i, body + b"%d" % i, 1_000 + i) for i in range(start, start + n)]
+
+
+def mpublish(broker: Broker, topic, bodies: list[bytes], port: int = 5000) -> None:
+    """MPUB `bodies` from a new client of `broker` (any broker, not only the fixture's)."""
+    p = Client(broker, port=port)
+    assert p.request(identify(heartbeat_interval=-1)) == [ok()]
+    assert p.request(mpub(topic, bodies)) == [ok()]
 
 
 # -- fixtures ---------------------------------------------------------------------
@@ -261,6 +287,7 @@ def connect(broker):
         return Client(broker, **kw)
 
     return make
+
 
 @pytest.fixture
 def publish(connect):
@@ -302,10 +329,3 @@ def http(broker):
     from ._http import HTTPClient
 
     return HTTPClient(broker)
-
-
-def consumer(broker, topic="t", channel="c", rdy=100) -> Client:
-    """A subscribed client with RDY `rdy`."""
-    c = Client(broker)
-    c.sub(topic, channel, rdy)
-    return c

@@ -10,12 +10,6 @@ from mqd.http.response import ApiError
 
 from ._http import HTTPClient, error
 
-
-@pytest.fixture
-def http(broker) -> HTTPClient:
-    return HTTPClient(broker)
-
-
 # -- /ping and /info -----------------------------------------------------------------
 
 

@@ -14,11 +14,6 @@ from mqd.options import MQD_OPTIONS
 from ._http import HTTPClient, error
 
 
-@pytest.fixture
-def http(broker) -> HTTPClient:
-    return HTTPClient(broker)
-
-
 @pytest.fixture(autouse=True)
 def restore_log_level():
     yield

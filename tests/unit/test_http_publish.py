@@ -13,12 +13,13 @@ from mqd.http.publish import parse_binary_mpub, split_text_mpub
 from mqd.http.response import ApiError
 
 from ._http import HTTPClient, error, parse_response
-from .conftest import consumer, failing_once, new_broker, scan
+from .conftest import consumer, failing_once, new_broker, scan, sized
 
 
 def framed(*bodies: bytes, count: int | None = None) -> bytes:
+    """A binary /mpub body; `count` overrides the number of messages it announces."""
     n = len(bodies) if count is None else count
-    return struct.pack(">i", n) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
+    return struct.pack(">i", n) + b"".join(sized(b) for b in bodies)
 
 
 # -- /pub -------------------------------------------------------------------------------

@@ -11,15 +11,14 @@ from mqd.latency import RESERVOIR_SIZE, LatencyWindow, merged_result, parse_perc
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
 from mqd.stats import stats_json, stats_text
 
-from .conftest import START_TIME, Client, cmd, identify, mpub, ok, scan
+from .conftest import Client, cmd, mpublish, scan
 
 NO_E2E = {"count": 0, "percentiles": None}
-# Message timestamps are float seconds × 1e9 at ~1.7e18 ns: a few hundred ns of rounding.
-NS = pytest.approx
 
 
 def approx_ns(value: float):
-    return NS(value, abs=2_000)
+    # Message timestamps are float seconds × 1e9 at ~1.7e18 ns: a few hundred ns of rounding.
+    return pytest.approx(value, abs=2_000)
 
 
 # -- the options ---------------------------------------------------------------------------
@@ -89,9 +88,7 @@ def e2e_broker(make_broker):
 
 
 def publish(broker, topic, n):
-    p = Client(broker, port=5000)
-    assert p.request(identify(heartbeat_interval=-1)) == [ok()]
-    assert p.request(mpub(topic, [b"%d" % i for i in range(n)])) == [ok()]
+    mpublish(broker, topic, [b"%d" % i for i in range(n)])
 
 
 def test_disabled_by_default(broker, connect):
@@ -130,7 +127,7 @@ def test_requeue_and_timeout_record_nothing(make_broker, clock):
     c = Client(broker)
     c.sub(rdy=2)
     publish(broker, "t", 2)
-    m1, m2 = c.messages()
+    m1, _ = c.messages()
     c.req(m1)
     c.send(cmd("RDY", 0))
     clock.advance(2)
@@ -138,7 +135,6 @@ def test_requeue_and_timeout_record_nothing(make_broker, clock):
     result = stats_json(broker)["topics"][0]["channels"][0]["e2e_processing_latency"]
     # Enabled but nothing finished: nsqd reports count 0 and each percentile at 0.
     assert result == {"count": 0, "percentiles": [{"quantile": 0.5, "value": 0}]}
-    del m2
 
 
 def test_topic_merges_its_channels(e2e_broker, clock):
@@ -183,9 +179,7 @@ def at(clock: Clock, delay: float) -> int:
     return int((clock.seconds() - delay) * 1e9)
 
 
-def test_window_rotates_by_halves():
-    clock = Clock()
-    clock.advance(START_TIME)
+def test_window_rotates_by_halves(clock):
     w = window(clock)                     # halves of 5s
     clock.advance(1)
     w.record(at(clock, 0.5))
@@ -203,9 +197,7 @@ def test_window_rotates_by_halves():
     assert w.result() == {"count": 0, "percentiles": [{"quantile": 0.5, "value": 0}]}
 
 
-def test_window_after_a_long_silence():
-    clock = Clock()
-    clock.advance(START_TIME)
+def test_window_after_a_long_silence(clock):
     w = window(clock)
     w.record(at(clock, 1))
     clock.advance(10_000)
@@ -217,10 +209,8 @@ def test_window_after_a_long_silence():
     assert w.result()["count"] == 0
 
 
-def test_reservoir_bounds_memory_and_keeps_quantiles():
+def test_reservoir_bounds_memory_and_keeps_quantiles(clock):
     random.seed(4)
-    clock = Clock()
-    clock.advance(START_TIME)
     w = window(clock, seconds=600, percentiles=(0.99, 0.5, 0.1))
     n = 20 * RESERVOIR_SIZE
     for i in range(n):
@@ -234,11 +224,9 @@ def test_reservoir_bounds_memory_and_keeps_quantiles():
         assert p["value"] == pytest.approx(p["quantile"] * n * 1000, abs=0.02 * n * 1000)
 
 
-def test_merge_weights_buckets_by_their_counts():
+def test_merge_weights_buckets_by_their_counts(clock):
     """A sampled bucket stands for all it saw: one bucket of 10x values outweighs a small one."""
     random.seed(1)
-    clock = Clock()
-    clock.advance(START_TIME)
     big, small = window(clock), window(clock)
     for _ in range(10 * RESERVOIR_SIZE):
         big.record(at(clock, 2))

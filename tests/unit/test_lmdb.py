@@ -10,7 +10,6 @@ import os
 
 import lmdb
 import pytest
-from twisted.internet.task import Clock
 from zope.interface.verify import verifyClass, verifyObject
 
 import backends
@@ -20,24 +19,9 @@ from backends.lmdb import ENV_DIR, FORMAT, KEY, RECORD, LmdbQueue, LmdbStore, St
 from backends.memory import MemoryStore
 from mqd.message import Message
 
-from .conftest import START_TIME, failing_once, settings
+from .conftest import START_TIME, failing_once, lmdb_store, msgs, settings
 
 BOTH = pytest.mark.parametrize("durable", [False, True], ids=["default", "durable"])
-
-
-@pytest.fixture
-def clock() -> Clock:
-    c = Clock()
-    c.advance(START_TIME)
-    return c
-
-
-def lmdb_store(path, clock, **flags) -> LmdbStore:
-    return LmdbStore(settings(path, backend="lmdb", **flags), clock)
-
-
-def msgs(n: int, start: int = 0, body: bytes = b"m") -> list[Message]:
-    return [Message(b"%016d" % i, body + b"%d" % i, 1_000 + i) for i in range(start, start + n)]
 
 
 def bodies(messages) -> list[bytes]:

@@ -19,13 +19,11 @@ from twisted.internet.testing import StringTransportWithDisconnection
 from mqd.lookup.peer import MAGIC_V1, LookupService, identify_body
 from mqd.protocol.v2 import NSQ_VERSION
 
+from .conftest import sized
+
 PORTS = {"TCP": 4150, "HTTP": 4151}
 LOOKUPD_INFO = {"tcp_port": 4160, "http_port": 4161, "version": NSQ_VERSION,
                 "broadcast_address": "lookup-host", "hostname": "lookup-host"}
-
-
-def sized(payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + payload
 
 
 class FakeEndpoint:
@@ -115,6 +113,14 @@ def lookup(broker):
             svc.stopService()
 
 
+def connected(lookup, address="10.0.0.1:4160"):
+    """A service with the one lookupd `address`, connected and past IDENTIFY: (service, conn)."""
+    svc = lookup(address)
+    conn = svc.endpoints[address].accept()
+    conn.identified()
+    return svc, conn
+
+
 def test_identify_announces_broadcast_ports_and_version(broker, lookup):
     svc = lookup("10.0.0.1:4160")
     conn = svc.endpoints["10.0.0.1:4160"].accept()
@@ -162,9 +168,7 @@ def test_creation_and_deletion_register_and_unregister(broker, lookup):
 
 
 def test_ping_every_15_seconds(broker, lookup):
-    svc = lookup("10.0.0.1:4160")
-    conn = svc.endpoints["10.0.0.1:4160"].accept()
-    conn.identified()
+    _, conn = connected(lookup)
     broker.clock.advance(14.9)
     assert conn.lines() == []
     broker.clock.advance(0.1)
@@ -189,9 +193,7 @@ def _reconnected(svc, address):
 
 
 def test_error_response_closes_and_reconnect_registers_everything(broker, lookup):
-    svc = lookup("10.0.0.1:4160")
-    conn = svc.endpoints["10.0.0.1:4160"].accept()
-    conn.identified()
+    svc, conn = connected(lookup)
     broker.topic("t").channel("c")
     assert conn.lines() == [b"REGISTER t", b"REGISTER t c"]
     conn.reply(b"OK", b"E_INVALID something")
@@ -206,9 +208,7 @@ def test_error_response_closes_and_reconnect_registers_everything(broker, lookup
 
 
 def test_unanswered_command_times_out_after_1s(broker, lookup):
-    svc = lookup("10.0.0.1:4160")
-    conn = svc.endpoints["10.0.0.1:4160"].accept()
-    conn.identified()
+    svc, conn = connected(lookup)
     broker.clock.advance(15)
     assert conn.lines() == [b"PING"]
     broker.clock.advance(0.99)
@@ -231,9 +231,7 @@ def test_refused_connection_retries_with_backoff(broker, lookup):
 
 
 def test_runtime_address_change_drops_removed_and_adds_new(broker, lookup):
-    svc = lookup("10.0.0.1:4160")
-    old = svc.endpoints["10.0.0.1:4160"].accept()
-    old.identified()
+    svc, old = connected(lookup)
     broker.topic("t")
     old.lines()
     broker.update_options(lookupd_tcp_address=["10.0.0.2:4160"])
@@ -248,9 +246,7 @@ def test_runtime_address_change_drops_removed_and_adds_new(broker, lookup):
 
 
 def test_stop_disconnects_every_peer(broker, lookup):
-    svc = lookup("10.0.0.1:4160")
-    conn = svc.endpoints["10.0.0.1:4160"].accept()
-    conn.identified()
+    svc, conn = connected(lookup)
     svc.stopService()
     assert not conn.open
     assert svc not in broker.observers

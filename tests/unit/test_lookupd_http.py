@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
-from twisted.internet import task
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
@@ -15,6 +13,7 @@ from mqd.lookup.protocol import LookupdFactory
 from mqd.lookup.registry import GO_ZERO_TIME_NS, RegistrationDB
 
 from ._http import HTTPClient, error
+from .conftest import START_TIME, sized
 
 
 class LookupdClient(HTTPClient):
@@ -22,15 +21,6 @@ class LookupdClient(HTTPClient):
 
     def __init__(self, db: RegistrationDB, clock) -> None:
         self.site = LookupdSite(db, reactor=clock)
-        self.api = self.site.resource
-        self._port = 40000
-
-
-@pytest.fixture
-def clock():
-    clock = task.Clock()
-    clock.advance(1000)
-    return clock
 
 
 @pytest.fixture
@@ -54,7 +44,7 @@ def broker(db):
         proto.makeConnection(StringTransport(peerAddress=addr))
         body = json.dumps({"version": "1.3.0", "tcp_port": 4150, "http_port": 4151,
                            "hostname": f"h{n}", "broadcast_address": f"b{n}"}).encode()
-        proto.dataReceived(b"  V1IDENTIFY\n" + struct.pack(">i", len(body)) + body)
+        proto.dataReceived(b"  V1IDENTIFY\n" + sized(body))
         for line in lines:
             proto.dataReceived(line.encode() + b"\n")
         assert not proto.transport.disconnecting
@@ -138,7 +128,7 @@ def test_debug(http, broker, clock):
     data = json.loads(ok_json(http.get("/debug")))
     assert list(data) == ["channel:t:c", "client::", "topic:t:"]
     entry = {"broadcast_address": "b1", "hostname": "h1", "http_port": 4151,
-             "id": "10.0.0.1:5001", "last_update": 1000 * 10**9, "tcp_port": 4150,
+             "id": "10.0.0.1:5001", "last_update": int(START_TIME) * 10**9, "tcp_port": 4150,
              "tombstoned": False, "tombstoned_at": GO_ZERO_TIME_NS,
              "topology_region": "", "topology_zone": "", "version": "1.3.0"}
     assert data == {key: [entry] for key in data}
@@ -146,7 +136,7 @@ def test_debug(http, broker, clock):
     http.post("/topic/tombstone?topic=t&node=b1:4151")
     data = json.loads(ok_json(http.get("/debug")))
     assert data["topic:t:"][0]["tombstoned"] is True
-    assert data["topic:t:"][0]["tombstoned_at"] == 1001 * 10**9
+    assert data["topic:t:"][0]["tombstoned_at"] == (int(START_TIME) + 1) * 10**9
     assert data["client::"][0]["tombstoned"] is False
 
 

@@ -6,22 +6,16 @@ import json
 import struct
 
 import pytest
-from twisted.internet import task
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
 from mqd.lookup.protocol import MAX_IDENTIFY_BODY, MAX_LINE, LookupdFactory, frame
 from mqd.lookup.registry import Registration, RegistrationDB
 
+from .conftest import sized
+
 IDENTIFY = {"version": "1.3.0", "tcp_port": 4150, "http_port": 4151, "hostname": "box",
             "broadcast_address": "b1", "topology_zone": "z", "topology_region": "r"}
-
-
-@pytest.fixture
-def clock():
-    clock = task.Clock()
-    clock.advance(1000)
-    return clock
 
 
 @pytest.fixture
@@ -50,7 +44,7 @@ class Conn:
 
     def identify(self, **changes) -> bytes:
         body = json.dumps({**IDENTIFY, **changes}).encode()
-        return self.send(b"IDENTIFY\n" + struct.pack(">i", len(body)) + body)
+        return self.send(b"IDENTIFY\n" + sized(body))
 
     @property
     def closed(self) -> bool:
@@ -105,7 +99,7 @@ def test_identify_answers_lookupds_own_addresses(connect, db, clock):
 def test_identify_in_pieces(connect):
     conn = connect()
     body = json.dumps(IDENTIFY).encode()
-    data = b"IDENTIFY\n" + struct.pack(">i", len(body)) + body + b"PING\n"
+    data = b"IDENTIFY\n" + sized(body) + b"PING\n"
     out = b"".join(conn.send(data[i:i + 1]) for i in range(len(data)))
     assert out.endswith(frame(b"OK")) and out.startswith(b"\x00\x00\x00")
 
@@ -121,7 +115,7 @@ def test_identify_twice_is_fatal(connect):
                                   b'{"tcp_port":true}', b'{"http_port":1.5}'])
 def test_identify_bad_json(connect, body):
     conn = connect()
-    out = conn.send(b"IDENTIFY\n" + struct.pack(">i", len(body)) + body)
+    out = conn.send(b"IDENTIFY\n" + sized(body))
     assert out == frame(b"E_BAD_BODY IDENTIFY failed to decode JSON body")
     assert conn.closed
 
@@ -286,7 +280,7 @@ def test_error_closes_and_cleans_up(connect, db):
 def test_commands_in_one_packet(connect, db):
     conn = connect(magic=False)
     body = json.dumps(IDENTIFY).encode()
-    out = conn.send(b"  V1IDENTIFY\n" + struct.pack(">i", len(body)) + body +
+    out = conn.send(b"  V1IDENTIFY\n" + sized(body) +
                     b"REGISTER t c\nPING\n")
     assert out.endswith(frame(b"OK") + frame(b"OK"))
     assert _producers(db, "channel", "t", "c") == ["10.0.0.1:50000"]

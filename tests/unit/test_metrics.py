@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mqd.http.metrics import CONTENT_TYPE, _Family, escape_label, metrics_text
 
 from ._http import HTTPClient
-from .conftest import START_TIME, Client, identify, mpub, ok
+from .conftest import START_TIME, Client, mpublish
 
 
 def parse(text: str) -> dict:
@@ -23,13 +23,6 @@ def parse(text: str) -> dict:
 def value(families, family, sample=None, **labels):
     _, samples = families[family]
     return samples[(sample or family, frozenset(labels.items()))]
-
-
-def publish(broker, topic, bodies, port=5000):
-    p = Client(broker, port=port)
-    assert p.request(identify(heartbeat_interval=-1)) == [ok()]
-    assert p.request(mpub(topic, bodies)) == [ok()]
-    return p
 
 
 def test_empty_broker(broker):
@@ -50,14 +43,14 @@ def test_topics_and_channels(broker, clock):
     c = Client(broker, port=6000)
     c.sub("t", "c", rdy=3)
     Client(broker, port=6001).sub("t", "idle")
-    publish(broker, "t", [b"a", b"bb", b"ccc", b"dddd"])
-    m1, m2, m3 = c.messages()
+    mpublish(broker, "t", [b"a", b"bb", b"ccc", b"dddd"])
+    m1, m2, _ = c.messages()
     c.fin(m1)                            # m4 goes out in its place
     c.req(m2)                            # and m2 at once again
     m4, m2 = c.messages()
     c.req(m4, 10_000)                    # deferred; nothing left to send
     broker.topics["t"].channels["idle"].pause()
-    publish(broker, "other", [b"x"], port=5001)
+    mpublish(broker, "other", [b"x"], port=5001)
 
     text = metrics_text(broker)
     families = parse(text)
@@ -84,7 +77,6 @@ def test_topics_and_channels(broker, clock):
     helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP")]
     types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
     assert helps == types and len(set(types)) == len(types)
-    del m3
 
 
 def test_unhealthy(broker):
@@ -96,7 +88,7 @@ def test_e2e_latency_quantiles(make_broker, clock):
     broker = make_broker(e2e_processing_latency_percentile="0.99,0.5")
     c = Client(broker)
     c.sub("t", "c", rdy=2)
-    publish(broker, "t", [b"1", b"2"])
+    mpublish(broker, "t", [b"1", b"2"])
     clock.advance(0.25)
     for m in c.messages():
         c.fin(m)

@@ -14,25 +14,21 @@ import lmdb
 import pytest
 from twisted.internet import defer
 
-from backends.lmdb import FORMAT, KEY, LmdbStore, _decode
+from backends.lmdb import FORMAT, KEY, _decode
 from mqd.message import Message
 from spark_bridge import snapshot as snapmod
 from spark_bridge.__main__ import main
 from spark_bridge.snapshot import MANIFEST, SnapshotError, read_manifest, take_snapshot
 
 from ._http import HTTPClient, error
-from .conftest import START_TIME, new_broker, settings
+from .conftest import START_TIME, lmdb_store, msgs, new_broker
 
 
 @pytest.fixture
 def store(tmp_path, clock):
-    s = LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock)
+    s = lmdb_store(tmp_path / "data", clock)
     yield s
     s.close()
-
-
-def msgs(n: int, start: int = 0, prefix: bytes = b"m") -> list[Message]:
-    return [Message(b"%016d" % i, prefix + b"%d" % i, 1_000 + i) for i in range(start, start + n)]
 
 
 def copied(snap_dir) -> dict[str, list[Message]]:
@@ -55,7 +51,7 @@ def fill(store, clock, counts: dict[str, int]) -> dict[str, object]:
     queues = {}
     for name, n in counts.items():
         q = queues[name] = store.open_queue(name)
-        q.put(msgs(n, prefix=name.encode() + b"-"))
+        q.put(msgs(n, body=name.encode() + b"-"))
     clock.advance(0)
     return queues
 
@@ -96,7 +92,7 @@ def test_first_and_last_seq_after_reads(store, clock, tmp_path):
 
 
 def test_deferred_and_attempts_survive_in_the_copy(tmp_path, clock):
-    store = LmdbStore(settings(tmp_path / "data", backend="lmdb", durable=True), clock)
+    store = lmdb_store(tmp_path / "data", clock, durable=True)
     try:
         q = store.open_queue("t:c")
         batch = msgs(3)
@@ -184,7 +180,7 @@ def test_an_existing_destination_is_refused(store, clock, tmp_path):
 
 
 def test_from_a_path_of_a_closed_store(tmp_path, clock):
-    s = LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock)
+    s = lmdb_store(tmp_path / "data", clock)
     fill(s, clock, {"a": 4, "a:x": 2})
     s.close()
     # The data path itself, or its mqd.lmdb directory.
@@ -213,7 +209,7 @@ def test_a_foreign_environment_is_refused(tmp_path):
 
 
 def test_cli_snapshot(tmp_path, clock, capsys):
-    s = LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock)
+    s = lmdb_store(tmp_path / "data", clock)
     fill(s, clock, {"a": 4, "a:x": 2})
     s.close()
     code = main(["snapshot", "--data-path", str(tmp_path / "data"), "--out", str(tmp_path / "snap"),
@@ -225,7 +221,7 @@ def test_cli_snapshot(tmp_path, clock, capsys):
 
 
 def test_cli_default_out_is_under_the_data_path(tmp_path, clock, capsys):
-    LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock).close()
+    lmdb_store(tmp_path / "data", clock).close()
     assert main(["snapshot", "--data-path", str(tmp_path / "data")]) == 0
     (snap,) = os.listdir(tmp_path / "data" / "snapshots")
     assert read_manifest(tmp_path / "data" / "snapshots" / snap).queues == []
@@ -304,7 +300,7 @@ def test_http_snapshot_out_stays_under_the_snapshots_dir(tmp_path, clock, sync_t
 
 def test_cli_analyze_refuses_a_malformed_conf(tmp_path, clock, capsys):
     snap = tmp_path / "snap"
-    LmdbStore(settings(tmp_path / "data", backend="lmdb"), clock).close()
+    lmdb_store(tmp_path / "data", clock).close()
     assert main(["snapshot", "--data-path", str(tmp_path / "data"), "--out", str(snap)]) == 0
     capsys.readouterr()
     # Refused before Spark starts.

@@ -142,7 +142,7 @@ def test_counters_through_a_message_life(broker, producer, clock):
 
     publish(producer, "t", b"bb", b"ccc")
     c.send(cmd("RDY", 3))
-    m1, m2, m3 = c.messages()
+    m1, m2, _ = c.messages()
     ch = channel_row(stats_json(broker))
     assert (ch["depth"], ch["in_flight_count"], ch["message_count"]) == (0, 3, 3)
 
@@ -166,7 +166,6 @@ def test_counters_through_a_message_life(broker, producer, clock):
     assert ch["clients"][0]["in_flight_count"] == 0
     # Requeues and timeouts are not new messages for the topic or the channel.
     assert (topic_row(s)["message_count"], ch["message_count"]) == (3, 3)
-    del m3
     c.lose()
 
 
@@ -200,7 +199,7 @@ def test_disconnect_with_messages_in_flight_counts_timeouts(broker, producer):
 
 
 def test_pause_empty_delete(broker, producer):
-    c = consumer(broker, rdy=0)
+    consumer(broker, rdy=0)
     publish(producer, "t", b"1", b"2")
     broker.topics["t"].pause()
     broker.topics["t"].channels["c"].pause()
@@ -218,7 +217,6 @@ def test_pause_empty_delete(broker, producer):
 
     broker.delete_topic("t")
     assert stats_json(broker)["topics"] == []
-    del c
 
 
 def test_sorted_by_name(broker, producer):

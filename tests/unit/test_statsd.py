@@ -10,7 +10,7 @@ from twisted.internet.protocol import DatagramProtocol
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
 from mqd.statsd import StatsdService, pack_lines, statsd_prefix
 
-from .conftest import Client, cmd, identify, mpub, ok, scan
+from .conftest import Client, cmd, mpublish, scan
 
 PREFIX = "nsq.test-host_4151."
 MEM_GAUGES = ["heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes",
@@ -19,12 +19,6 @@ MEM_GAUGES = ["heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_rele
 
 def service(broker, **kw) -> StatsdService:
     return StatsdService(broker, {"HTTP": 4151}, **kw)
-
-
-def publish(broker, topic, bodies, port=5000):
-    p = Client(broker, port=port)
-    assert p.request(identify(heartbeat_interval=-1)) == [ok()]
-    assert p.request(mpub(topic, bodies)) == [ok()]
 
 
 @pytest.fixture
@@ -93,8 +87,8 @@ def test_lines_and_deltas(statsd_broker, clock):
     s = service(statsd_broker)
     c = Client(statsd_broker, port=6000)
     c.sub("t", "c", rdy=2)
-    publish(statsd_broker, "t", [b"ab", b"cde", b"f"])
-    m1, m2 = c.messages()
+    mpublish(statsd_broker, "t", [b"ab", b"cde", b"f"])
+    m1, _ = c.messages()
     c.req(m1, 5_000)
     assert s.collect() == [f"{PREFIX}{line}\n" for line in [
         "topic.t.message_count:3|c",
@@ -111,7 +105,7 @@ def test_lines_and_deltas(statsd_broker, clock):
         "topic.t.channel.c.clients:1|g",
     ]]
     # The next push: counters are what happened since, gauges what is now.
-    publish(statsd_broker, "t", [b"xyz"], port=5001)
+    mpublish(statsd_broker, "t", [b"xyz"], port=5001)
     c.send(cmd("RDY", 0))
     clock.advance(2)
     scan(statsd_broker)
@@ -125,15 +119,14 @@ def test_lines_and_deltas(statsd_broker, clock):
     assert f"{PREFIX}topic.t.channel.c.in_flight_count:0|g\n" in lines
     # Nothing new: zero counters are still sent, as nsqd does.
     assert f"{PREFIX}topic.t.message_count:0|c\n" in s.collect()
-    del m2
 
 
 def test_recreated_topic_starts_again(statsd_broker):
     s = service(statsd_broker)
-    publish(statsd_broker, "t", [b"1", b"2", b"3"])
+    mpublish(statsd_broker, "t", [b"1", b"2", b"3"])
     s.collect()
     statsd_broker.delete_topic("t")
-    publish(statsd_broker, "t", [b"4"], port=5001)
+    mpublish(statsd_broker, "t", [b"4"], port=5001)
     assert f"{PREFIX}topic.t.message_count:1|c\n" in s.collect()
 
 
@@ -162,7 +155,7 @@ def test_e2e_latency_gauges(make_broker, clock):
                          e2e_processing_latency_percentile="0.999,0.95")
     c = Client(broker)
     c.sub("t", "c", rdy=1)
-    publish(broker, "t", [b"x"])
+    mpublish(broker, "t", [b"x"])
     clock.advance(1.5)
     c.fin(c.messages()[0])
     values = {}
@@ -211,7 +204,7 @@ def test_push_over_udp(make_broker, clock, receiver):
     proto, port = receiver
     broker = make_broker(statsd_address=f"127.0.0.1:{port}", statsd_interval="10s",
                          statsd_mem_stats="false")
-    publish(broker, "t", [b"hello"])
+    mpublish(broker, "t", [b"hello"])
     s = service(broker, reactor=reactor)
     s.startService()
     try:
@@ -225,7 +218,7 @@ def test_push_over_udp(make_broker, clock, receiver):
             f"{PREFIX}topic.t.depth:1|g",
             f"{PREFIX}topic.t.backend_depth:0|g",
         ]
-        publish(broker, "t", [b"again"], port=5001)
+        mpublish(broker, "t", [b"again"], port=5001)
         clock.advance(10)
         datagrams = yield proto.wait_for(2)
         assert datagrams[1].decode().splitlines()[:3] == [

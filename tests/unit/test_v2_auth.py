@@ -15,7 +15,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from mqd.auth import AuthError, auth_urls, parse_auth_response
 from mqd.stats import client_stats
 
-from .conftest import cmd, err, identify, mpub, ok, pub, sized
+from .conftest import Client, cmd, dpub, err, identify, mpub, ok, pub, sized
 
 ALL = [{"topic": ".*", "channels": [".*"], "permissions": ["subscribe", "publish"]}]
 
@@ -61,8 +61,6 @@ def auth_broker(make_broker, tmp_path):
 
 @pytest.fixture
 def aconnect(auth_broker):
-    from .conftest import Client
-
     ports = iter(range(30000, 40000))
     return lambda: Client(auth_broker, port=next(ports))
 
@@ -173,8 +171,6 @@ def test_servers_tried_in_turn(make_broker):
         return fail(AuthError("down")) if len(seen) == 1 else succeed(answer())
 
     broker.auth.fetch_function = fetch
-    from .conftest import Client
-
     c = Client(broker)
     [frame] = c.request(auth())
     assert frame.type == 0
@@ -188,7 +184,7 @@ def test_servers_tried_in_turn(make_broker):
     (cmd("SUB", "t", "c"), "SUB"),
     (pub("t", b"x"), "PUB"),
     (mpub("t", [b"x"]), "MPUB"),
-    (cmd("DPUB", "t", 10) + sized(b"x"), "DPUB"),
+    (dpub("t", 10, b"x"), "DPUB"),
 ])
 def test_auth_first(aconnect, data, verb):
     c = aconnect()

@@ -14,7 +14,7 @@ from mqd.tap import Options
 from mqd.tlsconfig import ServerTLS, server_tls
 
 from .._codec_clients import DeflateClient, SnappyClient
-from .conftest import Client, cmd, err, identify, ok, parse_frames, pub
+from .conftest import Client, cmd, err, identify, ok, parse_frames, pub, settings
 
 
 def split_first_frame(data: bytes) -> tuple[dict, bytes]:
@@ -25,19 +25,13 @@ def split_first_frame(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[8:4 + size]), data[4 + size:]
 
 
-def test_both_compressions_fail(connect):
+@pytest.mark.parametrize("fields", [{"feature_negotiation": True}, {}], ids=["negotiated", "plain"])
+def test_both_compressions_fail(connect, fields):
     c = connect()
-    assert c.request(identify(feature_negotiation=True, snappy=True, deflate=True)) == [
+    assert c.request(identify(**fields, snappy=True, deflate=True)) == [
         err("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
     ]
     assert c.closed
-
-
-def test_both_compressions_fail_without_feature_negotiation(connect):
-    c = connect()
-    assert c.request(identify(snappy=True, deflate=True)) == [
-        err("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
-    ]
 
 
 def test_no_upgrade_without_feature_negotiation(connect):
@@ -184,18 +178,12 @@ def test_tls_required_identify_without_tls_then_fails(broker):
 # -- options -----------------------------------------------------------------------------
 
 
-def _settings(tmp_path, **flags):
-    values = {"data-path": str(tmp_path)}
-    values.update({k.replace("_", "-"): v for k, v in flags.items()})
-    return resolve(MQD_OPTIONS, values)
-
-
 def test_tls_required_without_certificate_is_a_startup_error(tmp_path):
     with pytest.raises(ConfigError, match="without TLS key and cert"):
-        server_tls(_settings(tmp_path, tls_required="true"))
+        server_tls(settings(tmp_path, tls_required="true"))
     with pytest.raises(ConfigError, match="without TLS key and cert"):
-        server_tls(_settings(tmp_path, tls_client_auth_policy="require"))
-    assert server_tls(_settings(tmp_path)) is None
+        server_tls(settings(tmp_path, tls_client_auth_policy="require"))
+    assert server_tls(settings(tmp_path)) is None
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -215,4 +203,4 @@ def test_tls_required_flag_forms(tmp_path, args, expected):
 
 def test_bad_tls_required_value(tmp_path):
     with pytest.raises(ConfigError, match="true, false or tcp-https"):
-        _settings(tmp_path, tls_required="maybe")
+        settings(tmp_path, tls_required="maybe")
