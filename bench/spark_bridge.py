@@ -210,33 +210,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-field", default="type",
                    help="analyze's --json-field (default type; '' for none)")
     args = p.parse_args(argv)
-    n = args.messages
 
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
-        workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-", dir=args.workdir)
-    else:
-        workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-")
-    data_dir = os.path.join(workdir, "data")
-    snap_dir = os.path.join(workdir, "snap")
-    snap_cli_dir = os.path.join(workdir, "snap-cli")
-    report = os.path.join(workdir, "report.html")
-    parquet = os.path.join(workdir, "snap.parquet")
-    print(f"spark_bridge bench: {n:,} messages x {args.body_size} B, master {args.master}, "
+    workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-", dir=args.workdir)
+    print(f"spark_bridge bench: {args.messages:,} messages x {args.body_size} B, master {args.master}, "
           f"{machine()}, Python {platform.python_version()}")
     print(f"workdir {workdir}", flush=True)
-    rc = 1
     try:
-        rc = run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet)
+        return run(args, workdir)
     finally:
         if args.keep:
             print(f"kept {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    return rc
 
 
-def run(args, n, workdir, data_dir, snap_dir, snap_cli_dir, report, parquet) -> int:
+def run(args, workdir: str) -> int:
+    n = args.messages
+    data_dir = os.path.join(workdir, "data")
+    snap_dir = os.path.join(workdir, "snap")
+    snap_cli_dir = os.path.join(workdir, "snap-cli")
+    report = os.path.join(workdir, "report.html")
+    parquet = os.path.join(workdir, "snap.parquet")
+
     # 1. fill (not part of the benchmark)
     t0 = now()
     if n > MAX_MESSAGES:

@@ -55,8 +55,8 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def twistd_command(*args: str) -> list[str]:
-    return [TWISTD, "-n", "--pidfile=", "mqd", *args]
+def twistd_command(*args: str, program: str = "mqd") -> list[str]:
+    return [TWISTD, "-n", "--pidfile=", program, *args]
 
 
 class BrokerStartError(AssertionError):
@@ -66,12 +66,19 @@ class BrokerStartError(AssertionError):
 class TwistdProcess:
     """A twistd daemon (mqd or mqlookupd) on ephemeral loopback ports, logging to files.
 
-    Subclasses set `program`, `workdir`, `log_path`, `stderr_path` and `argv`.
+    Subclasses set `program`, the twistd plugin to run; its log goes to
+    files in `workdir` named after it (never a pipe, so a chatty process
+    cannot block).
     """
 
     program = "twistd"
 
-    def _init_process(self) -> None:
+    def __init__(self, workdir: Path, args: Sequence[str]) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / f"{self.program}.log"
+        self.stderr_path = self.workdir / f"{self.program}.stderr"
+        self.argv = twistd_command(*args, program=self.program)
         self.proc: subprocess.Popen | None = None
         self.tcp_host = self.http_host = ""
         self.tcp_port = self.http_port = 0
@@ -210,12 +217,21 @@ class TwistdProcess:
     def describe(self) -> str:
         return f"--- log ---\n{self.log()[-4000:]}\n--- stderr ---\n{self.stderr()[-2000:]}"
 
+    # -- its HTTP API ------------------------------------------------------------
+
+    def get(self, path: str) -> tuple[int, Any]:
+        """(status, JSON body) of a GET on its HTTP API."""
+        status, raw = http_request(self.http_address, "GET", path)
+        return status, json.loads(raw or b"null")
+
+    def post(self, path: str) -> int:
+        """The status of a POST without a body."""
+        return http_request(self.http_address, "POST", path, b"")[0]
 
 
 class BrokerProcess(TwistdProcess):
     """One mqd under twistd on ephemeral loopback ports, with its own data directory.
 
-    Its log goes to files (never a pipe, so a chatty broker cannot block);
     `restart()` keeps the data directory and arguments, the ports change.
     """
 
@@ -229,20 +245,13 @@ class BrokerProcess(TwistdProcess):
         addresses: bool = True,
         data_path: bool = True,
     ) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.data_dir = self.workdir / "data"
-        self.log_path = self.workdir / "mqd.log"
-        self.stderr_path = self.workdir / "mqd.stderr"
-        argv: list[str] = []
+        self.data_dir = Path(workdir) / "data"
+        self._base_argv: list[str] = []
         if addresses:
-            argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
+            self._base_argv += ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0"]
         if data_path:
-            argv.append(f"--data-path={self.data_dir}")
-        self._base_argv = list(argv)
-        argv += list(args)
-        self.argv = twistd_command(*argv)
-        self._init_process()
+            self._base_argv.append(f"--data-path={self.data_dir}")
+        super().__init__(workdir, [*self._base_argv, *args])
 
     def assert_clean_exit(self, code: int) -> None:
         assert code in (0, -signal.SIGTERM), f"mqd exited with {code}\n{self.describe()}"
@@ -528,26 +537,12 @@ class LookupdProcess(TwistdProcess):
     program = "mqlookupd"
 
     def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.workdir / "mqlookupd.log"
-        self.stderr_path = self.workdir / "mqlookupd.stderr"
-        self.argv = [TWISTD, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
-                     "--http-address=127.0.0.1:0", *args]
-        self._init_process()
+        super().__init__(workdir, ["--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0", *args])
 
     def restart(self) -> LookupdProcess:
         code = self.stop()
         assert code in (0, -signal.SIGTERM), f"mqlookupd exited with {code}\n{self.describe()}"
         return self.start()
-
-    def get(self, path: str) -> tuple[int, Any]:
-        """(status, JSON body) of a GET on its HTTP API."""
-        status, raw = http_request(self.http_address, "GET", path)
-        return status, json.loads(raw or b"null")
-
-    def post(self, path: str) -> int:
-        return http_request(self.http_address, "POST", path, b"")[0]
 
 
 def http_request(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ._support import FAST_SCAN, BrokerProcess, Loop
+from ._support import FAST_SCAN, BrokerProcess, LookupdProcess, Loop
 
 _names = itertools.count(1)
 
@@ -30,6 +30,21 @@ def start_broker(tmp_path) -> Iterator[Callable[..., BrokerProcess]]:
     yield start
     for broker in brokers:
         broker.kill()
+
+
+@pytest.fixture
+def start_lookupd(tmp_path) -> Iterator[Callable[..., LookupdProcess]]:
+    """start_lookupd(*flags) -> a running LookupdProcess, killed at teardown like start_broker's."""
+    started: list[LookupdProcess] = []
+
+    def start(*args: str) -> LookupdProcess:
+        lookupd = LookupdProcess(tmp_path / f"lookupd{len(started) + 1}", args)
+        started.append(lookupd)
+        return lookupd.start()
+
+    yield start
+    for lookupd in started:
+        lookupd.kill()
 
 
 @pytest.fixture

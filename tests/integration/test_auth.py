@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ._support import _NO_PROXY, FRAME_ERROR, FRAME_RESPONSE, Collector, RawConn, command
+from ._support import FRAME_ERROR, FRAME_RESPONSE, Collector, RawConn, command
 
 PUBLISH = {"topic": ".*", "channels": [".*"], "permissions": ["publish"]}
 SUBSCRIBE = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
@@ -99,8 +99,8 @@ def test_pynsq_reader_and_writer_with_auth(start_broker, authd, loop, name):
     assert {q["secret"] for q in authd.queries} == {"pub", "sub"}
     assert all(q["remote_ip"] == "127.0.0.1" and q["tls"] == "false" for q in authd.queries)
 
-    with _NO_PROXY.open(f"http://{broker.http_address}/stats?format=json") as resp:
-        stats = json.load(resp)
+    status, stats = broker.get("/stats?format=json")
+    assert status == 200
     [topic_stats] = [t for t in stats["topics"] if t["topic_name"] == topic]
     [client] = topic_stats["channels"][0]["clients"]
     assert client["authed"] is True
@@ -180,6 +180,6 @@ def test_slow_auth_server_does_not_block_others(start_broker, authd, name):
         # The slow one times out (1 s) and fails; its PUB is never run.
         assert waiting.read_frame() == (FRAME_ERROR, b"E_AUTH_FAILED AUTH failed")
         waiting.expect_closed()
-    with _NO_PROXY.open(f"http://{broker.http_address}/stats?format=json&topic={topic}") as resp:
-        stats = json.load(resp)
+    status, stats = broker.get(f"/stats?format=json&topic={topic}")
+    assert status == 200
     assert stats["topics"][0]["message_count"] == 1

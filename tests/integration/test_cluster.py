@@ -7,26 +7,16 @@ Consumers find producers only through lookupd here, as a pynsq Reader given
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import nsq
 import pytest
 
-from ._support import FAST_SCAN, Collector, LookupdProcess, http_request
-
-
-def http(address: str, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-    """(status, JSON body, or the raw body when it is not JSON)."""
-    status, raw = http_request(address, method, path, body)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw
+from ._support import FAST_SCAN, Collector, http_request
 
 
 def producers(lookupd, topic: str) -> set[tuple[str, int, int]]:
     """(broadcast_address, tcp_port, http_port) of the topic's producers, per lookupd."""
-    status, body = http(lookupd.http_address, "GET", f"/lookup?topic={topic}")
+    status, body = lookupd.get(f"/lookup?topic={topic}")
     if status != 200:
         return set()
     return {(p["broadcast_address"], p["tcp_port"], p["http_port"]) for p in body["producers"]}
@@ -34,20 +24,6 @@ def producers(lookupd, topic: str) -> set[tuple[str, int, int]]:
 
 def node(broker) -> tuple[str, int, int]:
     return ("127.0.0.1", broker.tcp_port, broker.http_port)
-
-
-@pytest.fixture
-def start_lookupd(tmp_path):
-    started: list[Any] = []
-
-    def start(*args: str):
-        lookupd = LookupdProcess(tmp_path / f"lookupd{len(started) + 1}", args)
-        started.append(lookupd)
-        return lookupd.start()
-
-    yield start
-    for lookupd in started:
-        lookupd.kill()
 
 
 @pytest.fixture
@@ -73,15 +49,14 @@ def test_reader_finds_every_producer_through_lookupd(cluster, loop):
     loop.run_until(lambda: len(got) >= 2, what="a message from each broker")
     assert sorted(got.bodies) == [b"from-0", b"from-1"]
     # The channel the Reader made on each broker is registered too.
-    loop.run_until(lambda: http(lookupd.http_address, "GET", "/channels?topic=spread")[1]
-                   and "c" in http(lookupd.http_address, "GET", "/channels?topic=spread")[1]["channels"],
+    loop.run_until(lambda: "c" in (lookupd.get("/channels?topic=spread")[1] or {}).get("channels", []),
                    what="the channel registered")
 
 
 def test_killed_broker_drops_out_of_lookup(cluster, loop):
     lookupd, (alive, dead) = cluster
     for broker in (alive, dead):
-        assert http(broker.http_address, "POST", "/topic/create?topic=t")[0] == 200
+        assert broker.post("/topic/create?topic=t") == 200
     loop.run_until(lambda: producers(lookupd, "t") == {node(alive), node(dead)}, what="both registered")
     dead.kill()
     loop.run_until(lambda: producers(lookupd, "t") == {node(alive)}, what="the killed broker to go")
@@ -92,33 +67,32 @@ def test_restarted_lookupd_gets_every_registration_back(cluster, start_lookupd, 
     for broker in brokers:
         for path in ("/topic/create?topic=only-topic", "/topic/create?topic=with-channel",
                      "/channel/create?topic=with-channel&channel=ch"):
-            assert http(broker.http_address, "POST", path)[0] == 200
+            assert broker.post(path) == 200
     loop.run_until(lambda: producers(lookupd, "with-channel") == {node(b) for b in brokers},
                    what="both registered")
     lookupd.kill()
     # A new lookupd (new ports); the brokers are told at run time (H3).
     replacement = start_lookupd()
     for broker in brokers:
-        status, _ = http(broker.http_address, "PUT", "/config/nsqlookupd_tcp_addresses",
-                         json.dumps([replacement.tcp_address]).encode())
+        status, _ = http_request(broker.http_address, "PUT", "/config/nsqlookupd_tcp_addresses",
+                                 json.dumps([replacement.tcp_address]).encode())
         assert status == 200
     for topic in ("only-topic", "with-channel"):
         loop.run_until(lambda topic=topic: producers(replacement, topic) == {node(b) for b in brokers},
                        what=f"{topic} registered again")
-    _, channels = http(replacement.http_address, "GET", "/channels?topic=with-channel")
+    _, channels = replacement.get("/channels?topic=with-channel")
     assert channels["channels"] == ["ch"]
 
 
 def test_info_and_nodes_agree(cluster, loop):
     lookupd, brokers = cluster
-    loop.run_until(lambda: len(http(lookupd.http_address, "GET", "/nodes")[1]["producers"]) == 2,
-                   what="both brokers identified")
-    _, nodes = http(lookupd.http_address, "GET", "/nodes")
+    loop.run_until(lambda: len(lookupd.get("/nodes")[1]["producers"]) == 2, what="both brokers identified")
+    _, nodes = lookupd.get("/nodes")
     seen = {(p["broadcast_address"], p["tcp_port"], p["http_port"], p["version"])
             for p in nodes["producers"]}
     expected = set()
     for broker in brokers:
-        _, info = http(broker.http_address, "GET", "/info")
+        _, info = broker.get("/info")
         expected.add((info["broadcast_address"], info["tcp_port"], info["http_port"], info["version"]))
     assert seen == expected
 
@@ -126,7 +100,7 @@ def test_info_and_nodes_agree(cluster, loop):
 def test_lookupd_back_on_the_same_port_gets_every_registration_back(cluster, start_lookupd, loop):
     lookupd, brokers = cluster
     for broker in brokers:
-        assert http(broker.http_address, "POST", "/topic/create?topic=t")[0] == 200
+        assert broker.post("/topic/create?topic=t") == 200
     loop.run_until(lambda: producers(lookupd, "t") == {node(b) for b in brokers}, what="both registered")
     lookupd.kill()
     # The brokers keep redialling (with a backoff) and re-announce on reconnecting (H2).

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ._support import FAST_SCAN, FRAME_ERROR, FRAME_RESPONSE, RawConn, command
+from ._support import FAST_SCAN, FRAME_ERROR, FRAME_RESPONSE, RawConn, command, mpub_body, wait_for
 
 V1 = "nsq; version=1.0"
 JSON_TYPE = "application/json; charset=utf-8"
@@ -84,10 +84,6 @@ def bodies(conn: RawConn, n: int) -> list[bytes]:
         conn.send(command(f"FIN {msg_id.decode()}"))
         out.append(body)
     return out
-
-
-def framed(*items: bytes) -> bytes:
-    return struct.pack(">i", len(items)) + b"".join(struct.pack(">i", len(b)) + b for b in items)
 
 
 # -- /ping, /info, conventions ---------------------------------------------------------------
@@ -190,7 +186,7 @@ def test_mpub_text_mode(broker, name):
 def test_mpub_binary_mode(broker, name, flag):
     topic = name()
     with subscribe(broker, topic, "c") as conn:
-        r = post(broker, f"/mpub?topic={topic}&binary={flag}", framed(b"a\nb", b"c"))
+        r = post(broker, f"/mpub?topic={topic}&binary={flag}", mpub_body([b"a\nb", b"c"]))
         assert (r.status, r.body) == (200, b"OK")
         assert bodies(conn, 2) == [b"a\nb", b"c"]
 
@@ -364,10 +360,8 @@ def test_topic_delete_closes_every_consumer_and_a_publish_recreates_it(broker, n
     assert post(broker, f"/pub?topic={topic}", b"again").status == 200
     t = stats(broker, topic)
     assert (t["depth"], t["channels"]) == (1, [])
-    deadline = time.monotonic() + 5
-    while topic in broker.channels_in_metadata() and broker.channels_in_metadata()[topic]:
-        assert time.monotonic() < deadline, "metadata still lists the deleted channels"
-        time.sleep(0.02)
+    wait_for(lambda: not broker.channels_in_metadata().get(topic),
+             what="the metadata to drop the deleted channels")
 
 
 # -- /config ------------------------------------------------------------------------------------

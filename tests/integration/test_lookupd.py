@@ -8,16 +8,10 @@ import struct
 
 import pytest
 
-from ._support import LookupdProcess
-
 
 @pytest.fixture
-def lookupd(tmp_path):
-    process = LookupdProcess(tmp_path / "lookupd")
-    try:
-        yield process.start()
-    finally:
-        process.kill()
+def lookupd(start_lookupd):
+    return start_lookupd()
 
 
 def _read_frame(sock: socket.socket) -> bytes:

@@ -39,15 +39,20 @@ def publish(broker, topic: str, n: int, start: int = 0) -> None:
     assert status == 200, text
 
 
-def depths(broker) -> dict[str, int]:
+def queue_stats(broker) -> dict[str, dict]:
+    """/stats of every topic and channel, by queue name (`topic` or `topic:channel`)."""
     status, text = call(broker, "GET", "/stats?format=json")
     assert status == 200
     out = {}
     for topic in json.loads(text)["topics"]:
-        out[topic["topic_name"]] = topic["depth"]
+        out[topic["topic_name"]] = topic
         for channel in topic["channels"]:
-            out[f"{topic['topic_name']}:{channel['channel_name']}"] = channel["depth"]
+            out[f"{topic['topic_name']}:{channel['channel_name']}"] = channel
     return out
+
+
+def depths(broker) -> dict[str, int]:
+    return {name: stats["depth"] for name, stats in queue_stats(broker).items()}
 
 
 def test_post_snapshot_counts_match_depths(start_broker):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._support import FAST_SCAN, RawConn, command, mpub_body, wait_for
-
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+from ._support import _NO_PROXY, FAST_SCAN, RawConn, command, mpub_body, wait_for
 
 
 def get(broker, path: str) -> tuple[int, dict[str, str], bytes]:

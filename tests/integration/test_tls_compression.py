@@ -28,11 +28,6 @@ from ._support import (
 )
 
 
-def get_json(broker, path: str):
-    with _NO_PROXY.open(f"http://{broker.http_address}{path}", timeout=5) as response:
-        return json.loads(response.read())
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     return make_certs(tmp_path_factory.mktemp("certs"))
@@ -50,6 +45,12 @@ def client_context(certs, *, client_cert: bool = False, other: bool = False) -> 
     if other:
         ctx.load_cert_chain(str(certs.other_client_cert), str(certs.other_client_key))
     return ctx
+
+
+def pynsq_tls(certs, **options: str) -> dict:
+    """pynsq's keyword arguments for TLS verified against the test CA."""
+    return {"tls_v1": True,
+            "tls_options": {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca), **options}}
 
 
 class UpgradingConn(RawConn):
@@ -71,8 +72,7 @@ class UpgradingConn(RawConn):
             assert self.read_frame() == (FRAME_RESPONSE, b"OK")
         if answer["snappy"] or answer["deflate"]:
             self.codec = SnappyClient() if answer["snappy"] else DeflateClient()
-            early, self._buf = self._buf, b""
-            self._buf = self.codec.decompress(early)
+            self._buf = self.codec.decompress(self._buf)
             assert self.read_frame() == (FRAME_RESPONSE, b"OK")
         return answer
 
@@ -113,13 +113,13 @@ def pub_and_consume(broker, name, **upgrade) -> dict:
 def test_tls_with_pynsq(start_broker, loop, name, certs):
     broker = start_broker(*tls_flags(certs))
     topic = name()
-    opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca)}
     collector = Collector()
-    loop.reader(broker, topic, "ch", collector, tls_v1=True, tls_options=opts)
-    writer = loop.writer(broker, tls_v1=True, tls_options=opts)
+    loop.reader(broker, topic, "ch", collector, **pynsq_tls(certs))
+    writer = loop.writer(broker, **pynsq_tls(certs))
     assert loop.publish(writer, "pub", topic, b"secret") == b"OK"
     loop.run_until(lambda: collector.bodies == [b"secret"], what="the message over TLS")
-    stats = get_json(broker, f"/stats?format=json&topic={topic}")
+    status, stats = broker.get(f"/stats?format=json&topic={topic}")
+    assert status == 200
     clients = stats["topics"][0]["channels"][0]["clients"]
     assert clients[0]["tls"] is True
     assert clients[0]["tls_version"].startswith("TLS1.")
@@ -130,9 +130,8 @@ def test_tls_client_cert_require_verify(start_broker, loop, name, certs):
     broker = start_broker(*tls_flags(certs, "--tls-client-auth-policy=require-verify",
                                      f"--tls-root-ca-file={certs.ca}"))
     topic = name()
-    opts = {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca),
-            "certfile": str(certs.client_cert), "keyfile": str(certs.client_key)}
-    writer = loop.writer(broker, tls_v1=True, tls_options=opts)
+    writer = loop.writer(broker, **pynsq_tls(certs, certfile=str(certs.client_cert),
+                                             keyfile=str(certs.client_key)))
     assert loop.publish(writer, "pub", topic, b"verified") == b"OK"
     # Without a certificate, and with one from a CA the broker does not
     # trust, the handshake fails; the broker carries on.
@@ -162,9 +161,7 @@ def test_tls_require_policy_accepts_any_client_cert(start_broker, certs, name):
 def test_compression_with_pynsq(start_broker, loop, name, certs, kind, tls):
     broker = start_broker(*tls_flags(certs))
     topic = name()
-    kwargs = {kind: True}
-    if tls:
-        kwargs.update(tls_v1=True, tls_options={"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca)})
+    kwargs = {kind: True, **(pynsq_tls(certs) if tls else {})}
     collector = Collector()
     loop.reader(broker, topic, "ch", collector, **kwargs)
     writer = loop.writer(broker, **kwargs)
@@ -172,7 +169,9 @@ def test_compression_with_pynsq(start_broker, loop, name, certs, kind, tls):
     for body in bodies:
         assert loop.publish(writer, "pub", topic, body) == b"OK"
     loop.run_until(lambda: collector.bodies == bodies, what=f"the messages over {kind}")
-    [client] = get_json(broker, f"/stats?format=json&topic={topic}")["topics"][0]["channels"][0]["clients"]
+    status, stats = broker.get(f"/stats?format=json&topic={topic}")
+    assert status == 200
+    [client] = stats["topics"][0]["channels"][0]["clients"]
     assert (client[kind], client["tls"]) == (True, tls)
 
 

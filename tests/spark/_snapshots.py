@@ -27,17 +27,7 @@ from backends.lmdb import LmdbStore
 from mqd.message import Message
 from spark_bridge.snapshot import take_snapshot
 
-__all__ = [
-    "BASE_TS_NS",
-    "STANDARD_QUEUES",
-    "build_snapshot",
-    "expected_rows",
-    "message",
-    "messages",
-    "micros",
-    "standard_queues",
-    "utc_us",
-]
+__all__ = ["STANDARD_QUEUES", "build_snapshot", "expected_rows", "message", "messages", "micros"]
 
 # 2023-11-14T22:13:20.123456789Z: sub-microsecond digits, so the ns -> us
 # conversion is visible.
@@ -69,10 +59,6 @@ def micros(value: datetime) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
-def _copy(m: Message) -> Message:
-    return Message(m.id, m.body, m.timestamp, m.attempts, m.deferred_until)
-
-
 def build_snapshot(tmp_path: str | os.PathLike, queues: Mapping[str, list[Message]], *,
                    holes: Mapping[str, Iterable[int]] | None = None, name: str = "snap") -> Path:
     """Write `queues` into a new store under tmp_path, snapshot it, return the snapshot directory.
@@ -89,7 +75,7 @@ def build_snapshot(tmp_path: str | os.PathLike, queues: Mapping[str, list[Messag
     try:
         stored: dict[str, list[Message]] = {}
         for queue_name, msgs in queues.items():
-            stored[queue_name] = [_copy(m) for m in msgs]
+            stored[queue_name] = [m.copy() for m in msgs]
             store.open_queue(queue_name).put(stored[queue_name])
         store.commit()
         for queue_name, seqs in (holes or {}).items():
@@ -127,7 +113,7 @@ def expected_rows(queues: Mapping[str, list[Message]],
     return rows
 
 
-def standard_queues() -> dict[str, list[Message]]:
+def _standard_queues() -> dict[str, list[Message]]:
     """The shared content: 5 topics, 8 queues (one empty), 98 messages.
 
     - orders: 5 messages left in the topic's own queue; orders:billing 40,
@@ -156,4 +142,4 @@ def standard_queues() -> dict[str, list[Message]]:
     }
 
 
-STANDARD_QUEUES = standard_queues()
+STANDARD_QUEUES = _standard_queues()

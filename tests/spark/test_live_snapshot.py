@@ -32,7 +32,7 @@ from tests.integration._support import (
     mpub_body,
     wait_for,
 )
-from tests.integration.test_snapshot import call, create
+from tests.integration.test_snapshot import call, create, queue_stats
 
 TOPIC, SOLO = "live", "solo"
 BATCH = 20
@@ -163,17 +163,6 @@ def snapshot(broker, name: str) -> str:
     return json.loads(text)["path"]
 
 
-def channel_stats(broker) -> dict[str, dict]:
-    status, text = call(broker, "GET", "/stats?format=json")
-    assert status == 200
-    out = {}
-    for topic in json.loads(text)["topics"]:
-        out[topic["topic_name"]] = topic
-        for channel in topic["channels"]:
-            out[f"{topic['topic_name']}:{channel['channel_name']}"] = channel
-    return out
-
-
 def read_with_spark(spark, path: str) -> dict[str, list[tuple[str, bytes]]]:
     """{queue name: [(message id, body), ...]} of a snapshot, read through the mqd format."""
     table = (spark.read.format("mqd").option("partitions", "2").load(path)
@@ -217,10 +206,11 @@ def test_snapshots_of_a_busy_durable_broker(start_broker, spark):
     # Traffic has stopped and the consumer is gone: wait for its in-flight
     # messages to be requeued, then take the final snapshot.
     want_c1 = len(published[TOPIC]) - len(finished)
-    wait_for(lambda: (lambda s: s[f"{TOPIC}:c1"]["client_count"] == 0
-                      and s[f"{TOPIC}:c1"]["in_flight_count"] == 0
-                      and s[f"{TOPIC}:c1"]["depth"] == want_c1)(channel_stats(broker)),
-             timeout=30, what="the consumer's in-flight messages to be requeued")
+    def requeued() -> bool:
+        c1 = queue_stats(broker)[f"{TOPIC}:c1"]
+        return (c1["client_count"], c1["in_flight_count"], c1["depth"]) == (0, 0, want_c1)
+
+    wait_for(requeued, timeout=30, what="the consumer's in-flight messages to be requeued")
     paths.append(snapshot(broker, "final"))
 
     ids: dict[bytes, str] = {}  # body -> message id, the same in every queue and snapshot

@@ -36,10 +36,6 @@ def rows(batches: list[pa.RecordBatch]) -> list[dict]:
     return [row for b in batches for row in b.to_pylist()]
 
 
-def key(row: dict) -> tuple:
-    return row["topic"], row["channel"] or "", row["sequence"]
-
-
 # -- decoding ---------------------------------------------------------------------------
 
 
@@ -294,13 +290,8 @@ def test_batches_are_cut_by_bytes_as_well_as_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "BATCH_BYTES", 10_000)
     queues = {"big": [message(n, b"x" * 1000) for n in range(60)]
               + [message(60, b"y" * 25_000)] + [message(n, b"z" * 10) for n in range(61, 70)]}
-    snap = build_snapshot(tmp_path, queues)
-    manifest, env = open_snapshot(snap)
-    try:
-        batches = list(read_ranges(env, snapshot_ranges(manifest)))
-    finally:
-        env.close()
-    assert [row for b in batches for row in b.to_pylist()] == expected_rows(queues)
+    batches = read_all(build_snapshot(tmp_path, queues))
+    assert rows(batches) == expected_rows(queues)
     for b in batches:
         stored = sum(size + records.RECORD.size for size in b.column("body_size").to_pylist())
         assert stored <= 10_000 or b.num_rows == 1
