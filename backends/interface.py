@@ -38,7 +38,11 @@ class IBackendQueue(Interface):
         """These messages (from `read`) are done for good; a durable store drops them."""
 
     def update(messages):
-        """These messages (from `read`) changed attempts or deferral; a durable store rewrites them."""
+        """These messages (from `read` or `hold`) changed attempts or deferral; a durable store rewrites them.
+
+        A held message stays hidden from `read` until it is finished: it
+        still lives outside the queue (due, requeued or in flight).
+        """
 
     def hold(messages):
         """Keep messages the channel holds outside the queue (deferred), if the store is durable.

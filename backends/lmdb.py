@@ -63,7 +63,9 @@ class StoreOpenError(Exception):
 
 
 def _encode(msg: Message) -> bytes:
-    return RECORD.pack(msg.timestamp, msg.attempts, msg.deferred_until, msg.id) + msg.body
+    # attempts is nsqd's uint16, which wraps: a record must never fail to pack,
+    # or every later commit of the whole store would fail with it.
+    return RECORD.pack(msg.timestamp, msg.attempts & 0xFFFF, msg.deferred_until, msg.id) + msg.body
 
 
 def _decode(key: bytes, value: bytes) -> Message:
@@ -90,7 +92,11 @@ class LmdbQueue:
         # Unread messages this process put, oldest first: every one not yet
         # committed, plus (durable) up to _READ_CACHE committed ones.
         self._tail: deque[Message] = deque()
-        # Keys of deferred messages stored by `hold`: reads pass over them.
+        # Keys of records stored by `hold` (deferred messages), so past the
+        # read position while their messages live outside the queue: in the
+        # deferred queue, then in memory or in flight once due or requeued.
+        # Reads pass over them until they are FINished (or the queue is
+        # emptied); releasing one earlier would let a read return it twice.
         self._held: set[bytes] = set()
 
     def _tail_start(self) -> int:
@@ -134,7 +140,14 @@ class LmdbQueue:
             out.append(tail.popleft())
         if out:
             self._read_seq = KEY.unpack(out[-1].key)[1] + 1
-            self._depth -= len(out)
+            depth = self._depth - len(out)
+            if depth < 0:
+                # More read than the queue held: a record was read twice. Say
+                # so, and keep the depth sane for everything sizing by it.
+                log.error("queue {name}: read {n} messages with depth {depth}; depth reset to 0",
+                          name=self.name, n=len(out), depth=self._depth)
+                depth = 0
+            self._depth = depth
             if not self._store.durable:
                 # Without durability a read removes the records (one never
                 # written is just dropped), exactly what a FIN does.
@@ -184,15 +197,14 @@ class LmdbQueue:
         store._schedule()
 
     def update(self, messages) -> None:
+        """Rewrite the records; a held one stays held (its message is still outside the queue)."""
         store = self._store
         puts = store._puts
         updates = store._updates
-        held = self._held
         for msg in messages:
             key = msg.key
             if key is None:
                 continue
-            held.discard(key)
             if key not in puts:
                 updates[key] = msg
         store._schedule()
@@ -415,6 +427,13 @@ class LmdbStore:
             return
         except lmdb.Error as e:
             self._failed(str(e), waiters)
+            return
+        except Exception as e:
+            # Not the disk: a bug. Report it as a failed store (/ping says so)
+            # rather than raise out of the reactor with nothing noticing.
+            if self.failure is None:
+                log.failure("LMDB commit failed")
+            self._failed(f"{type(e).__name__}: {e}", waiters)
             return
         if self.failure is not None:
             self.failure = None

@@ -25,11 +25,12 @@ def take(items: deque, n: int) -> list:
 
 @implementer(IBackendQueue)
 class MemoryQueue:
-    __slots__ = ("name", "_items")
+    __slots__ = ("name", "_items", "_store")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, store: MemoryStore | None = None) -> None:
         self.name = name
         self._items: deque = deque()
+        self._store = store
 
     def put(self, messages) -> None:
         self._items.extend(messages)
@@ -53,7 +54,10 @@ class MemoryQueue:
         self._items.clear()
 
     def delete(self) -> None:
+        """Drop the messages and make the store forget the queue, or every deleted queue would stay."""
         self._items.clear()
+        if self._store is not None:
+            self._store.forget(self)
 
     def close(self) -> None:
         """Nothing to release; what the queue holds dies with the process."""
@@ -72,8 +76,13 @@ class MemoryStore:
     def open_queue(self, name: str) -> MemoryQueue:
         queue = self._queues.get(name)
         if queue is None:
-            queue = self._queues[name] = MemoryQueue(name)
+            queue = self._queues[name] = MemoryQueue(name, self)
         return queue
+
+    def forget(self, queue: MemoryQueue) -> None:
+        """A deleted queue goes; a newer queue opened under its name stays."""
+        if self._queues.get(queue.name) is queue:
+            del self._queues[queue.name]
 
     def when_durable(self, callback) -> None:
         callback(None)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
+from backends import BackendError
+
 from .latency import LatencyWindow
 from .overflow import OverflowQueue, take
 from .pqueue import PriorityQueue
@@ -100,10 +102,20 @@ class Channel:
 
     # -- queueing ------------------------------------------------------------
 
-    def put(self, msgs: list[Message]) -> None:
-        """Messages from the topic; delivered at once if a client is ready."""
+    def put(self, msgs: list[Message], spill: bool = False) -> None:
+        """Messages from the topic; delivered at once if a client is ready.
+
+        Raises BackendError (nothing queued) if the overflow cannot be
+        stored, unless `spill`: then the messages stay in memory beyond the
+        bound, for a topic whose other channels already took their copies.
+        """
+        try:
+            self._queue.put(msgs)
+        except BackendError:
+            if not spill:
+                raise
+            self._queue.mem.extend(msgs)
         self.message_count += len(msgs)
-        self._queue.put(msgs)
         self.deliver_soon()
 
     def deliver_soon(self) -> None:
@@ -118,10 +130,18 @@ class Channel:
         else:
             pending.add(self)
 
-    def put_deferred(self, msgs: list[Message]) -> None:
-        """Messages from the topic that are due only at their `deferred_until`."""
+    def put_deferred(self, msgs: list[Message], spill: bool = False) -> None:
+        """Messages from the topic that are due only at their `deferred_until`.
+
+        A store that cannot keep them raises BackendError, unless `spill`
+        (see `put`): then they are deferred in memory only.
+        """
+        try:
+            self._queue.hold(msgs)
+        except BackendError:
+            if not spill:
+                raise
         self.message_count += len(msgs)
-        self._queue.hold(msgs)
         self._defer(msgs)
 
     def _defer(self, msgs: list[Message]) -> None:
@@ -158,7 +178,10 @@ class Channel:
                     self._defer(later)
                 pending = len(mem)
                 if not pending:
-                    if queue:
+                    # Only deferred ones came back: read on. Nothing at all
+                    # means the backend has nothing now, whatever its depth
+                    # says: reading again would spin the reactor forever.
+                    if later and queue:
                         continue
                     return
             if len(clients) == 1:
@@ -186,15 +209,14 @@ class Channel:
         now = self._clock.seconds()
         rate = client.sample_rate
         if rate:
-            # nsqd draws r in [0,100) and drops the message when r > rate; the
-            # dropped ones are consumed for this channel, not requeued.
-            randrange = random.randrange
-            batch = [m for m in batch if randrange(100) <= rate]
+            batch = self._sample(batch, rate)
             if not batch:
                 return
         in_flight = self._in_flight
         for msg in batch:
-            msg.attempts += 1
+            # nsqd's attempts is a uint16 and wraps (65535 -> 0); a larger
+            # number could not be packed into a frame nor a record.
+            msg.attempts = (msg.attempts + 1) & 0xFFFF
             msg.client = client
             msg.delivered_at = now
             in_flight[msg.id] = msg
@@ -203,6 +225,22 @@ class Channel:
         client.in_flight_count += n
         client.message_count += n
         client.send_messages(batch)
+
+    def _sample(self, batch: list[Message], rate: int) -> list[Message]:
+        """The messages a client with `sample_rate` gets; the others are done for good.
+
+        nsqd draws r in [0,100) and drops the message when r > rate; the
+        dropped ones are consumed for this channel, not requeued, so a
+        durable store must forget them as a FIN would.
+        """
+        randrange = random.randrange
+        kept: list[Message] = []
+        dropped: list[Message] = []
+        for m in batch:
+            (kept if randrange(100) <= rate else dropped).append(m)
+        if dropped:
+            self._queue.finish(dropped)
+        return kept
 
     # -- FIN / REQ / TOUCH ---------------------------------------------------
 

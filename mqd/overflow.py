@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING
 from backends import BackendError
 from backends.memory import take
 
+from .logs import get_logger
+
 if TYPE_CHECKING:
     from .message import Message
 
 __all__ = ["OverflowQueue", "take"]
+
+log = get_logger(__name__)
 
 
 class OverflowQueue:
@@ -31,13 +35,18 @@ class OverflowQueue:
         return len(self.mem) + self.backend.depth()
 
     def __bool__(self) -> bool:
-        return bool(self.mem) or bool(self.backend.depth())
+        return bool(self.mem) or self.backend.depth() > 0
 
     def backend_depth(self) -> int:
         return self.backend.depth()
 
     def put(self, msgs: list[Message]) -> None:
-        """Append in order; raises BackendError if the overflow cannot be stored."""
+        """Append in order; raises BackendError if the overflow cannot be stored.
+
+        All or nothing: the backend is given its part before memory takes
+        the rest, so a refused put leaves the queue as it was and the
+        caller can keep every message elsewhere without duplicating any.
+        """
         mem = self.mem
         backend = self.backend
         room = self.size - len(mem)
@@ -45,8 +54,9 @@ class OverflowQueue:
             mem.extend(msgs)
             return
         if room > 0 and not backend.depth():
+            backend.put(msgs[room:])
             mem.extend(msgs[:room])
-            msgs = msgs[room:]
+            return
         backend.put(msgs)
 
     def put_accepted(self, msgs: list[Message]) -> None:
@@ -101,6 +111,16 @@ class OverflowQueue:
                 mem.append(m)
         return later
 
+    def untake(self, msgs: list[Message]) -> None:
+        """Give back what `take` returned (and nothing was done with) at the head, in order.
+
+        Back into memory even if it came from the backend (beyond the
+        bound, for the moment): the next `take` returns them first. A
+        durable store still keeps their records, as nothing finished them;
+        in default mode, as for the memory queue, they live in RAM only.
+        """
+        self.mem.extendleft(reversed(msgs))
+
     def take(self, n: int) -> list[Message]:
         """Remove up to `n` messages from the head, memory first, then the backend.
 
@@ -133,5 +153,11 @@ class OverflowQueue:
             self.backend.update(kept)
             held = [m for m in held if m.key is None]
         if held:
-            self.backend.put(held)
+            try:
+                self.backend.put(held)
+            except BackendError as e:
+                # A failed store at shutdown: these die with the process, as
+                # a memory queue's do; the other queues must still close.
+                log.error("queue {name}: {n} messages in memory not stored at shutdown: {error}",
+                          name=self.backend.name, n=len(held), error=e)
         self.backend.close()

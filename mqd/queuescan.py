@@ -11,6 +11,7 @@ timers can therefore fire up to that much late: NSQ behaviour B7).
 from __future__ import annotations
 
 import random
+from weakref import WeakSet
 
 from twisted.application import service
 from twisted.internet.task import LoopingCall
@@ -39,6 +40,8 @@ class QueueScanner(service.Service):
         self._channels: list = []
         self._refreshed_at: float | None = None
         self._loop: LoopingCall | None = None
+        # Channels whose processing failed and was logged: logged once, not every tick.
+        self._failing: WeakSet = WeakSet()
 
     def startService(self) -> None:
         super().startService()
@@ -75,8 +78,16 @@ class QueueScanner(service.Service):
             dirty = 0
             for channel in sample:
                 # Both queues are always processed: `or` would skip the second.
-                expired = channel.process_in_flight(now)
-                due = channel.process_deferred(now)
+                # A failure stays with its channel: raising out of here would
+                # stop the LoopingCall, so every timeout of every topic.
+                try:
+                    expired = channel.process_in_flight(now)
+                except Exception:
+                    expired = self._failed(channel, "in-flight timeouts")
+                try:
+                    due = channel.process_deferred(now)
+                except Exception:
+                    due = self._failed(channel, "deferred messages")
                 if expired or due:
                     dirty += 1
             dirty_total += dirty
@@ -84,3 +95,10 @@ class QueueScanner(service.Service):
                 break
             now = self.broker.clock.seconds()
         return dirty_total
+
+    def _failed(self, channel, what: str) -> bool:
+        """Log a channel's failure the first time (the scan retries it every tick); not dirty."""
+        if channel not in self._failing:
+            self._failing.add(channel)
+            log.failure("queue scan: processing {what} of {channel} failed", what=what, channel=channel)
+        return False

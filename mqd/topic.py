@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from backends import BackendError
+
 from .channel import Channel
+from .logs import get_logger
 from .message import IdFactory, Message
 
 if TYPE_CHECKING:
@@ -18,9 +21,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Topic"]
 
+log = get_logger(__name__)
+
 # How many queued messages one drain step moves to the channels before it
 # yields the reactor to other connections.
 DRAIN_BATCH = 8192
+# How long a move the channels' store refused (a full disk) waits before it
+# is tried again: the store itself retries its commit every second.
+DRAIN_RETRY = 1.0
 
 
 class Topic:
@@ -92,12 +100,18 @@ class Topic:
         self.message_count += len(msgs)
         self.message_bytes += sum([len(m.body) for m in msgs])
 
-    def _fan_out(self, msgs: list[Message]) -> None:
-        """One copy per channel; the last channel takes the originals.
+    def _fan_out(self, msgs: list[Message], keep_originals: bool = False) -> None:
+        """One copy per channel; the last channel takes the originals unless `keep_originals`.
 
         Copies are taken from originals no channel has seen yet: a put may
         deliver at once, and a delivery's attempts+1 must not be inherited
         by the next channel's copy (each copy counts its own attempts, A2).
+
+        Raises BackendError, with no channel having taken anything, when
+        the first channel's store refuses the messages. Ephemeral channels
+        (never stored) come last, so with one store behind all the others
+        only the first put can be refused; should a later one be, that
+        channel keeps its copies in memory, as the others took theirs.
         """
         if msgs[0].deferred_until or msgs[-1].deferred_until:
             now_due = [m for m in msgs if not m.deferred_until]
@@ -105,7 +119,10 @@ class Topic:
         else:
             now_due, later = msgs, None
         channels = list(self.channels.values())
-        last = len(channels) - 1
+        if len(channels) > 1:
+            channels.sort(key=_ephemeral_last)
+        last = len(channels) if keep_originals else len(channels) - 1
+        accepted = False
         for i, channel in enumerate(channels):
             if i < last:
                 due = [m.copy() for m in now_due]
@@ -113,22 +130,42 @@ class Topic:
             else:
                 due, deferred = now_due, later
             if deferred:
-                channel.put_deferred(deferred)
+                channel.put_deferred(deferred, accepted)
+                accepted = True
             if due:
-                channel.put(due)
+                channel.put(due, accepted)
+                accepted = True
 
     def _drain(self) -> None:
-        """Move what waited at the topic to the channels, a batch per reactor turn."""
+        """Move what waited at the topic to the channels, a batch per reactor turn.
+
+        A move the channels' store refuses (a full disk) gives the batch
+        back to the topic and is tried again later: what was acknowledged
+        stays where it is until a channel has it.
+        """
         self._drain_call = None
         if not self.channels or self.paused or self.exiting:
             return
-        batch = self._queue.take(DRAIN_BATCH)
-        if batch:
-            # Forget them at the topic first: the channels' stores give the
-            # messages their own keys. Both land in the same commit.
-            self._queue.finish(batch)
-            self._fan_out(batch)
-        if self._queue:
+        queue = self._queue
+        batch = queue.take(DRAIN_BATCH)
+        if not batch:
+            return
+        # Messages a durable store keeps for the topic stay its own: the
+        # channels get copies, with their own keys, so the topic's records
+        # are finished only once every channel has the messages. Both land
+        # in the same commit.
+        stored = any([m.key is not None for m in batch])
+        try:
+            self._fan_out(batch, keep_originals=stored)
+        except BackendError as e:
+            queue.untake(batch)
+            log.warn("TOPIC({topic}): cannot move {n} messages to its channels, retrying in {s}s: {error}",
+                     topic=self.name, n=len(batch), s=DRAIN_RETRY, error=e)
+            self._drain_call = self.broker.clock.callLater(DRAIN_RETRY, self._drain)
+            return
+        if stored:
+            queue.finish(batch)
+        if queue:
             self._drain_call = self.broker.clock.callLater(0, self._drain)
 
     def _schedule_drain(self) -> None:
@@ -197,3 +234,7 @@ class Topic:
         for channel in self.channels.values():
             channel.close()
         self._queue.close()
+
+
+def _ephemeral_last(channel: Channel) -> bool:
+    return channel.ephemeral

@@ -329,7 +329,7 @@ def test_durable_hold_hidden_when_reading_committed_records(tmp_path, clock):
     clock.advance(0)
     q._tail.clear()  # as if the read cache had been trimmed
     assert bodies(q.read(10)) == [b"m0", b"m1", b"m3", b"m4"]
-    q.update(held)  # released: no longer hidden, nor re-read (it is behind the read position)
+    q.update(held)  # rewritten, still hidden until FIN: its message lives outside the queue
     assert q.read(10) == []
     store.close()
 
