@@ -12,7 +12,10 @@ broker that dies stops being handed out to consumers.
 Two bounds nsqlookupd lacks: the IDENTIFY body (it allocates whatever
 size the client names) and the command line (it buffers a line without
 end). A command line over the bound closes the connection without an
-answer, as no nsqlookupd error text fits.
+answer, as no nsqlookupd error text fits. A third comes from Go's
+blocking writes: nsqlookupd reads no further command while an answer
+cannot be sent, so each connection is its transport's streaming producer
+and stops reading while its unsent answers fill the transport's buffer.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
+from zope.interface import implementer
 
 from ..logs import get_logger
 from ..names import EPHEMERAL_SUFFIX, is_valid_name
+from ..protocol.errors import GoStruct
 from .registry import PeerInfo, Producer, Registration, RegistrationDB
 
 __all__ = ["LOOKUPD_VERSION", "LookupdFactory", "LookupdProtocol", "MAGIC_V1", "frame"]
@@ -58,32 +64,25 @@ class _Fatal(Exception):
         super().__init__(f"{code} {description}" if description else code)
 
 
-# IDENTIFY fields and their JSON types, as Go's json.Unmarshal into PeerInfo checks them.
-_STR_FIELDS = ("hostname", "broadcast_address", "version", "topology_zone", "topology_region")
-_INT_FIELDS = ("tcp_port", "http_port")
+# nsqlookupd's PeerInfo as json.Unmarshal fills it. remote_address is
+# decoded (a wrong type fails) but then replaced by the real one.
+_PEER_INFO = GoStruct({
+    "remote_address": "string", "hostname": "string", "broadcast_address": "string",
+    "tcp_port": "int", "http_port": "int", "version": "string",
+    "topology_zone": "string", "topology_region": "string",
+})
+_PEER_DEFAULTS: dict[str, Any] = {"hostname": "", "broadcast_address": "", "tcp_port": 0, "http_port": 0,
+                                  "version": "", "topology_zone": "", "topology_region": ""}
 
 
 def _peer_fields(body: bytes) -> dict[str, Any]:
     """IDENTIFY's JSON as PeerInfo's fields, or ValueError where Go's decoder fails."""
-    data = json.loads(body)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    fields: dict[str, Any] = {}
-    for name in _STR_FIELDS:
-        value = data.get(name)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{name}: not a string")
-        fields[name] = value or ""
-    for name in _INT_FIELDS:
-        value = data.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name}: not an integer")
-        fields[name] = value or 0
-    return fields
+    fields = _PEER_INFO.unmarshal(body)
+    fields.pop("remote_address", None)
+    return {**_PEER_DEFAULTS, **fields}
 
 
+@implementer(IPushProducer)
 class LookupdProtocol(Protocol):
     """One broker's connection: magic, commands, and its registrations' lifetime."""
 
@@ -100,6 +99,7 @@ class LookupdProtocol(Protocol):
         self._magic = False
         self._identifying = False
         self._closing = False
+        self.transport.registerProducer(self, True)
 
     @property
     def db(self) -> RegistrationDB:
@@ -146,8 +146,7 @@ class LookupdProtocol(Protocol):
                     if len(self._buf) > MAX_LINE:
                         log.error("[{peer}] - command line over {max} bytes", peer=self.peer_id,
                                   max=MAX_LINE)
-                        self._closing = True
-                        self.transport.loseConnection()
+                        self._lose()
                     return
                 line, self._buf = self._buf[:end], self._buf[end + 1:]
                 params = line.strip(_SPACE).decode("utf-8", "surrogateescape").split(" ")
@@ -255,10 +254,26 @@ class LookupdProtocol(Protocol):
         self.transport.write(frame(payload))
 
     def _close_with(self, payload: bytes) -> None:
-        self._closing = True
         self._buf = b""
         self._send(payload)
+        self._lose()
+
+    def _lose(self) -> None:
+        """Close once the answers are out; a registered producer would hold the close back forever."""
+        self._closing = True
+        self.transport.unregisterProducer()
         self.transport.loseConnection()
+
+    # IPushProducer: the transport calls these as its write buffer fills and drains.
+
+    def pauseProducing(self) -> None:
+        self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        """The connection is going; connectionLost does the cleanup."""
 
     def connectionLost(self, reason=None) -> None:
         self._closing = True

@@ -2,11 +2,19 @@
 
 Commands raise them wherever they find a problem; the protocol turns them
 into an error frame (and, when fatal, a closed connection) in one place.
+Also here: reading client input the way nsqd's Go does, so that the same
+input is an error (and the same error) in both (`go_quote`, `GoStruct`).
 """
 
 from __future__ import annotations
 
-__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote"]
+import codecs
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "GoStruct"]
 
 
 class ProtocolError(Exception):
@@ -60,3 +68,96 @@ def go_quote(raw: bytes) -> str:
             out.append(f"\\U{code:08x}")
     out.append('"')
     return "".join(out)
+
+
+# -- JSON as Go's encoding/json decodes it into a struct ------------------------------------
+
+_INT_RANGES = {"int": (-(1 << 63), (1 << 63) - 1), "int32": (-(1 << 31), (1 << 31) - 1)}
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+# Go's foldName: ASCII letters upper-cased, other runes to the smallest of their
+# case-fold orbit; only these two non-ASCII runes fold onto an ASCII letter.
+_GO_FOLD = {**{c: c - 32 for c in range(ord("a"), ord("z") + 1)}, 0x017F: "S", 0x212A: "K"}
+
+
+class _Object(list):
+    """A decoded JSON object: its (key, value) members in order, repeats kept, as Go walks them."""
+
+    __slots__ = ()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _go_int_literal(text: str) -> int | float:
+    # A literal of over 20 characters is beyond int64 (JSON has no leading
+    # zeros), so it need not become an int: that would cost Python's
+    # 4300-digit limit for a value Go only skips when no field takes it.
+    return int(text) if len(text) <= 20 else float("inf")
+
+
+def _go_replace(error: UnicodeDecodeError) -> tuple[str, int]:
+    """Go's decoder turns each byte that is not UTF-8 into one U+FFFD."""
+    return "\ufffd" * (error.end - error.start), error.end
+
+
+codecs.register_error("mqd.go_replace", _go_replace)
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_Object, parse_int=_go_int_literal,
+                            parse_constant=_reject_constant)
+
+
+class GoStruct:
+    """The JSON fields of a Go struct, decoded as json.Unmarshal fills it.
+
+    `fields` maps each JSON name to its Go kind: "string", "bool", "int"
+    (int64) or "int32". What Go rejects raises ValueError: invalid JSON
+    (NaN, a byte order mark, nesting too deep for Python), a top level that
+    is neither an object nor null, a value of the wrong kind for a field (a
+    float literal such as 1000.0 or 1e3 for an int, a number out of range).
+    Other keys are skipped, keys match case-insensitively (the last match
+    wins), and null leaves a field alone; the result has the fields that
+    were set.
+    """
+
+    __slots__ = ("_by_folded",)
+
+    def __init__(self, fields: Mapping[str, str]) -> None:
+        self._by_folded = {name.translate(_GO_FOLD): (name, kind) for name, kind in fields.items()}
+
+    def unmarshal(self, raw: bytes) -> dict[str, Any]:
+        try:
+            decoded = _DECODER.decode(raw.decode("utf-8", "mqd.go_replace"))
+        except RecursionError:
+            # Go gives up at 10000 levels; Python's limit comes first.
+            raise ValueError("JSON nested too deep") from None
+        if decoded is None:
+            return {}
+        if not isinstance(decoded, _Object):
+            raise ValueError("not a JSON object")
+        fields: dict[str, Any] = {}
+        by_folded = self._by_folded
+        for key, value in decoded:
+            field = by_folded.get(key.translate(_GO_FOLD))
+            if field is None or value is None:
+                continue
+            name, kind = field
+            fields[name] = _go_value(name, kind, value)
+        return fields
+
+
+def _go_value(name: str, kind: str, value: Any) -> Any:
+    if kind == "string":
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: not a string")
+        # A lone surrogate escape (\ud800) is U+FFFD in Go, and would fail
+        # to encode wherever the string is written out.
+        return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: not a bool")
+        return value
+    low, high = _INT_RANGES[kind]
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{name}: not an {kind}")
+    return value
