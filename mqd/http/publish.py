@@ -7,20 +7,37 @@ name is valid, before the rest of the request is checked, as nsqd does.
 
 With `--durable` a publish is answered only once the store has committed
 it, the same promise a TCP PUB gets.
+
+A big /mpub (more than a chunk of mqd.publisher) is checked whole and then
+published a chunk per reactor turn, answered once the last chunk is in, so
+other clients are served meanwhile and its messages never all exist as
+Python objects at once.
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from twisted.web.server import Request
 
 from backends import BackendError
 
 from ..logs import get_logger
+from ..publisher import (
+    BODY_TOO_BIG,
+    BatchError,
+    TopicExiting,
+    binary_bodies,
+    binary_chunks,
+    is_big,
+    publish_in_chunks,
+    text_bodies,
+    text_chunks,
+    walk_binary,
+)
 from .args import go_parse_bool, query_of, topic_arg
 from .endpoint import LATER, Endpoint, client_gone, finish_v1, read_body
 from .response import ApiError
@@ -64,25 +81,28 @@ def split_text_mpub(body: bytes, read_max: int, max_msg_size: int) -> list[bytes
     means the body was too big. Lines are checked in order, so a long line
     before the limit answers MSG_TOO_BIG, as nsqd's line reader does.
     """
+    try:
+        pieces = list(text_chunks(body, read_max, max_msg_size))
+    except BatchError as e:
+        raise _text_error(e) from None
     bodies: list[bytes] = []
-    total = 0
-    pos = 0
-    end = len(body)
-    while True:
-        nl = body.find(b"\n", pos)
-        last = nl < 0
-        stop = end if last else nl + 1
-        total += stop - pos
-        if total == read_max:
-            raise ApiError(413, "BODY_TOO_BIG")
-        line = body[pos:stop - (0 if last else 1)]
-        if line:
-            if len(line) > max_msg_size:
-                raise ApiError(413, "MSG_TOO_BIG")
-            bodies.append(line)
-        if last:
-            return bodies
-        pos = stop
+    for piece in pieces:
+        bodies += text_bodies(body, piece)
+    return bodies
+
+
+def _text_error(err: BatchError) -> ApiError:
+    return ApiError(413, "BODY_TOO_BIG" if err.reason == BODY_TOO_BIG else "MSG_TOO_BIG")
+
+
+def _binary_count(body: bytes, max_body_size: int) -> int:
+    """The message count a binary /mpub body starts with, or 413 BAD_BODY."""
+    if len(body) < 4:
+        raise ApiError(413, "BAD_BODY")
+    count = _INT32.unpack_from(body, 0)[0]
+    if count <= 0 or count > (max_body_size - 4) // 5:
+        raise ApiError(413, "BAD_BODY")
+    return count
 
 
 def parse_binary_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> list[bytes]:
@@ -91,25 +111,12 @@ def parse_binary_mpub(body: bytes, max_msg_size: int, max_body_size: int) -> lis
     Errors are 413 with the TCP error code minus `E_`. Bytes after the last
     message are ignored, as nsqd stops reading there.
     """
-    if len(body) < 4:
-        raise ApiError(413, "BAD_BODY")
-    count = _INT32.unpack_from(body, 0)[0]
-    if count <= 0 or count > (max_body_size - 4) // 5:
-        raise ApiError(413, "BAD_BODY")
-    pos = 4
-    end = len(body)
+    count = _binary_count(body, max_body_size)
     bodies: list[bytes] = []
-    for _ in range(count):
-        if pos + 4 > end:
-            raise ApiError(413, "BAD_MESSAGE")
-        size = _INT32.unpack_from(body, pos)[0]
-        if size <= 0 or size > max_msg_size:
-            raise ApiError(413, "BAD_MESSAGE")
-        pos += 4
-        if pos + size > end:
-            raise ApiError(413, "BAD_MESSAGE")
-        bodies.append(body[pos:pos + size])
-        pos += size
+    try:
+        walk_binary(body, 4, len(body), 0, count, max_msg_size, bodies)
+    except BatchError:
+        raise ApiError(413, "BAD_MESSAGE") from None
     return bodies
 
 
@@ -131,6 +138,36 @@ class _Publisher(Endpoint):
         except BackendError as e:
             self.broker.set_health(str(e))
             raise ApiError(500, "INTERNAL_ERROR") from None
+        return self._answer_stored(request, topic)
+
+    def publish_in_chunks(self, request: Request, topic: Topic, chunks: Iterator,
+                          bodies_of: Callable[[Any], list[bytes]], binary: bool) -> object:
+        """A big /mpub, checked and published over several reactor turns (mqd.publisher).
+
+        Answered as `publish` would answer the whole batch at once; a
+        check failing is the 413 the one-go parsers raise. The client may
+        be gone by then: the checked batch is published all the same.
+        """
+        if topic.exiting:
+            raise ApiError(503, "EXITING")
+
+        def done(error) -> None:
+            if error is None:
+                if self._answer_stored(request, topic) is not LATER:
+                    finish_v1(request, 200, "OK")
+            elif isinstance(error, BatchError):
+                finish_v1(request, 413, "BAD_MESSAGE" if binary else _text_error(error).message)
+            elif isinstance(error, TopicExiting):
+                finish_v1(request, 503, "EXITING")
+            else:
+                self.broker.set_health(str(error))
+                finish_v1(request, 500, "INTERNAL_ERROR")
+
+        publish_in_chunks(self.broker.clock, topic, chunks, bodies_of, done)
+        return LATER
+
+    def _answer_stored(self, request: Request, topic: Topic) -> object:
+        """`OK` for published messages, or LATER: answered once the store has committed them."""
         store = self.broker.store
         if not store.durable:
             return "OK"
@@ -190,10 +227,21 @@ class Mpub(_Publisher):
             binary = parsed
         read_max = opts.max_body_size + 1
         body = read_body(request, read_max)
+        max_msg = opts.max_msg_size
+        end = len(body)
         if binary:
-            if len(body) == read_max:
+            if end == read_max:
                 raise ApiError(413, "BODY_TOO_BIG")
-            bodies = parse_binary_mpub(body, opts.max_msg_size, opts.max_body_size)
+            count = _binary_count(body, opts.max_body_size)
+            if is_big(count, end):
+                return self.publish_in_chunks(
+                    request, topic, binary_chunks(body, 4, end, count, max_msg, exact=False),
+                    lambda chunk: binary_bodies(body, end, chunk), binary)
+            bodies = parse_binary_mpub(body, max_msg, opts.max_body_size)
         else:
-            bodies = split_text_mpub(body, read_max, opts.max_msg_size)
+            if is_big(body.count(b"\n") + 1, end):
+                return self.publish_in_chunks(
+                    request, topic, text_chunks(body, read_max, max_msg),
+                    lambda chunk: text_bodies(body, chunk), binary)
+            bodies = split_text_mpub(body, read_max, max_msg)
         return self.publish(request, topic, bodies)
