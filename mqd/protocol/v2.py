@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from twisted.internet.interfaces import IHandshakeListener
+from twisted.internet.interfaces import IHandshakeListener, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.protocols.policies import TimeoutMixin
@@ -25,8 +25,21 @@ from ..consumer import IConsumer
 from ..logs import get_logger
 from ..message import MESSAGE_HEADER
 from ..names import is_valid_name
+from ..publisher import (
+    BAD_SIZE,
+    NO_SIZE,
+    TOO_BIG,
+    TRAILING,
+    BatchError,
+    TopicExiting,
+    binary_bodies,
+    binary_chunks,
+    is_big,
+    publish_in_chunks,
+    walk_binary,
+)
 from .compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
-from .errors import ProtocolError, fatal, go_quote, nonfatal
+from .errors import GoStruct, ProtocolError, fatal, go_quote, nonfatal
 from .framing import CLOSE_WAIT, FRAME_TYPE_ERROR, FRAME_TYPE_RESPONSE, HEARTBEAT, INT32, OK, frame
 
 __all__ = ["V2Protocol", "V2Factory", "NSQ_VERSION", "STATE_INIT", "STATE_SUBSCRIBED", "STATE_CLOSING"]
@@ -47,6 +60,12 @@ DEFAULT_OUTPUT_BUFFER_SIZE = 16 * 1024
 # A line longer than this without a newline is not a command; nsqd's reader
 # gives up at its buffer size the same way (it closes without a frame).
 MAX_LINE = 64 * 1024
+# The most compressed input is inflated in one step before it is parsed;
+# the rest waits for the next turn of the reactor, so a stream that inflates
+# to gigabytes costs bounded memory and other connections are served between
+# steps. 64 KiB is what Twisted reads from a socket at a time: a turn of a
+# compressed connection costs what a turn of a plain one does.
+INFLATE_STEP = 64 * 1024
 
 _MSG_HEADER_PACK = MESSAGE_HEADER.pack
 _MSG_OVERHEAD = MESSAGE_HEADER.size - 4
@@ -61,14 +80,53 @@ _FOREVER = float("inf")
 log = get_logger(__name__)
 
 
+_UINT64 = (1 << 64) - 1
+# nsqd's identifyDataV2, and the zero values of the fields a client leaves out.
+# (topology_region/zone are only type-checked: mqd has no topology-aware delivery.)
+_IDENTIFY_DATA = GoStruct({
+    "client_id": "string", "hostname": "string", "user_agent": "string",
+    "topology_region": "string", "topology_zone": "string",
+    "heartbeat_interval": "int", "output_buffer_size": "int", "output_buffer_timeout": "int",
+    "deflate_level": "int", "sample_rate": "int32", "msg_timeout": "int",
+    "feature_negotiation": "bool", "tls_v1": "bool", "snappy": "bool", "deflate": "bool",
+})
+_IDENTIFY_DEFAULTS: dict[str, Any] = {
+    "client_id": "", "hostname": "", "user_agent": "",
+    "heartbeat_interval": 0, "output_buffer_size": 0, "output_buffer_timeout": 0,
+    "deflate_level": 0, "sample_rate": 0, "msg_timeout": 0,
+    "feature_negotiation": False, "tls_v1": False, "snappy": False, "deflate": False,
+}
+
+
 def _base10(raw: bytes) -> int | None:
-    """nsqd's ByteToBase10: decimal digits only, no sign; empty is 0."""
+    """nsqd's ByteToBase10: decimal digits only, no sign; empty is 0.
+
+    Go adds the digits up in a uint64 that wraps, so any number of digits
+    parses. 10**64 is a multiple of 2**64: the last 64 digits give the
+    same value, and never hit Python's limit on int() of long strings.
+    """
     if raw and not raw.isdigit():
         return None
-    return int(raw) if raw else 0
+    return int(raw[-64:]) & _UINT64 if raw else 0
 
 
-@implementer(IConsumer, IHandshakeListener)
+def _echo(raw: bytes) -> str:
+    """Wire bytes for an error text, given back byte for byte as nsqd's %s does (see ProtocolError.payload)."""
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _int64(value: int) -> int:
+    """Go's int64 of a uint64 (or of a product that overflowed): two's complement wrap."""
+    value &= _UINT64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _ms_duration_ns(ms: int) -> int:
+    """nsqd's time.Duration(ms) * time.Millisecond, overflow and all."""
+    return _int64(ms * 1_000_000)
+
+
+@implementer(IConsumer, IHandshakeListener, IPushProducer)
 class V2Protocol(Protocol, TimeoutMixin):
     """One client connection speaking V2."""
 
@@ -130,15 +188,28 @@ class V2Protocol(Protocol, TimeoutMixin):
         # PUBs of the current read not published yet, all to _pub_topic.
         self._pub_bodies: list[bytes] = []
         self._pub_topic: str | None = None
+        # A big MPUB being published over several turns (mqd.publisher):
+        # reading stops until it is answered.
+        self._publishing = False
+        self._reading_paused = False
         # Frames waiting behind a durable publish's OK; None when nothing waits.
         self._held: list | None = None
         self._close_after_release = False
-        # TLS and compression (IDENTIFY's upgrades). _decoder is the only
+        # TLS and compression (IDENTIFY's upgrades). _codec is the only
         # thing a read checks: None unless compression was negotiated.
         self._tls_config = broker.tls
         if self._tls_config is not None and self._tls_config.tcp_required:
             self._HANDLERS = _TLS_REQUIRED_HANDLERS
-        self._decoder = None
+        self._codec = None
+        self._inflate_call = None  # the next step of compressed input, when one is due
+        # Flow control (see _update_reading): the transport's write buffer is
+        # over its bound; an auth server is being asked; this protocol is the
+        # transport's registered producer (until the connection closes).
+        self._output_blocked = False
+        self._auth_waiting = False
+        self._producing = False
+        # Input a paused parse may keep: the biggest command (line, size, body).
+        self._max_pending = MAX_LINE + 4 + max(options.max_body_size, options.max_msg_size)
         self._upgrade_leftover: bytes | None = None
         self._tls_layer = None
         self._handshake_timer = None
@@ -160,14 +231,24 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.connect_ts = int(self.clock.seconds())
         self.broker.client_connected(self)
         self._start_heartbeats()
+        # A streaming producer of its transport, which pauses it while its
+        # unsent output is over its bufferSize and resumes it once that is
+        # all handed to the kernel (see pauseProducing). The TLS layer, once
+        # started, takes the registration over and passes the calls through.
+        self.transport.registerProducer(self, True)
+        self._producing = True
 
     def connectionLost(self, reason=None) -> None:
         self._closed = True
+        self._producing = False  # the transport drops its producer itself
         self._stop_heartbeats()
         self._obuf = []
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
+        if self._inflate_call is not None and self._inflate_call.active():
+            self._inflate_call.cancel()
+        self._inflate_call = None
         if self.tls and not self.tls_version:
             self._cancel_handshake_timer()
             log.info("client {remote}: TLS handshake failed: {reason}", remote=self.remote_address,
@@ -209,14 +290,25 @@ class V2Protocol(Protocol, TimeoutMixin):
         if self._closed:
             return
         self.resetTimeout()
-        if self._decoder is not None:
-            data = self._decode(data)
-            if not data:
-                return
+        if self._codec is not None:
+            self._inflate(data)
+        else:
+            self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        """Handle every complete command in `data` (plaintext) and keep an incomplete one."""
         if self._pending:
             self._pending.append(data)
             self._pending_len += len(data)
             if self._pending_len < self._need:
+                if self._pending_len > self._max_pending:
+                    # Only input kept while parsing waits (auth, a chunked
+                    # MPUB) has no command to bound it; reading stops then,
+                    # so this is a peer sending past what any command needs.
+                    log.warn("client {remote} sent over {max} bytes while its input waited; closing",
+                             remote=self.remote_address, max=self._max_pending)
+                    self._pending = []
+                    self.lose_connection()
                 return
             data = b"".join(self._pending)
             self._pending = []
@@ -247,8 +339,7 @@ class V2Protocol(Protocol, TimeoutMixin):
                     if end - pos > MAX_LINE:
                         log.warn("client {remote} sent a line over {max} bytes; closing",
                                  remote=self.remote_address, max=MAX_LINE)
-                        self._closed = True
-                        self.transport.loseConnection()
+                        self.lose_connection()
                         return
                     self._keep(data[pos:], end - pos + 1)
                     break
@@ -329,13 +420,79 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._pending_len = len(rest)
         self._need = need
 
+    def _update_reading(self) -> None:
+        """Read the socket only while nothing holds it.
+
+        Reasons: a chunked MPUB in progress (_publishing), an auth server
+        being asked, compressed input not inflated yet, output over its
+        bound (pauseProducing). Every reason is a flag checked here, so one
+        reason ending does not resume reading that another still holds.
+        Output backed up during a TLS handshake is the TLS layer holding our
+        OK until the handshake is done, which takes reading: that one does
+        not stop it.
+        """
+        codec = self._codec
+        paused = (self._publishing or self._auth_waiting
+                  or (codec is not None and codec.has_more)
+                  or (self._output_blocked and not (self.tls and not self.tls_version)))
+        if paused == self._reading_paused or self._closed:
+            return
+        self._reading_paused = paused
+        if paused:
+            self.transport.pauseProducing()
+        else:
+            self.transport.resumeProducing()
+
+    # -- flow control: IPushProducer, called by the transport --------------------
+
+    def pauseProducing(self) -> None:
+        """The transport's unsent output is over its bound: stop reading, and feeding messages.
+
+        The bound is Twisted's: a TCP transport's bufferSize (64 KiB, also
+        its read size) on top of the kernel's socket buffers, which take up
+        to a few MiB (tcp_wmem) before writes stay in user space. That is
+        what nsqd holds for a client that does not read too: its writes
+        block once the socket buffer is full, and so does that client's read
+        loop. A healthy consumer may be paused for a moment after a large
+        delivery pass, until the next write hands it to the kernel.
+        """
+        if not self._output_blocked:
+            self._output_blocked = True
+            self._update_reading()
+
+    def resumeProducing(self) -> None:
+        """The output drained: read on, deliver again, inflate the rest of the input."""
+        if not self._output_blocked:
+            return
+        self._output_blocked = False
+        self._continue_input()
+        if not self._closed:
+            self._deliver_soon()
+
+    def stopProducing(self) -> None:
+        """The transport is gone; connectionLost does the cleaning up."""
+
+    def lose_connection(self) -> None:
+        """Close once the output is written; every close of a V2 connection goes through here.
+
+        The producer is unregistered first: Twisted keeps a connection whose
+        producer is registered open (TLS never sends its close, a paused TCP
+        transport resumes instead of closing), so `transport.loseConnection()`
+        alone is not enough.
+        """
+        self._closed = True
+        if self._producing:
+            self._producing = False
+            self.transport.unregisterProducer()
+        self.transport.loseConnection()
+
     def _fail(self, err: ProtocolError) -> None:
         log.info("client {remote}: {error}", remote=self.remote_address, error=str(err))
         self._closed = True
         self._pending = []
         self._write_frame(frame(FRAME_TYPE_ERROR, err.payload))
         if self._held is None:
-            self.transport.loseConnection()
+            self.lose_connection()
         else:
             self._close_after_release = True
 
@@ -378,8 +535,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             out.append(item)
         self.transport.writeSequence(out)
         if failed or self._close_after_release:
-            self._closed = True
-            self.transport.loseConnection()
+            self.lose_connection()
 
     def _read_body_size(self, data: bytes, start: int) -> int | None:
         """The 4-byte size at `start`, or None (with `_need` set) if not here yet."""
@@ -407,8 +563,10 @@ class V2Protocol(Protocol, TimeoutMixin):
     # -- IConsumer ---------------------------------------------------------------
 
     def ready(self) -> int:
-        if self.state != STATE_SUBSCRIBED or self._closed:
-            # A connection failed or timed out is not fed while it closes.
+        if self.state != STATE_SUBSCRIBED or self._closed or self._output_blocked:
+            # A connection failed or timed out is not fed while it closes;
+            # one whose output is backed up (a client not reading) holds at
+            # most what it was sent until then.
             return 0
         return self.ready_count - self.in_flight_count
 
@@ -457,8 +615,7 @@ class V2Protocol(Protocol, TimeoutMixin):
     def channel_gone(self) -> None:
         self.flush_output()
         self.channel = None
-        self._closed = True
-        self.transport.loseConnection()
+        self.lose_connection()
 
     # -- commands ----------------------------------------------------------------
     # Each takes (params, data, body_start) and returns where the next command
@@ -475,11 +632,9 @@ class V2Protocol(Protocol, TimeoutMixin):
             return _NEED_MORE
         raw, end = got
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+            body = _IDENTIFY_DATA.unmarshal(raw)
+        except ValueError:
             raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body") from None
-        if not isinstance(body, dict):
-            raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
         response, upgrades = self._identify(body)
         self._write_frame(frame(FRAME_TYPE_RESPONSE, response))
         if not any(upgrades):
@@ -512,13 +667,13 @@ class V2Protocol(Protocol, TimeoutMixin):
             self.__dict__.pop("_HANDLERS", None)  # TLS-required policy satisfied
             self._write_frame(OK)
         if snappy or deflate:
-            if self._decoder is not None:
+            if self._codec is not None:
                 raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed compression already enabled")
             if self._held is not None:
                 raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed cannot compress this connection")
             codec = SnappyCodec() if snappy else DeflateCodec(self.deflate_level)
             self.transport = CompressedTransport(self.transport, codec)
-            self._decoder = codec.decompress
+            self._codec = codec
             self.snappy = snappy
             self.deflate = deflate
             self._write_frame(OK)
@@ -532,17 +687,51 @@ class V2Protocol(Protocol, TimeoutMixin):
         else:
             self.dataReceived(data)
 
-    def _decode(self, data: bytes) -> bytes:
-        """Decompress a read; a corrupt stream closes this connection only."""
+    def _inflate(self, data: bytes) -> None:
+        """Inflate one bounded step of the compressed input, and parse it.
+
+        While parsing is held (output backed up, an auth server asked, a
+        chunked MPUB) or a step is already due, `data` is only kept. What a
+        step leaves waits for the next turn of the reactor with reading
+        stopped (_update_reading), so a few bytes that inflate to gigabytes
+        cost INFLATE_STEP at a time and other connections are served in
+        between. A corrupt stream closes this connection only.
+        """
+        codec = self._codec
+        if self._inflate_call is not None or self._input_held():
+            codec.feed(data)
+            self._update_reading()
+            return
         try:
-            return self._decoder(data)
+            out = codec.decompress(data, INFLATE_STEP)
         except CompressionError as e:
             log.info("client {remote}: bad compressed data ({error}); closing",
                      remote=self.remote_address, error=str(e))
-            self._closed = True
             self._pending = []
-            self.transport.loseConnection()
-            return b""
+            self.lose_connection()
+            return
+        if out:
+            self._parse(out)
+        self._continue_input()
+
+    def _inflate_next(self) -> None:
+        self._inflate_call = None
+        if not self._closed:
+            self._inflate(b"")
+
+    def _input_held(self) -> bool:
+        """Parsing must wait: output backed up, an auth server asked, a chunked MPUB publishing."""
+        return self._output_blocked or self._auth_waiting or self._publishing
+
+    def _continue_input(self) -> None:
+        """A reason to wait may have ended: the next inflate step if input waits, then reading."""
+        if self._closed:
+            return
+        codec = self._codec
+        if (codec is not None and codec.has_more and self._inflate_call is None
+                and not self._input_held()):
+            self._inflate_call = self.clock.callLater(0, self._inflate_next)
+        self._update_reading()
 
     def handshakeCompleted(self) -> None:
         """IHandshakeListener: the TLS upgrade is done; note what /stats shows of it."""
@@ -573,32 +762,12 @@ class V2Protocol(Protocol, TimeoutMixin):
     def _identify(self, body: dict[str, Any]) -> tuple[bytes, tuple[bool, bool, bool]]:
         """Validate and apply IDENTIFY; nsqd's checks, order and texts.
 
-        Returns the response and the upgrades to make: (tls_v1, deflate, snappy).
+        `body` has the fields the client set (_IDENTIFY_DATA checked their
+        types). Returns the response and the upgrades to make: (tls_v1,
+        deflate, snappy).
         """
         opts = self.broker.options
-        ints = {}
-        for key in ("heartbeat_interval", "output_buffer_size", "output_buffer_timeout",
-                    "sample_rate", "msg_timeout", "deflate_level"):
-            value = body.get(key, 0)
-            if value is None:
-                value = 0
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
-            ints[key] = value
-        strs = {}
-        for key in ("client_id", "hostname", "user_agent"):
-            value = body.get(key) or ""
-            if not isinstance(value, str):
-                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
-            strs[key] = value
-        flags = {}
-        for key in ("feature_negotiation", "tls_v1", "snappy", "deflate"):
-            value = body.get(key) or False
-            if not isinstance(value, bool):
-                raise fatal("E_BAD_BODY", "IDENTIFY failed to decode JSON body")
-            flags[key] = value
+        ints = strs = flags = {**_IDENTIFY_DEFAULTS, **body}
 
         heartbeat = ints["heartbeat_interval"]
         if heartbeat == -1:
@@ -727,18 +896,26 @@ class V2Protocol(Protocol, TimeoutMixin):
         """Ask the auth server(s) without blocking; `then()` runs once auth_state holds the answer."""
         # tls_common_name is set by handshakeCompleted, which runs before
         # any byte read over TLS reaches dataReceived.
+        # Parsing waits for the answer, and so does reading (nsqd's read loop
+        # is blocked in the query): what the client streams meanwhile stays
+        # in the kernel's buffers, not ours.
+        self._auth_waiting = True
         d = self.broker.auth.query(self._remote_ip, bool(self.tls),
                                    self._auth_secret, self.tls_common_name)
         d.addCallbacks(self._auth_answer, self._auth_failed, callbackArgs=(then,))
         d.addErrback(lambda f: log.failure("AUTH answer handling failed", f))
+        self._update_reading()  # unless answered already
 
     def _auth_answer(self, state, then) -> None:
+        self._auth_waiting = False
         if self._closed:
             return
         self.auth_state = state
         then()
+        self._continue_input()
 
     def _auth_failed(self, failure) -> None:
+        self._auth_waiting = False
         if self._closed:
             return
         # The reason stays in the log: nsqd never tells untrusted clients
@@ -759,13 +936,18 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._resume()
 
     def _resume(self) -> None:
-        """Parse what arrived while the auth server was asked."""
+        """Parse what arrived while the auth server was asked (or a chunked MPUB published).
+
+        The kept input is plaintext already (inflated, decrypted): it goes
+        to the parser, not through the codec again.
+        """
         rest = b"".join(self._pending)
         self._pending = []
         self._pending_len = 0
         self._need = 0
         if rest and not self._closed:
-            self.dataReceived(rest)
+            self._parse(rest)
+        self._continue_input()
 
     def _cmd_sub(self, params, data, start):
         if self.state != STATE_INIT:
@@ -802,9 +984,10 @@ class V2Protocol(Protocol, TimeoutMixin):
         if len(params) > 1:
             count = _base10(params[1])
             if count is None:
-                raise fatal("E_INVALID", f"RDY could not parse count {params[1].decode('utf-8', 'replace')}")
+                raise fatal("E_INVALID", f"RDY could not parse count {_echo(params[1])}")
+            count = _int64(count)  # nsqd's int64(b10): huge counts wrap, some negative
         max_rdy = self.broker.options.max_rdy_count
-        if count > max_rdy:
+        if count > max_rdy or count < 0:
             raise fatal("E_INVALID", f"RDY count {count} out of range 0-{max_rdy}")
         self.ready_count = count
         if self._obuf and count <= self.in_flight_count:
@@ -838,17 +1021,18 @@ class V2Protocol(Protocol, TimeoutMixin):
         msg_id = self._message_id("REQ", params)
         timeout_ms = _base10(params[2])
         if timeout_ms is None:
-            raise fatal("E_INVALID", f"REQ could not parse timeout {params[2].decode('utf-8', 'replace')}")
-        max_req = self.broker.options.max_req_timeout
-        delay = timeout_ms / 1000
-        if delay > max_req:
-            log.info("client {remote} REQ timeout {ms} out of range 0-{max}; clamped",
-                     remote=self.remote_address, ms=timeout_ms, max=int(max_req * 1000))
-            delay = max_req
+            raise fatal("E_INVALID", f"REQ could not parse timeout {_echo(params[2])}")
+        # As nsqd: the timeout as a Duration (which may overflow), clamped.
+        timeout_ns = _ms_duration_ns(timeout_ms)
+        max_ns = round(self.broker.options.max_req_timeout * 1e9)
+        delay_ns = min(max(timeout_ns, 0), max_ns)
+        if delay_ns != timeout_ns:
+            log.info("client {remote} REQ timeout {timeout}ns out of range 0-{max}ns; set to {delay}ns",
+                     remote=self.remote_address, timeout=timeout_ns, max=max_ns, delay=delay_ns)
         try:
-            self.channel.requeue(self, msg_id, delay)
+            self.channel.requeue(self, msg_id, delay_ns / 1e9)
         except ChannelError as e:
-            raise nonfatal("E_REQ_FAILED", f"REQ {msg_id.decode('latin-1')} failed {e}") from None
+            raise nonfatal("E_REQ_FAILED", f"REQ {_echo(msg_id)} failed {e}") from None
         self._deliver_soon()
         return start
 
@@ -857,7 +1041,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         try:
             self.channel.touch(self, msg_id)
         except ChannelError as e:
-            raise nonfatal("E_TOUCH_FAILED", f"TOUCH {msg_id.decode('latin-1')} failed {e}") from None
+            raise nonfatal("E_TOUCH_FAILED", f"TOUCH {_echo(msg_id)} failed {e}") from None
         return start
 
     def _cmd_cls(self, params, data, start):
@@ -944,17 +1128,19 @@ class V2Protocol(Protocol, TimeoutMixin):
         topic_name = self._publish_topic("DPUB", params, 3)
         timeout_ms = _base10(params[2])
         if timeout_ms is None:
-            raise fatal("E_INVALID", f"DPUB could not parse timeout {params[2].decode('utf-8', 'replace')}")
-        max_ms = int(self.broker.options.max_req_timeout * 1000)
-        if timeout_ms > max_ms:
-            raise fatal("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ms}")
+            raise fatal("E_INVALID", f"DPUB could not parse timeout {_echo(params[2])}")
+        # nsqd checks the Duration (which may overflow) and prints the uint64 milliseconds.
+        defer_ns = _ms_duration_ns(timeout_ms)
+        max_ns = round(self.broker.options.max_req_timeout * 1e9)
+        if defer_ns < 0 or defer_ns > max_ns:
+            raise fatal("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ns // 1_000_000}")
         got = self._single_body("DPUB", data, start)
         if got is None:
             return _NEED_MORE
         if self._auth_on and self._check_auth("DPUB", topic_name, "") is not None:
             return _PAUSED
         body, end = got
-        self._publish("DPUB", topic_name, [body], timeout_ms / 1000)
+        self._publish("DPUB", topic_name, [body], defer_ns / 1e9)
         return end
 
     def _cmd_mpub(self, params, data, start):
@@ -981,29 +1167,66 @@ class V2Protocol(Protocol, TimeoutMixin):
         if count <= 0 or count > (opts.max_body_size - 4) // 5:
             raise fatal("E_BAD_BODY", f"MPUB invalid message count {count}")
         pos += 4
+        if is_big(count, size):
+            return self._mpub_in_chunks(topic_name, data, pos, end, count, size)
         max_msg = opts.max_msg_size
         bodies: list[bytes] = []
-        append = bodies.append
-        for i in range(count):
-            if pos + 4 > end:
-                raise fatal("E_BAD_MESSAGE", f"MPUB failed to read message({i}) body size")
-            msg_size = _unpack_int32(data, pos)[0]
-            if msg_size <= 0:
-                raise fatal("E_BAD_MESSAGE", f"MPUB invalid message({i}) body size {msg_size}")
-            if msg_size > max_msg:
-                raise fatal("E_BAD_MESSAGE", f"MPUB message too big {msg_size} > {max_msg}")
-            pos += 4
-            nxt = pos + msg_size
-            if nxt > end:
-                raise fatal("E_BAD_MESSAGE", "MPUB failed to read message body")
-            append(data[pos:nxt])
-            pos = nxt
+        try:
+            pos = walk_binary(data, pos, end, 0, count, max_msg, bodies)[0]
+        except BatchError as e:
+            raise _mpub_error(e, max_msg, size) from None
         # The declared body size frames the command, as every client sends
         # it; bytes left over inside it would otherwise be read as commands.
         if pos != end:
             raise fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
         self._publish("MPUB", topic_name, bodies)
         return end
+
+    def _mpub_in_chunks(self, topic_name: str, data: bytes, pos: int, end: int, count: int, size: int):
+        """A big MPUB, checked and published over several turns (mqd.publisher); OK once done.
+
+        The connection stops reading meanwhile and keeps what followed the
+        MPUB in this read, so the commands after it run, and are answered,
+        after it: its responses stay in command order and its messages in
+        its order.
+        """
+        max_msg = self.broker.options.max_msg_size
+        chunks = binary_chunks(data, pos, end, count, max_msg, exact=True)
+
+        def bodies_of(chunk):
+            return binary_bodies(data, end, chunk)
+
+        def done(error):
+            self._mpub_done(topic_name, count, size, max_msg, error)
+
+        self._publishing = True
+        self._update_reading()
+        publish_in_chunks(self.clock, self.broker.topic(topic_name), chunks, bodies_of, done)
+        self._resume_at = end
+        return _PAUSED
+
+    def _mpub_done(self, topic_name: str, count: int, size: int, max_msg: int, error) -> None:
+        """A chunked MPUB is over: answer it as a one-go MPUB would be, then read on."""
+        self._publishing = False
+        if self._closed:
+            # The messages were read whole and checked: they are published
+            # even though nobody is left to tell, as nsqd would.
+            return
+        if isinstance(error, BatchError):
+            self._fail(_mpub_error(error, max_msg, size))
+            return
+        if error is not None:
+            if not isinstance(error, TopicExiting):
+                self.broker.set_health(str(error))
+            self._fail(fatal("E_MPUB_FAILED", f"MPUB failed {error}"))
+            return
+        counts = self.pub_counts
+        counts[topic_name] = counts.get(topic_name, 0) + count
+        if self.broker.store.durable:
+            self._ok_when_durable("MPUB")
+        else:
+            self._write_frame(OK)
+        self._resume()  # the input kept meanwhile, then reading again
 
     _HANDLERS = {
         b"NOP": _cmd_nop,
@@ -1026,6 +1249,20 @@ _PUB = V2Protocol._cmd_pub
 
 def _tls_required(self, params, data, start):
     raise fatal("E_INVALID", f"cannot {params[0].decode('utf-8', 'replace')} in current state (TLS required)")
+
+
+def _mpub_error(err: BatchError, max_msg: int, size: int) -> ProtocolError:
+    """nsqd's error for an MPUB body that failed a check (mqd.publisher's reasons)."""
+    reason = err.reason
+    if reason == NO_SIZE:
+        return fatal("E_BAD_MESSAGE", f"MPUB failed to read message({err.index}) body size")
+    if reason == BAD_SIZE:
+        return fatal("E_BAD_MESSAGE", f"MPUB invalid message({err.index}) body size {err.size}")
+    if reason == TOO_BIG:
+        return fatal("E_BAD_MESSAGE", f"MPUB message too big {err.size} > {max_msg}")
+    if reason == TRAILING:
+        return fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
+    return fatal("E_BAD_MESSAGE", "MPUB failed to read message body")
 
 
 # The handler table of a connection that must upgrade to TLS first
