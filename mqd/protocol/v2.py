@@ -349,7 +349,7 @@ class V2Protocol(Protocol, TimeoutMixin):
                 if handler is None:
                     if handlers is _TLS_REQUIRED_HANDLERS:
                         _tls_required(self, params, data, eol + 1)
-                    raise fatal("E_INVALID", f"invalid command {params[0].decode('utf-8', 'replace')}")
+                    raise fatal("E_INVALID", f"invalid command {_echo(params[0])}")
                 if self._pub_bodies and handler is not _PUB:
                     self._flush_pubs()
                 if pending and handler not in _BATCHABLE and self.channel in pending:
@@ -1013,7 +1013,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         try:
             self.channel.finish(self, msg_id)
         except ChannelError as e:
-            raise nonfatal("E_FIN_FAILED", f"FIN {msg_id.decode('latin-1')} failed {e}") from None
+            raise nonfatal("E_FIN_FAILED", f"FIN {_echo(msg_id)} failed {e}") from None
         self._deliver_soon()
         return start
 
@@ -1248,7 +1248,7 @@ _PUB = V2Protocol._cmd_pub
 
 
 def _tls_required(self, params, data, start):
-    raise fatal("E_INVALID", f"cannot {params[0].decode('utf-8', 'replace')} in current state (TLS required)")
+    raise fatal("E_INVALID", f"cannot {_echo(params[0])} in current state (TLS required)")
 
 
 def _mpub_error(err: BatchError, max_msg: int, size: int) -> ProtocolError:

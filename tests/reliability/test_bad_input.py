@@ -190,6 +190,11 @@ def test_defect08_bad_arguments_are_echoed_byte_for_byte(broker, connect):
         err(b"E_TOUCH_FAILED TOUCH " + b"\xe9" * 16 + b" failed ID not in flight")]
     c = connect()
     assert c.request(b"DPUB t \xc3\n" + sized(b"x")) == [err(b"E_INVALID DPUB could not parse timeout \xc3")]
+    c = consumer(broker, rdy=None)
+    assert c.request(b"FIN " + b"\xe9" * 16 + b"\n") == [
+        err(b"E_FIN_FAILED FIN " + b"\xe9" * 16 + b" failed ID not in flight")]
+    c = connect()
+    assert c.request(b"P\xffB t\n") == [err(b"E_INVALID invalid command P\xffB")]
 
 
 # -- defect 8: IDENTIFY bodies --------------------------------------------------------------
