@@ -5,4 +5,8 @@ import sys
 from bench.run import main
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["torture"]:
+        from bench.torture import main as torture
+
+        sys.exit(torture(sys.argv[2:]))
     sys.exit(main())

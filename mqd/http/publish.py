@@ -66,7 +66,10 @@ def _content_length(request: Request) -> int:
 
 def _defer_ms(value: str, max_ms: float) -> int:
     """The `defer` parameter in milliseconds, or 400 INVALID_DEFER."""
-    if not _GO_INT.fullmatch(value) or abs(int(value)) > _INT64_MAX:
+    # Go's ParseInt fails past int64: certain with over 19 significant digits,
+    # checked first so Python's limit on int() of long strings never applies.
+    if (not _GO_INT.fullmatch(value) or len(value.lstrip("+-").lstrip("0")) > 19
+            or abs(int(value)) > _INT64_MAX):
         raise ApiError(400, "INVALID_DEFER")
     ms = int(value)
     if ms < 0 or ms > max_ms:

@@ -58,6 +58,7 @@ def test_pub_creates_the_topic(http, broker):
     ("/pub?topic=t&defer=", b"x", None, (400, "INVALID_DEFER")),
     ("/pub?topic=t&defer=3600001", b"x", None, (400, "INVALID_DEFER")),
     ("/pub?topic=t&defer=99999999999999999999", b"x", None, (400, "INVALID_DEFER")),
+    ("/pub?topic=t&defer=" + "9" * 5000, b"x", None, (400, "INVALID_DEFER")),  # #16: was a 500
 ])
 def test_pub_errors(make_broker, path, body, headers, expected):
     http = HTTPClient(make_broker(max_msg_size=10))
@@ -272,3 +273,8 @@ def test_request_body_kept_in_memory_is_bounded(make_broker):
     chunked = b"5\r\nab\ncd\r\n0\r\n\r\n"
     assert http.post("/mpub?topic=t", chunked, headers={"Transfer-Encoding": "chunked"}).body == b"OK"
     assert broker.topics["t"].message_count == 2
+
+
+def test_pub_defer_with_leading_zeros_parses_as_go_does(http, broker):
+    assert http.post("/pub?topic=t&defer=" + "0" * 30 + "5", b"x").status == 200
+    assert broker.topics["t"].depth() == 1

@@ -1,0 +1,435 @@
+"""Fuzzing V2, V1 (lookupd) and the HTTP APIs with one oracle: no traceback, nothing
+lost, a well-behaved client still served.
+
+In-process (hypothesis): the protocols on StringTransports and the HTTP
+resources through tests/unit/_http.py, on a broker driven by a `task.Clock`.
+Before the fuzzed input, a control connection publishes messages into a
+control channel; after it, the control client must get correct answers,
+the channel must still count every acknowledged message and give them all
+back, and no failure or critical/error event may have been logged (an
+exception escaping `dataReceived` fails the example directly).
+
+One real-process smoke test sends a few hundred random streams and requests
+over real sockets to a twistd broker, then runs the same checks and reads
+its log for 'Traceback' / 'Unhandled'.
+
+MQD_FUZZ_EXAMPLES=N runs N examples per hypothesis test (and N streams in
+the real-process test) instead of the CI counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from urllib.parse import quote
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet.address import IPv4Address
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+
+from mqd.logs import set_log_level
+from mqd.lookup.protocol import LookupdFactory, frame
+from mqd.lookup.registry import RegistrationDB
+from mqd.message import IdFactory
+from tests.integration._support import FAST_SCAN
+from tests.unit._http import HTTPClient, parse_response
+from tests.unit.conftest import (
+    MAGIC,
+    NODE_ID,
+    START_TIME,
+    Client,
+    cmd,
+    identify,
+    new_broker,
+    ok,
+    pub,
+    sized,
+)
+from tests.unit.test_lookupd_http import LookupdClient
+from tests.unit.test_v2_fuzz import check_answer_or_close
+
+from ._fault_support import (
+    HTTP_BODIES,
+    HTTP_METHODS,
+    HTTP_PATHS,
+    HTTP_QUERY_KEYS,
+    HTTP_QUERY_VALUES,
+    LOOKUPD_TOKENS,
+    V2_TOKENS,
+    Control,
+    LogWatch,
+    fuzz_broker,
+    http_sweep,
+    log_problems,
+    queue_count,
+)
+
+_OVERRIDE = int(os.environ.get("MQD_FUZZ_EXAMPLES", "0"))
+
+
+def examples(ci_count: int) -> settings:
+    return settings(max_examples=_OVERRIDE or ci_count, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+CONTROL_TOPIC, CONTROL_CHANNEL = "zz_control", "zz_control_c"
+
+
+class Harness:
+    """A broker on a Clock with a control channel full of acknowledged messages."""
+
+    def __init__(self, path: str, n: int = 5) -> None:
+        self.clock = Clock()
+        self.clock.advance(START_TIME)
+        self.broker = new_broker(path, self.clock)
+        self.http = HTTPClient(self.broker)
+        self.publisher = Client(self.broker, port=1)
+        assert self.publisher.request(identify(heartbeat_interval=-1)) == [ok()]
+        assert self.http.post(f"/topic/create?topic={CONTROL_TOPIC}").status == 200
+        r = self.http.post(f"/channel/create?topic={CONTROL_TOPIC}&channel={CONTROL_CHANNEL}")
+        assert r.status == 200, r
+        self.bodies: list[bytes] = []
+        for _ in range(n):
+            self.publish()
+
+    def publish(self) -> None:
+        body = b"control-%d" % len(self.bodies)
+        answer = self.publisher.request(pub(CONTROL_TOPIC, body))
+        assert answer == [ok()], f"control PUB answered {answer}"
+        self.bodies.append(body)
+
+    def check(self, what: str) -> None:
+        """The control client is answered correctly and every control message is counted."""
+        self.publish()
+        assert self.publisher.request(cmd("NOP")) == []
+        r = self.http.get("/ping")
+        assert (r.status, r.body) == (200, b"OK"), f"/ping after {what}: {r}"
+        r = self.http.get("/stats?format=json")
+        assert r.status == 200, f"/stats?format=json after {what}: {r}"
+        count = queue_count(r.json(), CONTROL_TOPIC, CONTROL_CHANNEL)
+        assert count == len(self.bodies), f"after {what}: {count} of {len(self.bodies)} counted"
+        for path in ("/stats", "/metrics", "/info"):
+            r = self.http.get(path)
+            assert r.status == 200, f"{path} after {what}: {r}"
+
+    def drain(self) -> None:
+        """Every acknowledged control message comes out, once, intact."""
+        consumer = Client(self.broker, port=2)
+        consumer.sub(CONTROL_TOPIC, CONTROL_CHANNEL, rdy=1000)
+        got = [m.body for m in consumer.messages()]
+        assert sorted(got) == sorted(self.bodies), (got, self.bodies)
+
+
+def _feed(client: Client, data: bytes, chunk: int) -> None:
+    for i in range(0, len(data), chunk):
+        if client.closed:
+            break
+        client.send(data[i:i + chunk])
+
+
+# -- V2 ---------------------------------------------------------------------------------
+
+# A broker on the test clock hands out the same ids every time: FIN, REQ and
+# TOUCH can then hit messages really in flight to the fuzzed client.
+_IDS = IdFactory(NODE_ID).new_ids(16, int(START_TIME * 1e9))
+_ID_TOKENS = [
+    line
+    for msg_id in _IDS
+    for line in (cmd("FIN", msg_id), cmd("TOUCH", msg_id), cmd("REQ", msg_id, 0),
+                 cmd("REQ", msg_id, 2**63), cmd("REQ", msg_id, 10**30),
+                 cmd("REQ", msg_id, "9" * 5000))
+]
+
+v2_token = st.one_of(
+    st.sampled_from(V2_TOKENS),
+    st.sampled_from(_ID_TOKENS),
+    st.binary(max_size=40),
+    st.binary(max_size=12).map(sized),
+)
+
+
+@examples(200)
+@given(tokens=st.lists(v2_token, max_size=14), chunk=st.integers(1, 4096))
+def test_fuzzed_v2_stream_loses_nothing_and_the_broker_still_serves(tokens, chunk):
+    with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
+        h = Harness(path)
+        c = Client(h.broker, port=3, magic=False)
+        _feed(c, MAGIC + b"".join(tokens), chunk)
+        if not (c.proto.deflate or c.proto.snappy):  # compressed output is not frames
+            check_answer_or_close(c)
+        h.check("the fuzzed stream")
+        h.clock.advance(61)  # heartbeats, msg timeouts, output flushes of the fuzzed client
+        c.lose()
+        h.clock.advance(61)
+        h.check("the fuzzed connection closing")
+        h.drain()
+        logs.check("V2 stream")
+
+
+def _v2_case(tokens: bytes, what: str) -> str | None:
+    """One stream through the whole oracle; the failure as text, or None."""
+    try:
+        with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
+            h = Harness(path)
+            c = Client(h.broker, port=3)
+            c.send(tokens)
+            if not (c.proto.deflate or c.proto.snappy):
+                check_answer_or_close(c)
+            h.check(what)
+            h.clock.advance(61)
+            c.lose()
+            h.clock.advance(61)
+            h.drain()
+            logs.check(what)
+    except Exception as e:  # noqa: BLE001 - collected, so one run shows every failing input
+        return f"{what}: {type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def test_every_v2_token_alone_and_with_a_message_in_flight():
+    """The systematic half of the V2 fuzzing: each nasty input once, fresh and subscribed."""
+    in_flight = cmd("SUB", "t", "c") + cmd("RDY", 10) + pub("t", b"in flight")
+    failures = [
+        failure
+        for token in [*V2_TOKENS, *_ID_TOKENS[:24]]
+        for prefix in (b"", in_flight)
+        if (failure := _v2_case(prefix + token, f"{'subscribed, ' if prefix else ''}{token[:60]!r}"))
+    ]
+    assert not failures, f"{len(failures)} inputs failed:\n" + "\n".join(failures)
+
+
+# -- V1 (lookupd) --------------------------------------------------------------------------
+
+lookupd_token = st.one_of(
+    st.sampled_from(LOOKUPD_TOKENS),
+    st.binary(max_size=30),
+    st.binary(max_size=12).map(sized),
+)
+
+_LOOKUPD_PEER = {"version": "1.3.0", "tcp_port": 4150, "http_port": 4151, "hostname": "ctl",
+                 "broadcast_address": "control-broker"}
+
+
+class V1Conn:
+    def __init__(self, factory: LookupdFactory, port: int) -> None:
+        addr = IPv4Address("TCP", "10.0.0.1", port)
+        self.proto = factory.buildProtocol(addr)
+        self.transport = StringTransport(peerAddress=addr)
+        self.proto.makeConnection(self.transport)
+
+    def send(self, data: bytes) -> bytes:
+        self.proto.dataReceived(data)
+        out = self.transport.value()
+        self.transport.clear()
+        return out
+
+    def identify(self) -> bytes:
+        return self.send(b"IDENTIFY\n" + sized(json.dumps(_LOOKUPD_PEER).encode()))
+
+
+def _lookupd_frames(data: bytes) -> list[bytes]:
+    """Split V1 output (size + payload, no type) into payloads; fails on a partial frame."""
+    out, pos = [], 0
+    while pos < len(data):
+        size = int.from_bytes(data[pos:pos + 4], "big")
+        assert pos + 4 + size <= len(data), f"partial V1 frame at {pos}: {data[pos:]!r}"
+        out.append(data[pos + 4:pos + 4 + size])
+        pos += 4 + size
+    return out
+
+
+@examples(200)
+@given(tokens=st.lists(lookupd_token, max_size=10), chunk=st.integers(1, 4096),
+       magic=st.booleans())
+def test_fuzzed_lookupd_stream_keeps_registrations_and_serves(tokens, chunk, magic):
+    _lookupd_case((b"  V1" if magic else b"") + b"".join(tokens), chunk)
+
+
+def _lookupd_case(data: bytes, chunk: int) -> None:
+    clock = Clock()
+    clock.advance(START_TIME)
+    db = RegistrationDB(clock)
+    factory = LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
+    http = LookupdClient(db, clock)
+    with LogWatch() as logs:
+        control = V1Conn(factory, 1)
+        assert control.send(b"  V1") == b""
+        assert json.loads(_lookupd_frames(control.identify())[0])["tcp_port"] == 4160
+        assert control.send(b"REGISTER zz_control zz_c\n") == frame(b"OK")
+        fuzzed = V1Conn(factory, 2)
+        out = b""
+        for i in range(0, len(data), chunk):
+            if fuzzed.transport.disconnecting:
+                break
+            out += fuzzed.send(data[i:i + chunk])
+        _lookupd_frames(out)  # whole frames only
+        clock.advance(10)
+        fuzzed.proto.connectionLost(Failure(ConnectionDone()))
+        # The control registration is untouched and a new client is served.
+        assert control.send(b"PING\n") == frame(b"OK")
+        fresh = V1Conn(factory, 3)
+        assert fresh.send(b"  V1PING\n") == frame(b"OK")
+        assert fresh.identify()[4:5] == b"{"
+        assert fresh.send(b"REGISTER zz_other\n") == frame(b"OK")
+        r = http.get("/lookup?topic=zz_control")
+        assert r.status == 200, r
+        assert [p["broadcast_address"] for p in r.json()["producers"]] == ["control-broker"]
+        assert r.json()["channels"] == ["zz_c"]
+        for path in ("/nodes", "/topics", "/debug", "/info", "/ping"):
+            assert http.get(path).status == 200, path
+        logs.check("lookupd stream")
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+_query_value = st.one_of(
+    st.sampled_from(HTTP_QUERY_VALUES),
+    st.text(max_size=12).map(lambda s: quote(s, safe="", errors="surrogatepass")),
+)
+_query = st.lists(st.tuples(st.sampled_from(HTTP_QUERY_KEYS), _query_value), max_size=4).map(
+    lambda pairs: "&".join(f"{k}={v}" for k, v in pairs))
+_target = st.builds(
+    lambda path, query, extra: path + extra + (f"?{query}" if query else ""),
+    st.sampled_from(HTTP_PATHS), _query,
+    st.sampled_from(["", "", "", "/", "/x", "%2f", "/../info"]),
+)
+_body = st.one_of(st.none(), st.sampled_from(HTTP_BODIES), st.binary(max_size=64))
+http_request = st.tuples(st.sampled_from(HTTP_METHODS), _target, _body)
+
+
+def _fire(client: HTTPClient, method: str, target: str, body: bytes | None):
+    transport = client.send(method, target, body)
+    response = parse_response(transport.value(), head=method == "HEAD")
+    transport.protocol.connectionLost(Failure(ConnectionDone()))
+    return response
+
+
+@examples(200)
+@given(requests=st.lists(http_request, min_size=1, max_size=4))
+def test_fuzzed_http_requests_lose_nothing_and_the_api_still_serves(requests):
+    with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
+        h = Harness(path)
+        try:
+            for method, target, body in requests:
+                response = _fire(h.http, method, target, body)
+                shown = f"{method} {target} body={(body or b'')[:40]!r}"
+                assert response is not None, f"{shown}: no complete answer"
+                assert response.status != 500, f"{shown}: {response.status} {response.body[:300]!r}"
+                h.check(shown)
+        finally:
+            set_log_level("info")  # PUT /config/log_level is process-wide
+        h.drain()
+        logs.check("HTTP requests")
+
+
+@examples(150)
+@given(requests=st.lists(http_request, min_size=1, max_size=4))
+def test_fuzzed_lookupd_http_requests_are_answered(requests):
+    clock = Clock()
+    clock.advance(START_TIME)
+    db = RegistrationDB(clock)
+    http = LookupdClient(db, clock)
+    factory = LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
+    with LogWatch() as logs:
+        control = V1Conn(factory, 1)
+        control.send(b"  V1")
+        control.identify()
+        assert control.send(b"REGISTER zz_control zz_c\n") == frame(b"OK")
+        for method, target, body in requests:
+            response = _fire(http, method, target, body)
+            shown = f"{method} {target} body={(body or b'')[:40]!r}"
+            assert response is not None, f"{shown}: no complete answer"
+            assert response.status != 500, f"{shown}: {response.status} {response.body[:300]!r}"
+        r = http.get("/lookup?topic=zz_control")
+        assert r.status == 200 and r.json()["channels"] == ["zz_c"], r
+        logs.check("lookupd HTTP requests")
+
+
+def test_every_lookupd_token_alone_and_identified():
+    failures = []
+    ident = b"IDENTIFY\n" + sized(json.dumps(_LOOKUPD_PEER).encode())
+    for token in LOOKUPD_TOKENS:
+        for prefix in (b"  V1", b"  V1" + ident):
+            try:
+                _lookupd_case(prefix + token, 4096)
+            except Exception as e:  # noqa: BLE001 - collected, so one run shows every failing input
+                failures.append(f"{(prefix + token)[:80]!r}: {type(e).__name__}: {str(e)[:300]}")
+    assert not failures, f"{len(failures)} inputs failed:\n" + "\n".join(failures)
+
+
+def _sweep(client: HTTPClient, check) -> list[str]:
+    failures = []
+    for i, (method, target, body) in enumerate(http_sweep()):
+        shown = f"{method} {target[:100]} body={(body or b'')[:30]!r}"
+        try:
+            response = _fire(client, method, target, body)
+        except Exception as e:  # noqa: BLE001 - collected
+            failures.append(f"{shown}: raised {type(e).__name__}: {e}")
+            continue
+        if response is None:
+            failures.append(f"{shown}: no complete answer")
+        elif response.status == 500:
+            failures.append(f"{shown}: 500 {response.body[:200]!r}")
+        if i % 50 == 0:
+            check(shown)
+    return failures
+
+
+def test_every_route_with_every_body_and_query_value():
+    """The systematic half of the HTTP fuzzing: each route x each nasty body and query value."""
+    with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
+        h = Harness(path)
+        try:
+            failures = _sweep(h.http, h.check)
+        finally:
+            set_log_level("info")
+        h.check("the sweep")
+        h.drain()
+        failures += logs.texts()
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+def test_every_lookupd_route_with_every_body_and_query_value():
+    clock = Clock()
+    clock.advance(START_TIME)
+    db = RegistrationDB(clock)
+    http = LookupdClient(db, clock)
+    factory = LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
+    control = V1Conn(factory, 1)
+    control.send(b"  V1")
+    control.identify()
+    assert control.send(b"REGISTER zz_control zz_c\n") == frame(b"OK")
+
+    def check(what: str) -> None:
+        r = http.get("/lookup?topic=zz_control")
+        assert r.status == 200 and r.json()["channels"] == ["zz_c"], (what, r)
+
+    with LogWatch() as logs:
+        failures = _sweep(http, check)
+        failures += logs.texts()
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+# -- a real process ---------------------------------------------------------------------------
+
+
+def test_real_broker_survives_random_streams_and_requests(start_broker):
+    broker = start_broker(*FAST_SCAN)
+    control = Control(broker)
+    control.setup(20)
+    streams = _OVERRIDE or 300
+    report = fuzz_broker(broker, control, streams=streams, http_requests=max(60, streams // 5),
+                         seed=16)
+    control.drain_and_compare()
+    problems = log_problems(broker)
+    assert not report.http_500, f"{len(report.http_500)} answers 500:\n" + "\n".join(report.http_500[:5])
+    assert not report.http_no_answer, "no answer:\n" + "\n".join(report.http_no_answer[:5])
+    assert not problems, f"{len(problems)} log lines:\n{broker.describe()}"
+    broker.stop_cleanly()
+    print(f"\nfuzzed {report.streams} streams + {report.http_requests} HTTP requests in "
+          f"{report.seconds:.1f} s; the broker closed {report.closed_by_broker} connections")
