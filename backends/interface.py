@@ -82,4 +82,8 @@ class IBackendStore(Interface):
         """The IBackendQueue called `name`, created if new, with what it held before."""
 
     def close():
-        """Close every queue and the store itself."""
+        """Close every queue and the store itself.
+
+        A store that cannot write what it holds yet (a full disk) may return
+        a Deferred that fires once it has and is closed; shutdown waits for it.
+        """

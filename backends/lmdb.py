@@ -21,12 +21,15 @@ Two durability modes:
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
+import zlib
 from collections import deque
 from typing import Any
 
 import lmdb
+from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
@@ -35,7 +38,7 @@ from mqd.message import Message
 
 from .interface import BackendError, IBackendQueue, IBackendStore
 
-__all__ = ["LmdbStore", "LmdbQueue", "StoreOpenError", "ENV_DIR"]
+__all__ = ["LmdbStore", "LmdbQueue", "StoreOpenError", "ENV_DIR", "SPILL_FILE"]
 
 log = get_logger(__name__)
 
@@ -57,9 +60,35 @@ _RETRY_AFTER = 1.0
 # How long a commit that needs a bigger map waits for a running snapshot copy.
 _COPY_WAIT = 0.05
 
+# What a clean shutdown could not write into LMDB (a full disk), next to the
+# environment; the next start writes it back (see LmdbStore.close).
+SPILL_FILE = "mqd.lmdb.spill"
+_SPILL_MAGIC = b"mqd-spill-1\n"
+_SPILL_ENTRY = struct.Struct(">BII")  # kind, key length, value length
+_SPILL_END = struct.Struct(">BII")  # 0xFF, entry count, CRC-32 of the entries
+_SPILL_REGISTRY, _SPILL_RECORD, _SPILL_DONE = 1, 2, 0xFF
+# A shutdown whose one-transaction commit failed writes in transactions of
+# at most this many changes (halved on each failure down to one), so what
+# fits on the disk is kept.
+_CLOSE_CHUNK = 1024
+_CLOSE_CHUNK_BYTES = 4 << 20
+# Room a new environment needs before LMDB creates its files: LMDB writes
+# its lock file through a memory map, and on a full disk a page fault there
+# is a SIGBUS, which kills the process without a word.
+_ROOM_FOR_NEW_ENV = 1 << 20
+# Write operations of a bounded commit, in the order they are applied.
+_DROP, _DEL, _REG_DEL, _REG_PUT, _PUT = range(5)
+
 
 class StoreOpenError(Exception):
     """The data directory cannot be used; start-up stops with this text."""
+
+
+def _no_room(error: BaseException) -> bool:
+    """A write failed for lack of space (a full disk or quota), not because the data is bad."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(error, lmdb.DiskError) or "No space left" in str(error) or "quota" in str(error)
 
 
 def _encode(msg: Message) -> bytes:
@@ -110,7 +139,7 @@ class LmdbQueue:
     def _store_new(self, messages) -> None:
         """Give the messages the queue's next keys and stage them for the commit."""
         store = self._store
-        if store.failure:
+        if store.failure and not store.closing:
             raise BackendError(store.failure)
         puts = store._puts
         qid = self.qid
@@ -260,7 +289,18 @@ class LmdbStore:
         self.sync_every = getattr(options, "sync_every", 2500)
         self.sync_timeout = getattr(options, "sync_timeout", 2.0)
         self.path = os.path.join(options.data_path or ".", ENV_DIR)
+        self.spill_path = os.path.join(options.data_path or ".", SPILL_FILE)
         self.failure: str | None = None
+        # Set by the broker's shutdown: what memory still holds is staged even
+        # after a failed commit, for close() to write what fits and spill the rest.
+        self.closing = False
+        # A commit must write something even with nothing pending: a start-up
+        # write outside the store failed (mark_failed), and only a commit that
+        # succeeds shows there is room again.
+        self._probe = False
+        # Messages read back from the spill file, by queue id, until their queue opens.
+        self._spilled: dict[int, list[Message]] = {}
+        self._spill_loaded = False
         self.health_listener = None
         self._puts: dict[bytes, Message] = {}
         self._updates: dict[bytes, Message] = {}
@@ -279,6 +319,7 @@ class LmdbStore:
         self._next_qid = 1
         self.env = self._open_env(getattr(options, "lmdb_map_size", DEFAULT_MAP_SIZE))
         self._load_registry()
+        self._load_spill()
         self._sync_loop = None
         if not self.durable and self.sync_timeout > 0:
             self._sync_loop = LoopingCall(self._sync_if_dirty)
@@ -290,6 +331,7 @@ class LmdbStore:
     def _open_env(self, map_size: int) -> lmdb.Environment:
         try:
             os.makedirs(self.path, exist_ok=True)
+            self._check_room()
             env = lmdb.open(
                 self.path, map_size=map_size, max_dbs=8, subdir=True,
                 sync=self.durable, metasync=self.durable, readahead=False,
@@ -297,6 +339,8 @@ class LmdbStore:
         except lmdb.Error as e:
             raise StoreOpenError(f"{self.path}: not a usable LMDB environment ({e})") from None
         except OSError as e:
+            if _no_room(e):
+                raise StoreOpenError(self._no_room_text(e.strerror)) from None
             raise StoreOpenError(f"{self.path}: {e.strerror}") from None
         try:
             with env.begin() as txn:
@@ -321,11 +365,37 @@ class LmdbStore:
                     raise StoreOpenError(f"{self.path}: unknown data format {mark!r} (expected {FORMAT!r})")
         except lmdb.Error as e:
             env.close()
+            if _no_room(e):
+                raise StoreOpenError(self._no_room_text(str(e))) from None
             raise StoreOpenError(f"{self.path}: corrupt LMDB environment ({e})") from None
         except StoreOpenError:
             env.close()
             raise
         return env
+
+    def _check_room(self) -> None:
+        """Before LMDB creates files (a new environment): stop if the disk has no room for them.
+
+        Only creating files needs room; an existing environment opens
+        without writing, so a full disk does not keep it from serving.
+        """
+        if all(os.path.exists(os.path.join(self.path, f)) for f in ("data.mdb", "lock.mdb")):
+            return
+        probe = os.path.join(self.path, ".room-check")
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, _ROOM_FOR_NEW_ENV)
+        except OSError as e:
+            if _no_room(e):
+                raise
+            # No fallocate on this filesystem: LMDB's own errors will tell.
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
+    def _no_room_text(self, error: str) -> str:
+        return (f"{self.path}: cannot create the store: {error}; "
+                f"free space on that filesystem or choose another --data-path")
 
     def _load_registry(self) -> None:
         try:
@@ -335,6 +405,48 @@ class LmdbStore:
         except (lmdb.Error, UnicodeDecodeError, struct.error) as e:
             raise StoreOpenError(f"{self.path}: corrupt queue registry ({e})") from None
         self._next_qid = max(self._known.values(), default=0) + 1
+
+    def _load_spill(self) -> None:
+        """Take back what the last shutdown could not write (see close): it is staged for the next commit.
+
+        The records keep their keys, so each queue gets them back in place,
+        after what LMDB holds; they are served from memory until the commit
+        writes them, and the file goes once a commit has.
+        """
+        try:
+            with open(self.spill_path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StoreOpenError(f"{self.spill_path}: cannot read the spill file: {e.strerror}") from None
+        try:
+            entries = _parse_spill(raw)
+        except ValueError as e:
+            raise StoreOpenError(
+                f"{self.spill_path}: corrupt spill file ({e}); move it away to start without "
+                f"the messages it holds") from None
+        records = 0
+        with self.env.begin(db=self.data_db, buffers=False) as txn:
+            for kind, key, value in entries:
+                if kind == _SPILL_REGISTRY:
+                    name = key.decode()
+                    if name not in self._known:
+                        self._known[name] = _QID.unpack(value)[0]
+                        self._registry_puts[key] = value
+                    continue
+                msg = _decode(key, value)
+                records += 1
+                if txn.get(key) is not None:
+                    self._updates[key] = msg  # a rewrite of a record LMDB has
+                else:
+                    self._puts[key] = msg
+                    self._spilled.setdefault(_QID.unpack_from(key)[0], []).append(msg)
+        self._next_qid = max(self._known.values(), default=0) + 1
+        self._spill_loaded = True
+        log.warn("{spill}: {n} messages the last shutdown could not write to LMDB are back; "
+                 "the file is removed once they are written", spill=self.spill_path, n=records)
+        self._schedule()
 
     def queue_names(self) -> list[str]:
         """Names of the queues the store holds, for the broker to reconcile with its metadata."""
@@ -355,7 +467,19 @@ class LmdbStore:
             self._schedule()
         else:
             first, nxt, depth = self._scan(qid)
+        spilled = self._spilled.pop(qid, None)
+        if spilled:
+            # Put after everything LMDB holds of the queue (the shutdown wrote
+            # each queue's oldest first), so they follow it, in order.
+            spilled.sort(key=lambda m: m.key)
+            if not depth:
+                first = KEY.unpack(spilled[0].key)[1]
+            nxt = max(nxt, KEY.unpack(spilled[-1].key)[1] + 1)
+            depth += len(spilled)
         queue = self._queues[name] = LmdbQueue(self, name, qid, first, nxt, depth)
+        if spilled:
+            queue._tail.extend(spilled)
+            self._touched.add(queue)
         return queue
 
     def _scan(self, qid: int) -> tuple[int, int, int]:
@@ -401,7 +525,24 @@ class LmdbStore:
 
     def _pending(self) -> bool:
         return bool(self._puts or self._updates or self._dels or self._drops
-                    or self._registry_puts or self._registry_dels)
+                    or self._registry_puts or self._registry_dels or self._probe)
+
+    def mark_failed(self, error: str) -> None:
+        """A write next to the store failed at start-up (nsqd.dat on a full disk).
+
+        The disk is full: refuse puts as after a failed commit (E_PUB_FAILED,
+        /ping NOK) and retry a commit that writes something every second;
+        the first that succeeds clears the failure, as when the disk fills
+        while running.
+        """
+        self._probe = True
+        if self.failure is None:
+            self.failure = error
+            if self.health_listener is not None:
+                self.health_listener(error)
+        if self._commit_call is not None and self._commit_call.active():
+            self._commit_call.cancel()
+        self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
 
     def commit(self) -> None:
         """Write everything gathered since the last commit in one transaction."""
@@ -439,6 +580,8 @@ class LmdbStore:
             self.failure = None
             if self.health_listener is not None:
                 self.health_listener(None)
+        if self._spill_loaded:
+            self._remove_spill()
         self._unsynced += written
         if not self.durable and self.sync_every and self._unsynced >= self.sync_every:
             self.sync()
@@ -452,13 +595,9 @@ class LmdbStore:
         env = self.env
         with env.begin(write=True, db=self.data_db) as txn:
             for qid, bound in self._drops:
-                cursor = txn.cursor()
-                # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.
-                stop = KEY.pack(qid, bound)
-                if cursor.set_range(_QID.pack(qid)):
-                    while cursor.key() < stop:
-                        if not cursor.delete():  # False once past the last record
-                            break
+                _drop_range(txn, qid, bound)
+            if self._probe:
+                txn.put(b"format", FORMAT, db=self.meta_db)
             delete = txn.delete
             for key in self._dels:
                 delete(key)
@@ -478,6 +617,7 @@ class LmdbStore:
         self._drops.clear()
         self._registry_puts.clear()
         self._registry_dels.clear()
+        self._probe = False
         return written
 
     def _grow(self) -> None:
@@ -492,6 +632,9 @@ class LmdbStore:
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {error}")
         self.failure = f"LMDB write failed: {error}"
+        # The retry writes something even if FINs have emptied what was
+        # pending by then; otherwise nothing would ever clear the failure.
+        self._probe = True
         for callback in waiters:
             callback(self.failure)
         self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
@@ -506,20 +649,270 @@ class LmdbStore:
         if self._unsynced:
             self.sync()
 
-    def close(self) -> None:
+    def close(self) -> Deferred | None:
+        """Write what is pending and close the environment.
+
+        Pending changes go in one transaction, as every commit. If that fails
+        (a full disk: one transaction needs room for all of it, and a shutdown
+        flushes every memory queue at once) they go in bounded transactions
+        instead, so what fits is kept; the rest is saved to the spill file
+        that the next start reads back, and if even that cannot be written
+        the store stays open and retries every second (the Deferred returned
+        fires once closed), so acknowledged messages are not dropped silently.
+        """
         if self._sync_loop is not None and self._sync_loop.running:
             self._sync_loop.stop()
+        waiting = None
         try:
             self.commit()
             if self.failure is not None:
-                log.error("closing LMDB with unwritten changes: {error}", error=self.failure)
+                waiting = self._close_bounded()
             else:
                 self.sync()
         finally:
             if self._commit_call is not None and self._commit_call.active():
                 self._commit_call.cancel()
             self._commit_call = None
+            if waiting is None:
+                self.env.close()
+        return waiting
+
+    # -- a shutdown on a full disk ----------------------------------------------------------
+
+    def _ordered_ops(self) -> list[tuple[int, Any, Any]]:
+        """Everything pending as write operations, what matters most first.
+
+        Deletions first: they free pages, and FINished messages must not come
+        back. Then the registry (records of an unregistered queue are never
+        read), then new messages, each queue's oldest first so what is kept of
+        a queue is its head, and last the rewrites of stored records (their
+        attempts and deferral), whose messages LMDB already holds.
+        """
+        ops: list[tuple[int, Any, Any]] = [(_DROP, qid, bound) for qid, bound in self._drops]
+        ops += [(_DEL, key, None) for key in sorted(self._dels)]
+        ops += [(_REG_DEL, name, None) for name in sorted(self._registry_dels)]
+        ops += [(_REG_PUT, name, qid) for name, qid in sorted(self._registry_puts.items())]
+        ops += [(_PUT, key, _encode(msg)) for key, msg in sorted(self._puts.items())]
+        ops += [(_PUT, key, _encode(msg)) for key, msg in sorted(self._updates.items())]
+        return ops
+
+    def _write_ops(self, ops) -> None:
+        """Apply write operations in one transaction."""
+        with self.env.begin(write=True, db=self.data_db) as txn:
+            for op, key, value in ops:
+                if op == _PUT:
+                    txn.put(key, value)
+                elif op == _DEL:
+                    txn.delete(key)
+                elif op == _REG_PUT:
+                    txn.put(key, value, db=self.registry_db)
+                elif op == _REG_DEL:
+                    txn.delete(key, db=self.registry_db)
+                else:
+                    _drop_range(txn, key, value)
+
+    def _write_bounded(self, ops) -> tuple[int, str | None]:
+        """Write `ops` in order in bounded transactions; (how many were written, the last error).
+
+        A transaction that does not fit is retried at half its size, down to
+        one operation: the first single operation that does not fit ends it.
+        """
+        done, limit, error = 0, _CLOSE_CHUNK, None
+        while done < len(ops):
+            end, size = done, 0
+            while end < len(ops) and end - done < limit and size < _CLOSE_CHUNK_BYTES:
+                value = ops[end][2]
+                size += len(value) if isinstance(value, bytes) else 16
+                end += 1
+            try:
+                self._write_ops(ops[done:end])
+            except lmdb.MapFullError:
+                self._grow()
+                continue
+            except lmdb.Error as e:
+                error = str(e)
+                if end - done == 1:
+                    break
+                limit = (end - done) // 2
+                continue
+            done = end
+        return done, error
+
+    def _close_bounded(self) -> Deferred | None:
+        """The shutdown's commit failed: keep what fits, spill the rest, say so in one line.
+
+        Returns a Deferred when not even the spill file could be written:
+        the store then retries both every second until one works.
+        """
+        ops = self._ordered_ops()
+        total = sum(1 for op in ops if op[0] == _PUT)
+        done, error = self._write_bounded(ops)
+        left = ops[done:]
+        if not left:
+            self._finish_close(True, False)
+            log.warn("closing LMDB: the shutdown's commit failed ({error}); written in smaller "
+                     "transactions instead", error=self.failure)
+            return None
+        spill = [op for op in left if op[0] in (_PUT, _REG_PUT)]
+        unwritten = sum(1 for op in spill if op[0] == _PUT)
+        deletions = len(left) - len(spill)
+        also = (f"; {deletions} deletions not written either (FINished messages may be delivered again)"
+                if deletions else "")
+        try:
+            self._write_spill(spill)
+        except OSError as e:
+            log.error("closing LMDB: {n} of {total} messages could not be written ({error}) nor saved "
+                      "to {spill} ({spill_error}): waiting for free space under {path}, retrying every "
+                      "{s:g}s (killing the broker now loses them){also}", n=unwritten, total=total,
+                      error=error, spill=self.spill_path, spill_error=e.strerror,
+                      path=os.path.abspath(os.path.dirname(self.spill_path) or "."), s=_RETRY_AFTER,
+                      also=also)
+            closed = Deferred()
+            self.clock.callLater(_RETRY_AFTER, self._retry_close, spill, closed)
+            return closed
+        self._finish_close(False, False)
+        log.error("closing LMDB: {n} of {total} messages could not be written ({error}); saved to "
+                  "{spill}, written back at the next start{also}", n=unwritten, total=total,
+                  error=error, spill=self.spill_path, also=also)
+        return None
+
+    def _retry_close(self, ops, closed: Deferred) -> None:
+        """Waiting at shutdown for room: write into LMDB what fits now, else try the spill file again."""
+        try:
+            done, _ = self._write_bounded(ops)
+            ops = ops[done:]
+            spilled = False
+            if ops:
+                try:
+                    self._write_spill(ops)
+                    spilled = True
+                except OSError:
+                    self.clock.callLater(_RETRY_AFTER, self._retry_close, ops, closed)
+                    return
+            self._finish_close(not spilled, True)
+        except Exception:
+            # A bug, not the disk: say so and let the shutdown finish rather than hang.
+            log.failure("closing LMDB: {n} messages left unwritten", n=len(ops))
             self.env.close()
+            closed.callback(None)
+            return
+        log.info("closing LMDB: there is room again; the messages left are {where}",
+                 where=f"saved to {self.spill_path}" if spilled else "written")
+        closed.callback(None)
+
+    def _finish_close(self, all_in_lmdb: bool, close_env: bool) -> None:
+        """Everything is in LMDB or the spill file: sync, drop a spill file now written back."""
+        try:
+            self.sync()
+        except lmdb.Error:
+            pass  # what was written is in the page cache; nothing better to do at exit
+        if all_in_lmdb and self._spill_loaded:
+            self._remove_spill()
+        if close_env:
+            self.env.close()
+
+    def _write_spill(self, ops) -> None:
+        """Save registry entries and records atomically (temp file, fsync, rename); raises OSError."""
+        entries = [(_SPILL_REGISTRY if op == _REG_PUT else _SPILL_RECORD, key, value)
+                   for op, key, value in ops]
+        tmp = self.spill_path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_spill_bytes(entries))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.spill_path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(self.spill_path)
+
+    def _remove_spill(self) -> None:
+        """The spilled records are committed: sync them, then let the file go."""
+        self._spill_loaded = False
+        try:
+            self.sync()
+            os.unlink(self.spill_path)
+            _fsync_dir(self.spill_path)
+        except FileNotFoundError:
+            pass
+        except (OSError, lmdb.Error) as e:
+            # Harmless: written back again at the next start, as rewrites.
+            log.warn("{spill}: cannot remove it ({error})", spill=self.spill_path, error=e)
+        else:
+            log.info("{spill}: its messages are in LMDB again; removed", spill=self.spill_path)
 
     def stats(self) -> dict[str, Any]:
         return {"path": self.path, **self.env.info(), **self.env.stat()}
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _drop_range(txn, qid: int, bound: int) -> None:
+    """Delete the queue's records below sequence `bound` (an emptied queue)."""
+    cursor = txn.cursor()
+    # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.
+    stop = KEY.pack(qid, bound)
+    if cursor.set_range(_QID.pack(qid)):
+        while cursor.key() < stop:
+            if not cursor.delete():  # False once past the last record
+                break
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename or unlink in `path`'s directory durable."""
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _spill_bytes(entries) -> bytes:
+    """The spill file: a magic line, (kind, key, value) entries, then their count and CRC-32."""
+    parts = []
+    for kind, key, value in entries:
+        parts += (_SPILL_ENTRY.pack(kind, len(key), len(value)), key, value)
+    body = b"".join(parts)
+    return _SPILL_MAGIC + body + _SPILL_END.pack(_SPILL_DONE, len(entries), zlib.crc32(body))
+
+
+def _parse_spill(raw: bytes) -> list[tuple[int, bytes, bytes]]:
+    """The entries of a spill file; ValueError if it is not one, or not whole."""
+    if not raw.startswith(_SPILL_MAGIC):
+        raise ValueError("not an mqd spill file")
+    if len(raw) < len(_SPILL_MAGIC) + _SPILL_END.size:
+        raise ValueError("truncated")
+    body = raw[len(_SPILL_MAGIC):-_SPILL_END.size]
+    done, count, crc = _SPILL_END.unpack(raw[-_SPILL_END.size:])
+    if done != _SPILL_DONE or zlib.crc32(body) != crc:
+        raise ValueError("truncated or damaged (checksum mismatch)")
+    entries = []
+    pos = 0
+    while pos < len(body):
+        kind, klen, vlen = _SPILL_ENTRY.unpack_from(body, pos)
+        pos += _SPILL_ENTRY.size
+        key, value = body[pos:pos + klen], body[pos + klen:pos + klen + vlen]
+        pos += klen + vlen
+        if kind == _SPILL_RECORD:
+            good = len(key) == KEY.size and len(value) == vlen >= _RECORD_SIZE
+        else:
+            good = kind == _SPILL_REGISTRY and len(value) == vlen == _QID.size and _is_utf8(key)
+        if not good:
+            raise ValueError(f"bad entry ending at byte {pos}")
+        entries.append((kind, key, value))
+    if len(entries) != count:
+        raise ValueError(f"{len(entries)} entries, the trailer says {count}")
+    return entries
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True

@@ -12,23 +12,35 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from io import BytesIO
+from typing import Any
 from urllib.parse import urlencode
 
+import re2
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from .logs import get_logger
+from .stats import go_string
 
-__all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "parse_auth_response"]
+__all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "compile_grant", "parse_auth_response"]
 
 log = get_logger(__name__)
 
 ACCEPT = b"application/vnd.nsq; version=1.0"
+
+# RE2 is Go's regexp engine: linear-time matching (a grant like
+# `^([a-z0-9]+[-_.]?)+$` cannot stall the reactor as backtracking `re` did on
+# a near-miss name) and the syntax nsqd accepts. Parse errors are ours to
+# report, not RE2's to print on stderr.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+# re2's compiled regex (its class is private to the binding).
+Regex = Any
 
 
 class AuthError(Exception):
@@ -40,10 +52,37 @@ def auth_urls(addresses: list[str]) -> list[str]:
     return [a if "://" in a else f"http://{a}/auth" for a in addresses]
 
 
+def compile_grant(pattern: str) -> Regex:
+    """A grant's regex as Go's regexp.Compile would take it, or AuthError.
+
+    RE2 (C++) accepts `\\C` (any byte), which Go's regexp refuses, so it is
+    refused here too unless quoted by `\\Q...\\E`. A lone surrogate (a
+    `\\ud800` escape in the answer's JSON) is U+FFFD, as Go's JSON decoder
+    makes it.
+    """
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            if nxt == "C":
+                raise AuthError(f"unable to compile {pattern!r}: invalid escape sequence \\C")
+            if nxt == "Q":
+                end = pattern.find("\\E", i + 2)
+                i = n if end < 0 else end + 2
+                continue
+            i += 2
+            continue
+        i += 1
+    try:
+        return re2.compile(go_string(pattern), _RE2_OPTIONS)
+    except re2.error as e:
+        raise AuthError(f"unable to compile {pattern!r}: {e}") from None
+
+
 @dataclass
 class _Grant:
-    topic: re.Pattern
-    channels: list[re.Pattern]
+    topic: Regex
+    channels: list[Regex]
     permissions: frozenset[str]
 
     def allows(self, topic: str, channel: str) -> bool:
@@ -83,9 +122,8 @@ class AuthState:
 def parse_auth_response(body: bytes, now: float) -> AuthState:
     """An AuthState from the server's JSON, refusing what nsqd refuses.
 
-    A ttl ≤ 0, an unknown permission or a regex that does not compile
-    makes the whole answer a failure, as in nsqd. Go regexes are used as
-    Python ones: the two agree on the syntax auth servers use in practice.
+    A ttl ≤ 0, an unknown permission or a regex that Go's regexp does not
+    compile makes the whole answer a failure, as in nsqd (compile_grant).
     """
     try:
         data = json.loads(body)
@@ -100,6 +138,7 @@ def parse_auth_response(body: bytes, now: float) -> AuthState:
     identity_url = data.get("identity_url") or ""
     if not isinstance(identity, str) or not isinstance(identity_url, str):
         raise AuthError("identity and identity_url must be strings")
+    identity, identity_url = go_string(identity), go_string(identity_url)
     raw = data.get("authorizations") or []
     if not isinstance(raw, list):
         raise AuthError("authorizations must be a list")
@@ -115,13 +154,10 @@ def parse_auth_response(body: bytes, now: float) -> AuthState:
         for p in perms:
             if p not in ("subscribe", "publish"):
                 raise AuthError(f"unknown permission {p}")
-        try:
-            topic_re = re.compile(topic)
-            channel_res = [re.compile(c) for c in channels if isinstance(c, str)]
-        except re.error as e:
-            raise AuthError(f"invalid regex: {e}") from None
-        if len(channel_res) != len(channels):
+        if not all(isinstance(c, str) for c in channels):
             raise AuthError("channel regexes must be strings")
+        topic_re = compile_grant(topic)
+        channel_res = [compile_grant(c) for c in channels]
         grants.append(_Grant(topic_re, channel_res, frozenset(perms)))
     return AuthState(identity, identity_url, grants, now + ttl)
 

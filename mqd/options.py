@@ -236,6 +236,15 @@ def _parse_tls_required(value: Any) -> str:
 _LOG_LEVEL = Option("log-level", "str", "info", "debug, info, warn, error or fatal",
                     _one_of("debug", "info", "warn", "error", "fatal"))
 
+# nsqd has no flag for it: Go listens with the kernel's limit
+# (net.core.somaxconn), so a storm of connections is queued, not refused.
+# Twisted's default is 50; every TCP/HTTP(S)/unix listener of both daemons
+# takes this instead (`listen_endpoint`).
+_LISTEN_BACKLOG = Option(
+    "listen-backlog", "int", None,
+    "queue of not-yet-accepted connections of every listener (default: the system's "
+    "net.core.somaxconn, as nsqd; 4096 if unknown)", _between(1, 65535))
+
 MQD_OPTIONS: tuple[Option, ...] = (
     _LOG_LEVEL,
     Option("node-id", "int", None, "unique part of message ids, 0-1023 (default: from the hostname, as nsqd)",
@@ -264,6 +273,10 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("sync-timeout", "duration", 2.0, "fsync the store at least this often when it was written (when not durable)",
            _at_least(0)),
     Option("lmdb-map-size", "int", 1 << 30, "initial LMDB map size in bytes; it grows by itself", _at_least(1 << 20)),
+    Option("snapshot-max-bytes", "int", 16 << 30,
+           "disk space all snapshots under <data-path>/snapshots may take together; POST /snapshot is "
+           "refused (507 SNAPSHOT_LIMIT) when one more could pass it, nothing is deleted (0: no limit)",
+           _at_least(0)),
     Option("mem-queue-size", "int", 10000, "messages kept in memory per topic and per channel", _at_least(0)),
     Option("msg-timeout", "duration", 60.0, "time a message may stay in flight before it is requeued", _positive_duration),
     Option("max-msg-timeout", "duration", 900.0, "highest msg_timeout a client may ask for", _positive_duration),
@@ -285,6 +298,7 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("queue-scan-worker-pool-max", "int", 4, "accepted for nsqd compatibility; the scan runs on the reactor", _at_least(1)),
     Option("https-address", "address", "0.0.0.0:4152",
            "HTTPS clients (only when --tls-cert and --tls-key are set): HOST:PORT or a Twisted endpoint string; empty disables"),
+    _LISTEN_BACKLOG,
     Option("tls-cert", "str", "", "path to the certificate file (PEM, may hold the chain)"),
     Option("tls-key", "str", "", "path to the private key file (PEM)"),
     Option("tls-client-auth-policy", "str", "",
@@ -328,6 +342,7 @@ LOOKUPD_OPTIONS: tuple[Option, ...] = (
            "TCP address for brokers to register on: HOST:PORT or a Twisted endpoint string", _required),
     Option("http-address", "address", "0.0.0.0:4161",
            "HTTP address for clients and admins: HOST:PORT or a Twisted endpoint string", _required),
+    _LISTEN_BACKLOG,
     Option("broadcast-address", "str", None,
            "address given to brokers in the IDENTIFY response (default: the hostname)"),
     Option("inactive-producer-timeout", "duration", 300.0,
@@ -433,3 +448,20 @@ def _fill_defaults(values: dict[str, Any]) -> None:
         values["node_id"] = default_node_id()
     if "broadcast_address" in values and not values["broadcast_address"]:
         values["broadcast_address"] = socket.gethostname()
+    if "listen_backlog" in values and values["listen_backlog"] is None:
+        values["listen_backlog"] = system_backlog()
+
+
+def system_backlog() -> int:
+    """The kernel's cap on a listen backlog, read as Go reads it for nsqd's listeners.
+
+    A larger backlog is silently cut to it by listen(2), so asking for more
+    gains nothing; 4096 (Linux's default since 5.4) where it cannot be read.
+    """
+    try:
+        with open("/proc/sys/net/core/somaxconn", encoding="ascii") as f:
+            value = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 4096
+    # listen(2)'s backlog was 16 bits in older kernels; Go caps it the same way.
+    return max(1, min(value, 65535))

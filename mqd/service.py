@@ -2,18 +2,42 @@
 
 from __future__ import annotations
 
+import re
 import sys
 
 from twisted.application import service
+from twisted.internet import endpoints
 from twisted.internet.defer import DeferredList
 from twisted.python.failure import Failure
 
 from .logs import get_logger
-from .options import ConfigError
+from .options import ConfigError, to_endpoint
 
-__all__ = ["BrokerService", "ListeningService"]
+__all__ = ["BrokerService", "ListeningService", "listen_endpoint", "with_backlog"]
 
 log = get_logger(__name__)
+
+# Endpoint types whose listeners take a `backlog` argument (systemd adopts a
+# socket already listening, with the backlog its unit gave it).
+_BACKLOG_TYPES = ("tcp", "tcp6", "ssl", "unix")
+_HAS_BACKLOG = re.compile(r"(?:^|(?<!\\):)backlog=")
+
+
+def with_backlog(description: str, backlog: int) -> str:
+    """The endpoint string with `backlog=` added, unless it names one itself or cannot take one."""
+    kind = description.split(":", 1)[0]
+    if kind not in _BACKLOG_TYPES or _HAS_BACKLOG.search(description):
+        return description
+    return f"{description}:backlog={backlog}"
+
+
+def listen_endpoint(reactor, address: str, backlog: int):
+    """The server endpoint for a configured address (nsqd's or Twisted's form) with the listen backlog.
+
+    Twisted listens with a backlog of 50 by default: a burst of connections
+    beyond it is dropped by the kernel, where nsqd queues up to somaxconn.
+    """
+    return endpoints.serverFromString(reactor, with_backlog(to_endpoint(address), backlog))
 
 
 class ListeningService(service.Service):
@@ -95,8 +119,8 @@ class BrokerService(service.Service):
         super().stopService()
         running = list(self.broker.background)
         if not running:
-            self.broker.close()
-            return None
+            # A Deferred when the store waits for disk space to write what it holds.
+            return self.broker.close()
         # A snapshot thread still reads the LMDB environment: closing it
         # under the copy would crash the process, so wait (a copy is short).
         d = DeferredList(running, consumeErrors=True)

@@ -31,12 +31,30 @@ if TYPE_CHECKING:
 
 __all__ = [
     "go_duration",
+    "go_string",
     "health_text",
     "memory_stats",
     "nanoseconds_to_human",
     "stats_json",
     "stats_text",
 ]
+
+
+def go_string(value: str) -> str:
+    """`value` as a Go string decoded from JSON holds it: each lone surrogate is U+FFFD.
+
+    Python's JSON decoder keeps an unpaired `\\ud800` escape as a surrogate,
+    which no UTF-8 encoder writes: one in a client's or auth server's string
+    made /stats fail for everyone. Go's decoder replaces it, so nsqd shows
+    U+FFFD. ASCII, nearly every string here, is returned as is.
+    """
+    if value.isascii():
+        return value
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in value)
+    return value
 
 
 # -- memory -------------------------------------------------------------------------
@@ -126,8 +144,8 @@ def _pub_counts(client: V2Protocol, topic: str | None) -> list[dict[str, Any]]:
 def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]:
     """One connection as nsqd's ClientV2Stats (keys in its order, omitempty respected)."""
     row: dict[str, Any] = {
-        "client_id": client.client_id,
-        "hostname": client.hostname,
+        "client_id": go_string(client.client_id),
+        "hostname": go_string(client.hostname),
         "version": "V2",
         "remote_address": client.remote_address,
         "state": client.state,
@@ -140,7 +158,7 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
         "sample_rate": client.sample_rate,
         "deflate": client.deflate,
         "snappy": client.snappy,
-        "user_agent": client.user_agent,
+        "user_agent": go_string(client.user_agent),
     }
     # omitempty in nsqd: only a connection that passed AUTH shows them.
     state = client.auth_state
@@ -170,7 +188,7 @@ def channel_stats(channel: Channel, include_clients: bool = True, topic: str | N
     """One channel as nsqd's ChannelStats; `clients` is null without include_clients."""
     clients = None
     if include_clients:
-        clients = [client_stats(c, topic) for c in channel.clients]
+        clients = [client_stats(c, topic) for c in channel.clients] if channel.clients else []
     window = channel.e2e
     return {
         "channel_name": channel.name,
@@ -191,8 +209,8 @@ def channel_stats(channel: Channel, include_clients: bool = True, topic: str | N
 def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
     """One topic as nsqd's TopicStats; its latency merges all its channels' (not just the listed)."""
     # merged_result of no window (feature off, or no channel) is nsqd's empty result.
-    windows = [c.e2e for c in list(topic.channels.values()) if c.e2e is not None]
     percentiles = topic.broker.options.e2e_processing_latency_percentile
+    windows = [c.e2e for c in list(topic.channels.values()) if c.e2e is not None] if percentiles else ()
     return {
         "topic_name": topic.name,
         "channels": channels,
@@ -220,7 +238,9 @@ def _collect(broker: Broker, topic: str | None, channel: str | None,
             return None, None
         topics = [found]
     else:
-        topics = sorted(broker.topics.values(), key=lambda t: t.name)
+        # Sorting the names (str keys, no key function) is the cheap way at 20k topics.
+        by_name = broker.topics
+        topics = [by_name[name] for name in sorted(by_name)]
     rows = []
     for t in topics:
         if channel:
@@ -229,7 +249,8 @@ def _collect(broker: Broker, topic: str | None, channel: str | None,
                 continue
             channels = [ch]
         else:
-            channels = sorted(t.channels.values(), key=lambda c: c.name)
+            by_name = t.channels
+            channels = [by_name[name] for name in sorted(by_name)]
         rows.append(topic_stats(t, [channel_stats(c, include_clients, topic) for c in channels]))
     producers = None
     if include_clients:
@@ -303,7 +324,10 @@ def nanoseconds_to_human(v: float) -> str:
 
 
 def _e2e_text(result: dict[str, Any]) -> str:
-    return ", ".join(nanoseconds_to_human(p["value"]) for p in result["percentiles"] or ())
+    percentiles = result["percentiles"]
+    if not percentiles:
+        return ""
+    return ", ".join(nanoseconds_to_human(p["value"]) for p in percentiles)
 
 
 def _rfc3339(ts: float) -> str:

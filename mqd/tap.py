@@ -6,7 +6,6 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from twisted.application import service
-from twisted.internet import endpoints
 from twisted.python import usage
 
 from . import __version__
@@ -14,10 +13,10 @@ from .broker import Broker
 from .http.api import NsqdSite
 from .logs import set_log_level
 from .lookup.peer import LookupService
-from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve, to_endpoint
+from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve
 from .protocol.v2 import NSQ_VERSION, V2Factory
 from .queuescan import QueueScanner
-from .service import BrokerService, ListeningService
+from .service import BrokerService, ListeningService, listen_endpoint
 from .statsd import StatsdService
 from .tlsconfig import server_tls
 
@@ -140,11 +139,12 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     BrokerService(broker).setServiceParent(top)
     QueueScanner(broker).setServiceParent(top)
     ports: dict[str, int] = {}
-    tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
+    backlog = settings.listen_backlog
+    tcp = listen_endpoint(reactor, settings.tcp_address, backlog)
     ListeningService("TCP", tcp, V2Factory(broker), ports, reactor,
                      settings.tcp_address).setServiceParent(top)
     if settings.http_address:
-        http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
+        http = listen_endpoint(reactor, settings.http_address, backlog)
         site = NsqdSite(broker, ports, reactor,
                         tls_required=tls is not None and tls.http_required)
         ListeningService("HTTP", http, site, ports, reactor,
@@ -154,7 +154,7 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
         # any endpoint form (host:port, unix socket) works as for HTTP.
         from twisted.protocols.tls import TLSMemoryBIOFactory
 
-        https = endpoints.serverFromString(reactor, to_endpoint(settings.https_address))
+        https = listen_endpoint(reactor, settings.https_address, backlog)
         https_site = TLSMemoryBIOFactory(tls, False, NsqdSite(broker, ports, reactor))
         https_site.noisy = False
         ListeningService("HTTPS", https, https_site, ports, reactor,

@@ -41,6 +41,7 @@ __all__ = [
     "Manifest",
     "QueueInfo",
     "SnapshotError",
+    "SnapshotExists",
     "kind_of",
     "read_manifest",
     "take_snapshot",
@@ -54,6 +55,10 @@ _QID = struct.Struct(">I")
 
 class SnapshotError(Exception):
     """The snapshot could not be taken: not an mqd environment, destination taken, ..."""
+
+
+class SnapshotExists(SnapshotError):
+    """The destination already exists (a file, a directory or a symlink): never overwritten or followed."""
 
 
 def kind_of(channel: str | None) -> str:
@@ -205,7 +210,7 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.lexists(out_dir):
-        raise SnapshotError(f"{out_dir}: already exists")
+        raise SnapshotExists(f"{out_dir}: already exists")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
@@ -242,8 +247,14 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
         # Readable by whoever reads the data path (mkdtemp makes it 0700).
         os.chmod(tmp, 0o755)
         try:
+            # A directory is only renamed onto nothing or an empty directory:
+            # a symlink planted meanwhile makes this fail (ENOTDIR), never followed.
             os.rename(tmp, out_dir)
+        except FileExistsError:
+            raise SnapshotExists(f"{out_dir}: already exists") from None
         except OSError as e:
+            if os.path.lexists(out_dir):
+                raise SnapshotExists(f"{out_dir}: already exists") from None
             raise SnapshotError(f"{out_dir}: cannot move the snapshot into place ({e.strerror})") from None
         _fsync_dir(parent)
         return manifest

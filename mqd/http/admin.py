@@ -6,8 +6,11 @@ it up, `INVALID_TOPIC` vs `INVALID_ARG_TOPIC`), because tools and tests
 compare the error texts.
 
 Pausing changes what is delivered, so the paused flag is written to
-nsqd.dat before the call returns: a crash right after an operator paused
-a topic must not bring it back unpaused (nsqd does the same).
+nsqd.dat before the call is answered: a crash right after an operator
+paused a topic must not bring it back unpaused (nsqd does the same).
+Creating and deleting are answered once written too, so what an operator
+was told is done is what a restart brings back (nsqd writes those in the
+background). The write runs in a thread; only the answer waits for it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from backends import BackendError
 
 from ..logs import get_logger
 from .args import query_of, topic_arg, topic_channel_args
-from .endpoint import Endpoint
+from .endpoint import LATER, Endpoint, finish_v1
 from .response import ApiError
 
 if TYPE_CHECKING:
@@ -42,12 +45,22 @@ __all__ = [
 log = get_logger(__name__)
 
 
-def _persist_metadata(broker) -> None:
-    """Write nsqd.dat now; a failure is logged, as nsqd ignores it (the change stands)."""
-    try:
-        broker.persist_metadata()
-    except OSError as e:
-        log.error("failed to persist metadata: {error}", error=e)
+def _answer_once_persisted(broker, request: Request) -> object:
+    """The empty 200, once nsqd.dat holds the change (written in a thread).
+
+    A failed write is logged and the answer is still 200, as nsqd ignores
+    PersistMetadata's error (the change stands).
+    """
+
+    def failed(failure) -> None:
+        log.error("failed to persist metadata: {error}", error=failure.value)
+
+    d = broker.metadata_written()
+    d.addErrback(failed)
+    if d.called:  # written inline (a test clock has no threads)
+        return None
+    d.addCallback(lambda _: finish_v1(request, 200))
+    return LATER
 
 
 def _empty(queue_owner: Topic | Channel) -> None:
@@ -72,17 +85,19 @@ class _TopicEndpoint(Endpoint):
 class TopicCreate(_TopicEndpoint):
     """`/topic/create?topic=<t>`: create it if new (idempotent)."""
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         self.broker.topic(topic_arg(query_of(request)))
+        return _answer_once_persisted(self.broker, request)
 
 
 class TopicDelete(_TopicEndpoint):
     """`/topic/delete?topic=<t>`: the topic, its channels (consumers disconnected) and their data."""
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         # nsqd does not check the name here: an invalid one is just not found.
         if not self.broker.delete_topic(topic_arg(query_of(request), invalid=None)):
             raise ApiError(404, "TOPIC_NOT_FOUND")
+        return _answer_once_persisted(self.broker, request)
 
 
 class TopicEmpty(_TopicEndpoint):
@@ -99,13 +114,13 @@ class TopicPause(_TopicEndpoint):
         super().__init__(broker)
         self.paused = paused
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         topic = self.existing_topic(topic_arg(query_of(request), invalid=None))
         if self.paused:
             topic.pause()
         else:
             topic.unpause()
-        _persist_metadata(self.broker)
+        return _answer_once_persisted(self.broker, request)
 
 
 # -- channels -------------------------------------------------------------------------
@@ -131,19 +146,21 @@ class _ChannelEndpoint(Endpoint):
 class ChannelCreate(_ChannelEndpoint):
     """`/channel/create?topic=<t>&channel=<c>`: on an existing topic only (it is not created)."""
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         topic, name = self.topic_and_name(request)
         topic.channel(name)
+        return _answer_once_persisted(self.broker, request)
 
 
 class ChannelDelete(_ChannelEndpoint):
     """`/channel/delete`: the channel, its messages and data; its consumers are disconnected."""
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         topic, name = self.topic_and_name(request)
         if name not in topic.channels:
             raise ApiError(404, "CHANNEL_NOT_FOUND")
         topic.delete_channel(name)
+        return _answer_once_persisted(self.broker, request)
 
 
 class ChannelEmpty(_ChannelEndpoint):
@@ -160,10 +177,10 @@ class ChannelPause(_ChannelEndpoint):
         super().__init__(broker)
         self.paused = paused
 
-    def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         channel = self.existing_channel(request)
         if self.paused:
             channel.pause()
         else:
             channel.unpause()
-        _persist_metadata(self.broker)
+        return _answer_once_persisted(self.broker, request)

@@ -58,7 +58,8 @@ class Config(Endpoint):
         if name == "nsqlookupd_tcp_addresses":
             try:
                 addresses = json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):
+                # Go's decoder stops at 10000 levels, Python's before: either way not a []string.
                 raise ApiError(400, "INVALID_VALUE") from None
             if addresses is None:
                 addresses = []

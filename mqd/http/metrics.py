@@ -50,28 +50,34 @@ def _number(value: float) -> str:
 
 
 class _Family:
-    """One metric family: its HELP and TYPE, then its samples."""
+    """One metric family: its HELP and TYPE, then its sample lines."""
 
-    __slots__ = ("name", "kind", "help", "samples")
+    __slots__ = ("name", "kind", "help", "lines")
 
     def __init__(self, name: str, kind: str, help: str) -> None:
         self.name = name
         self.kind = kind
         self.help = help
-        self.samples: list[tuple[Labels, float]] = []
+        self.lines: list[str] = []
 
     def add(self, value: float, **labels: str) -> None:
-        self.samples.append((tuple(labels.items()), value))
+        if labels:
+            inner = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items())
+            self.lines.append(f"{self.name}{{{inner}}} {_number(value)}\n")
+        else:
+            self.lines.append(f"{self.name} {_number(value)}\n")
+
+    def add_all(self, labels: list[str], values: Iterable[float]) -> None:
+        """One sample per pre-rendered label set (`k="v",...`): the per-channel fast path."""
+        prefix = self.name + "{"
+        # int first: nearly every value is one, and str() of an int is what _number gives.
+        self.lines.extend([f"{prefix}{lab}}} {v if type(v) is int else _number(v)}\n"
+                           for lab, v in zip(labels, values, strict=True)])
 
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {_escape_help(self.help)}\n"
         yield f"# TYPE {self.name} {self.kind}\n"
-        for labels, value in self.samples:
-            if labels:
-                inner = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels)
-                yield f"{self.name}{{{inner}}} {_number(value)}\n"
-            else:
-                yield f"{self.name} {_number(value)}\n"
+        yield from self.lines
 
 
 # (stats key, metric suffix, type, help) for the per-topic and per-channel numbers.
@@ -122,15 +128,15 @@ def metrics_text(broker: Broker) -> str:
     family("nsq_producers", "gauge", "Connected TCP clients that have published.").add(
         sum(1 for c in clients if c.pub_counts))
 
+    # Label sets escaped once per topic and channel, not once per sample.
+    topic_labels = [f'topic="{escape_label(t["topic_name"])}"' for t in topics]
+    channel_rows = [c for t in topics for c in t["channels"]]
+    channel_labels = [f'{tl},channel="{escape_label(c["channel_name"])}"'
+                      for t, tl in zip(topics, topic_labels, strict=True) for c in t["channels"]]
     for key, suffix, kind, help in _TOPIC_FIELDS:
-        f = family(f"nsq_topic_{suffix}", kind, help)
-        for t in topics:
-            f.add(t[key], topic=t["topic_name"])
+        family(f"nsq_topic_{suffix}", kind, help).add_all(topic_labels, [t[key] for t in topics])
     for key, suffix, kind, help in _CHANNEL_FIELDS:
-        f = family(f"nsq_channel_{suffix}", kind, help)
-        for t in topics:
-            for c in t["channels"]:
-                f.add(c[key], topic=t["topic_name"], channel=c["channel_name"])
+        family(f"nsq_channel_{suffix}", kind, help).add_all(channel_labels, [c[key] for c in channel_rows])
 
     # End-to-end latency (only with --e2e-processing-latency-percentile): a
     # rolling window, so gauges with a quantile label rather than a summary
@@ -157,7 +163,7 @@ def metrics_text(broker: Broker) -> str:
                               quantile=_number(float(p["quantile"])))
                 c_cnt.add(result["count"], topic=name, channel=c["channel_name"])
 
-    return "".join(line for f in families for line in f.render())
+    return "".join([line for f in families for line in f.render()])
 
 
 class Metrics(Endpoint):

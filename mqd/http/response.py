@@ -65,7 +65,7 @@ def respond_v1(request: Request, code: int, data: Any = None) -> bytes:
         elif isinstance(data, bytes):
             body = data
         elif isinstance(data, str):
-            body = data.encode()
+            body = _encode(data)
         else:
             body = dumps(data)
             request.setHeader(b"Content-Type", JSON_CONTENT_TYPE)
@@ -80,10 +80,23 @@ def respond_v1(request: Request, code: int, data: Any = None) -> bytes:
 
 def respond_plain(request: Request, code: int, text: str) -> bytes:
     """Status set on `request` for a PlainText answer; returns the body."""
-    body = text.encode()
+    body = _encode(text)
     _text_or_nothing(request, body)
     request.setResponseCode(code)
     return body
+
+
+def _encode(text: str) -> bytes:
+    """UTF-8 of a text answer; a character no encoder writes (a lone surrogate) is `?`.
+
+    The strings the answers are built from are made valid where they come in
+    (stats.go_string); this keeps one that slipped through from turning
+    the answer into twisted.web's 500 page.
+    """
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
 
 
 def _text_or_nothing(request: Request, body: bytes) -> None:

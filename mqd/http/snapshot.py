@@ -7,30 +7,100 @@ during a snapshot. The answer is `{"path": ..., "manifest": {...}}` once
 the snapshot is in place. Only the lmdb backend has anything to copy:
 other backends answer `400 SNAPSHOT_UNSUPPORTED`.
 
-`out` defaults to `<data-path>/snapshots/<UTC time>`; it is always a name
-under `<data-path>/snapshots` (absolute paths and `..` get 400 INVALID_OUT). Like the rest of nsqd's HTTP API this
-is unauthenticated: expose the HTTP port only to operators.
+`out` defaults to `<data-path>/snapshots/<UTC time>`; a given `out` is one
+name in that directory (letters, digits and `._:+-`, at most 200, not
+starting with a dot: hidden names are the copies in progress), else
+`400 INVALID_OUT`; a name already taken is `400 OUT_EXISTS`. Like the
+rest of nsqd's HTTP API this is unauthenticated: expose the HTTP port only
+to operators. Even so the endpoint never writes through a symlink: a
+snapshots directory that is one is refused (500 SNAPSHOT_FAILED, logged),
+and a symlink at the destination is a name taken.
+
+All snapshots together may use at most `--snapshot-max-bytes` of disk:
+when one more could pass it (its size estimated as the store's current
+size) the request is `507 SNAPSHOT_LIMIT`. The broker deletes no snapshot
+to make room, because a Spark job may be reading the oldest one.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from twisted.internet import threads
 from twisted.web.server import Request
 
-from spark_bridge.snapshot import SnapshotError, take_snapshot
+from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists, take_snapshot
 
 from ..logs import get_logger
 from .args import query_of
 from .endpoint import LATER, Endpoint, finish_v1
 from .response import ApiError
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "SnapshotLimit", "disk_use", "snapshot_into"]
 
 log = get_logger(__name__)
+
+# One plain name: no separator, no dot first (".", "..", the hidden copies in
+# progress), short enough for mkdtemp's ".<name>.XXXXXXXX.tmp" to fit NAME_MAX.
+_OUT_NAME = re.compile(r"[A-Za-z0-9_:+-][A-Za-z0-9._:+-]{0,199}")
+
+
+class SnapshotLimit(SnapshotError):
+    """One more snapshot could pass --snapshot-max-bytes."""
+
+
+def disk_use(path: str) -> int:
+    """Bytes the files under `path` take on disk, symlinks not followed."""
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                total += disk_use(entry.path)
+            else:
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+def _real_directory(path: str) -> None:
+    """Make `path` a directory if it is missing; refuse one that is a symlink or no directory."""
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot create ({e.strerror})") from None
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise SnapshotError(f"{path}: is a symlink, which snapshots do not follow")
+    if not stat.S_ISDIR(mode):
+        raise SnapshotError(f"{path}: not a directory")
+
+
+def snapshot_into(env, base: str, name: str, max_bytes: int, broker_id: str | None,
+                  node_id: int | None) -> Manifest:
+    """Take a snapshot named `name` in `base` (run in a thread: it reads the disk)."""
+    _real_directory(base)
+    out = os.path.join(base, name)
+    if os.path.lexists(out):
+        raise SnapshotExists(f"{out}: already exists")
+    if max_bytes:
+        # A compact copy is never larger than the pages the store uses.
+        estimate = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        used = disk_use(base)
+        if used + estimate > max_bytes:
+            raise SnapshotLimit(f"snapshots use {used} bytes; one more of up to {estimate} bytes "
+                                f"could pass --snapshot-max-bytes={max_bytes}")
+    return take_snapshot(env, out, broker_id=broker_id, node_id=node_id)
 
 
 class Snapshot(Endpoint):
@@ -41,20 +111,22 @@ class Snapshot(Endpoint):
         if broker.options.backend != "lmdb" or env is None:
             raise ApiError(400, "SNAPSHOT_UNSUPPORTED")
         base = os.path.join(broker.data_path, "snapshots")
-        out = query_of(request).first("out")
-        if not out:
-            out = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        name = query_of(request).first("out")
+        if not name:
+            name = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
         # Only a name under <data-path>/snapshots: the API is unauthenticated,
         # so it must not be a way to write anywhere the broker may write.
-        if os.path.isabs(out) or ".." in out.split("/") or "\0" in out:
+        if not _OUT_NAME.fullmatch(name):
             raise ApiError(400, "INVALID_OUT")
-        out = os.path.abspath(os.path.join(base, out))
+        out = os.path.abspath(os.path.join(base, name))
+        if os.path.lexists(out):
+            raise ApiError(400, "OUT_EXISTS")
         opts = broker.options
         # Everything the thread needs is taken now: it must not touch the broker.
         # The store must not resize its map while the thread reads it.
         store.copies += 1
-        d = threads.deferToThread(take_snapshot, env, out, broker_id=opts.broadcast_address,
-                                  node_id=opts.node_id)
+        d = threads.deferToThread(snapshot_into, env, os.path.abspath(base), name, opts.snapshot_max_bytes,
+                                  broker_id=opts.broadcast_address, node_id=opts.node_id)
         broker.background.add(d)
 
         def done(manifest) -> None:
@@ -63,6 +135,13 @@ class Snapshot(Endpoint):
             finish_v1(request, 200, {"path": out, "manifest": manifest.to_json()})
 
         def failed(failure) -> None:
+            if failure.check(SnapshotExists):
+                finish_v1(request, 400, "OUT_EXISTS")
+                return
+            if failure.check(SnapshotLimit):
+                log.warn("snapshot {path} refused: {error}", path=out, error=failure.value)
+                finish_v1(request, 507, "SNAPSHOT_LIMIT")
+                return
             if failure.check(SnapshotError):
                 log.error("snapshot {path} failed: {error}", path=out, error=failure.value)
             else:

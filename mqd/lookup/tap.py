@@ -8,12 +8,11 @@ same way; only the table differs (nsqlookupd's, LOOKUPD_OPTIONS).
 from __future__ import annotations
 
 from twisted.application import service
-from twisted.internet import endpoints
 from twisted.python import usage
 
 from ..logs import set_log_level
-from ..options import LOOKUPD_OPTIONS, Settings, to_endpoint
-from ..service import ListeningService
+from ..options import LOOKUPD_OPTIONS, Settings
+from ..service import ListeningService, listen_endpoint
 from ..tap import make_options_class, settings_from
 from .http import LookupdSite
 from .protocol import LookupdFactory
@@ -38,11 +37,11 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     top = service.MultiService()
     top.db = db
     top.ports = ports
-    tcp = endpoints.serverFromString(reactor, to_endpoint(settings.tcp_address))
+    tcp = listen_endpoint(reactor, settings.tcp_address, settings.listen_backlog)
     factory = LookupdFactory(db, settings.broadcast_address, ports)
     ListeningService("TCP", tcp, factory, ports, reactor,
                      settings.tcp_address).setServiceParent(top)
-    http = endpoints.serverFromString(reactor, to_endpoint(settings.http_address))
+    http = listen_endpoint(reactor, settings.http_address, settings.listen_backlog)
     ListeningService("HTTP", http, LookupdSite(db, reactor), ports, reactor,
                      settings.http_address).setServiceParent(top)
     return top

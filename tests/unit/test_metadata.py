@@ -55,13 +55,13 @@ def test_written_after_creation_on_next_turn(tmp_path, broker, clock):
 
 def test_one_write_for_many_changes(tmp_path, broker, clock, monkeypatch):
     writes = []
-    original = broker.persist_metadata
+    original = broker._write_metadata_file
 
-    def counting():
+    def counting(data, seq):
         writes.append(1)
-        original()
+        original(data, seq)
 
-    monkeypatch.setattr(broker, "persist_metadata", counting)
+    monkeypatch.setattr(broker, "_write_metadata_file", counting)
     for i in range(5):
         broker.topic(f"t{i}").channel("c")
     clock.advance(0)
@@ -82,7 +82,8 @@ def test_ephemeral_excluded(tmp_path, broker, clock):
 def test_ephemeral_only_changes_schedule_nothing(tmp_path, broker, clock):
     Client(broker).sub("e#ephemeral", "c#ephemeral")
     assert broker._persist_call is None
-    assert not any(call.func == broker.persist_metadata for call in clock.getDelayedCalls())
+    assert not any(call.func == broker._write_metadata_async for call in clock.getDelayedCalls())
+    assert broker._metadata_writing is None
 
 
 def test_deletion_rewritten(tmp_path, broker, clock):

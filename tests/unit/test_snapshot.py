@@ -273,8 +273,8 @@ def test_http_snapshot(tmp_path, clock, sync_threads):
         # Default destination: a UTC time stamp under <data-path>/snapshots.
         default = http.post("/snapshot").json()["path"]
         assert os.path.dirname(default) == str(tmp_path / "snapshots")
-        # The same destination again is a failure, not an overwrite.
-        assert error(http.post("/snapshot?out=mine")) == (500, "SNAPSHOT_FAILED")
+        # The same destination again is refused, not overwritten.
+        assert error(http.post("/snapshot?out=mine")) == (400, "OUT_EXISTS")
     finally:
         broker.close()
 
