@@ -10,6 +10,7 @@ channel to deliver after many FINs) happens once at the end of the pass.
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import Any
 
 from twisted.internet.interfaces import IHandshakeListener, IPushProducer
@@ -66,6 +67,12 @@ MAX_LINE = 64 * 1024
 # steps. 64 KiB is what Twisted reads from a socket at a time: a turn of a
 # compressed connection costs what a turn of a plain one does.
 INFLATE_STEP = 64 * 1024
+# Frames held while the transport is backed up are handed to it this much at
+# a time (Twisted's TCP transport pauses its producer past 64 KiB unsent):
+# its buffer holds at most about two steps, the rest waits in the protocol
+# where it is known to be unsent, and the write deadline runs per handful of
+# steps, as nsqd's does per write.
+WRITE_STEP = 64 * 1024
 
 _MSG_HEADER_PACK = MESSAGE_HEADER.pack
 _MSG_OVERHEAD = MESSAGE_HEADER.size - 4
@@ -172,6 +179,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._obuf: list[bytes] = []
         self._obuf_len = 0
         self._flush_call = None
+        # Frames flushed while the transport was backed up, not handed to it
+        # yet (see _drain), and nsqd's write deadline: armed while a write
+        # waits on a backed-up transport, or while a close waits to flush.
+        self._unsent: deque[bytes] = deque()
+        self._write_deadline = None
         self.ready_count = 0
         self.in_flight_count = 0
         self.message_count = 0
@@ -243,6 +255,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._producing = False  # the transport drops its producer itself
         self._stop_heartbeats()
         self._obuf = []
+        self._unsent.clear()
+        self._cancel_write_deadline()
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
@@ -454,20 +468,62 @@ class V2Protocol(Protocol, TimeoutMixin):
         what nsqd holds for a client that does not read too: its writes
         block once the socket buffer is full, and so does that client's read
         loop. A healthy consumer may be paused for a moment after a large
-        delivery pass, until the next write hands it to the kernel.
+        delivery pass, until the next write hands it to the kernel. If the
+        output does not drain within the heartbeat interval the connection
+        is closed (nsqd's write deadline, see _arm_write_deadline).
         """
         if not self._output_blocked:
             self._output_blocked = True
+            self._arm_write_deadline()
             self._update_reading()
 
     def resumeProducing(self) -> None:
-        """The output drained: read on, deliver again, inflate the rest of the input."""
+        """The output drained: hand on what waits, then read on, deliver again, inflate the rest of the input."""
         if not self._output_blocked:
             return
         self._output_blocked = False
+        self._cancel_write_deadline()
+        if self._unsent:
+            self._drain()
         self._continue_input()
-        if not self._closed:
+        if not self._closed and not self._output_blocked:
             self._deliver_soon()
+
+    def _arm_write_deadline(self) -> None:
+        """nsqd's SetWriteDeadline(now + heartbeat interval) before each write (none if heartbeats are off).
+
+        Armed when a write finds the transport backed up, cancelled when it
+        drains: one timer per connection, nothing per message. A client that
+        takes each step of its output within the interval (a slow reader)
+        keeps its connection; one that takes nothing for that long is closed.
+        """
+        interval = self.heartbeat_interval
+        if self._write_deadline is None and interval > 0:
+            self._write_deadline = self.clock.callLater(interval, self._write_timed_out)
+
+    def _cancel_write_deadline(self) -> None:
+        deadline, self._write_deadline = self._write_deadline, None
+        if deadline is not None and deadline.active():
+            deadline.cancel()
+
+    def _write_timed_out(self) -> None:
+        """The output did not drain within the heartbeat interval: close now, dropping it.
+
+        Aborted, not closed gracefully: a graceful close waits for the
+        output to be written, which is what did not happen. connectionLost
+        then gives the in-flight messages back to the channel.
+        """
+        self._write_deadline = None
+        if self.tls and not self.tls_version:
+            # The TLS layer holds output until the handshake is done, which
+            # has its own timer: the deadline counts once it is.
+            self._arm_write_deadline()
+            return
+        log.info("client {remote}: output not drained within {interval}s; closing",
+                 remote=self.remote_address, interval=self.heartbeat_interval)
+        self._closed = True
+        self._unsent.clear()
+        self.transport.abortConnection()
 
     def stopProducing(self) -> None:
         """The transport is gone; connectionLost does the cleaning up."""
@@ -484,6 +540,12 @@ class V2Protocol(Protocol, TimeoutMixin):
         if self._producing:
             self._producing = False
             self.transport.unregisterProducer()
+        if self._unsent:
+            self.transport.writeSequence(self._unsent)
+            self._unsent.clear()
+        # The last write has its deadline too: a client that does not read
+        # must not keep a closing connection, and its output, forever.
+        self._arm_write_deadline()
         self.transport.loseConnection()
 
     def _fail(self, err: ProtocolError) -> None:
@@ -506,10 +568,12 @@ class V2Protocol(Protocol, TimeoutMixin):
         """
         if self._obuf:
             self.flush_output()
-        if self._held is None:
-            self.transport.write(data)
-        else:
+        if self._held is not None:
             self._held.append(data)
+        elif self._unsent:
+            self._unsent.append(data)
+        else:
+            self.transport.write(data)
 
     def _ok_when_durable(self, verb: str, replies: int = 1) -> None:
         if self._held is None:
@@ -533,7 +597,10 @@ class V2Protocol(Protocol, TimeoutMixin):
                 failed = True
                 break
             out.append(item)
-        self.transport.writeSequence(out)
+        if self._unsent:
+            self._unsent.extend(out)
+        else:
+            self.transport.writeSequence(out)
         if failed or self._close_after_release:
             self.lose_connection()
 
@@ -605,12 +672,55 @@ class V2Protocol(Protocol, TimeoutMixin):
             self.flush_output()
 
     def flush_output(self) -> None:
-        """Write the buffered message frames now (what the flush timer does; tests read with it)."""
+        """Write the buffered message frames now (what the flush timer does; tests read with it).
+
+        Frames the transport cannot take now (it is backed up, or the batch
+        is larger than one WRITE_STEP) are held in `_unsent` and handed on a
+        step at a time as it drains (_drain).
+        """
         out = self._obuf
+        if not out:
+            return
         self._obuf = []
+        size = self._obuf_len
         self._obuf_len = 0
-        if out:
-            self.transport.writeSequence(out)
+        if self._unsent or self._output_blocked:
+            self._unsent.extend(out)
+            self._drain()
+            return
+        write = self.transport.writeSequence
+        if size <= WRITE_STEP:
+            write(out)
+            return
+        # Steps of about WRITE_STEP by piece count (a step may cut a frame:
+        # the output is one stream), as long as the transport takes them.
+        count = len(out)
+        per_step = max(1, WRITE_STEP * count // size)
+        for i in range(0, count, per_step):
+            write(out[i:i + per_step])
+            if self._output_blocked:
+                self._unsent.extend(out[i + per_step:])
+                return
+
+    def _drain(self) -> None:
+        """Hand held frames to the transport a WRITE_STEP at a time until it is backed up again.
+
+        What stays held is known to be unsent: the connection is handed no
+        messages meanwhile (ready() is 0 while the transport is backed up),
+        so a message that timed out is never written to it again while its
+        earlier copy waits here or in the transport's buffer above its mark.
+        """
+        unsent = self._unsent
+        popleft = unsent.popleft
+        write = self.transport.writeSequence
+        while unsent and not self._output_blocked and not self._closed:
+            step: list[bytes] = []
+            size = 0
+            while unsent and size < WRITE_STEP:
+                piece = popleft()
+                step.append(piece)
+                size += len(piece)
+            write(step)
 
     def channel_gone(self) -> None:
         self.flush_output()
