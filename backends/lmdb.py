@@ -831,8 +831,13 @@ class LmdbStore:
         _fsync_dir(self.spill_path)
 
     def _remove_spill(self) -> None:
-        """The spilled records are committed: sync them, then let the file go."""
+        """The spilled records are committed: sync them, then let the file go.
+
+        A queue not opened yet now finds its records in LMDB (_scan): handing
+        them over again from _spilled would count them twice.
+        """
         self._spill_loaded = False
+        self._spilled.clear()
         try:
             self.sync()
             os.unlink(self.spill_path)
@@ -894,6 +899,8 @@ def _parse_spill(raw: bytes) -> list[tuple[int, bytes, bytes]]:
     entries = []
     pos = 0
     while pos < len(body):
+        if pos + _SPILL_ENTRY.size > len(body):
+            raise ValueError(f"entry header cut at byte {pos}")
         kind, klen, vlen = _SPILL_ENTRY.unpack_from(body, pos)
         pos += _SPILL_ENTRY.size
         key, value = body[pos:pos + klen], body[pos + klen:pos + klen + vlen]

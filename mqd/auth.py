@@ -24,7 +24,7 @@ from twisted.web.client import Agent, FileBodyProducer, readBody
 from twisted.web.http_headers import Headers
 
 from .logs import get_logger
-from .stats import go_string
+from .protocol.errors import go_string
 
 __all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "compile_grant", "parse_auth_response"]
 

@@ -349,6 +349,8 @@ class Broker:
             self._persist_call = None
         if self._metadata_writing is not None or self._metadata_closed:
             return
+        if not (self._metadata_dirty or self._metadata_waiters):
+            return  # a scheduled write whose changes a metadata_written() write already took
         self._metadata_dirty = False
         waiters, self._metadata_waiters = self._metadata_waiters, []
         data = self._metadata_bytes()

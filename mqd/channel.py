@@ -319,9 +319,6 @@ class Channel:
         self.deliver()
         return True
 
-    def has_timers(self) -> bool:
-        return bool(self._in_flight) or bool(len(self._deferred))
-
     # -- clients -------------------------------------------------------------
 
     def add_client(self, client) -> None:

@@ -261,7 +261,10 @@ def _run(topic: Topic, chunks: Iterator, bodies_of, done) -> Iterator[None]:
     except Exception as e:  # noqa: BLE001 - a bug must still answer the publisher
         log.failure("publishing a batch to {topic} failed", topic=topic.name)
         error = BackendError(str(e))
-    done(error)
+    try:
+        done(error)
+    except Exception:  # noqa: BLE001 - a Cooperator drops a task's error without a word
+        log.failure("answering a batch published to {topic} failed", topic=topic.name)
 
 
 def _steps(topic: Topic, chunks: Iterator, bodies_of):

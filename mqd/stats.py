@@ -31,30 +31,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "go_duration",
-    "go_string",
     "health_text",
     "memory_stats",
     "nanoseconds_to_human",
     "stats_json",
     "stats_text",
 ]
-
-
-def go_string(value: str) -> str:
-    """`value` as a Go string decoded from JSON holds it: each lone surrogate is U+FFFD.
-
-    Python's JSON decoder keeps an unpaired `\\ud800` escape as a surrogate,
-    which no UTF-8 encoder writes: one in a client's or auth server's string
-    made /stats fail for everyone. Go's decoder replaces it, so nsqd shows
-    U+FFFD. ASCII, nearly every string here, is returned as is.
-    """
-    if value.isascii():
-        return value
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        return "".join("\ufffd" if "\ud800" <= ch <= "\udfff" else ch for ch in value)
-    return value
 
 
 # -- memory -------------------------------------------------------------------------
@@ -144,8 +126,8 @@ def _pub_counts(client: V2Protocol, topic: str | None) -> list[dict[str, Any]]:
 def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]:
     """One connection as nsqd's ClientV2Stats (keys in its order, omitempty respected)."""
     row: dict[str, Any] = {
-        "client_id": go_string(client.client_id),
-        "hostname": go_string(client.hostname),
+        "client_id": client.client_id,
+        "hostname": client.hostname,
         "version": "V2",
         "remote_address": client.remote_address,
         "state": client.state,
@@ -158,7 +140,7 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
         "sample_rate": client.sample_rate,
         "deflate": client.deflate,
         "snappy": client.snappy,
-        "user_agent": go_string(client.user_agent),
+        "user_agent": client.user_agent,
     }
     # omitempty in nsqd: only a connection that passed AUTH shows them.
     state = client.auth_state

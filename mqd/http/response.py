@@ -90,7 +90,7 @@ def _encode(text: str) -> bytes:
     """UTF-8 of a text answer; a character no encoder writes (a lone surrogate) is `?`.
 
     The strings the answers are built from are made valid where they come in
-    (stats.go_string); this keeps one that slipped through from turning
+    (protocol.errors.go_string); this keeps one that slipped through from turning
     the answer into twisted.web's 500 page.
     """
     try:

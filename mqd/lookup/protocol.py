@@ -71,15 +71,13 @@ _PEER_INFO = GoStruct({
     "tcp_port": "int", "http_port": "int", "version": "string",
     "topology_zone": "string", "topology_region": "string",
 })
-_PEER_DEFAULTS: dict[str, Any] = {"hostname": "", "broadcast_address": "", "tcp_port": 0, "http_port": 0,
-                                  "version": "", "topology_zone": "", "topology_region": ""}
 
 
 def _peer_fields(body: bytes) -> dict[str, Any]:
     """IDENTIFY's JSON as PeerInfo's fields, or ValueError where Go's decoder fails."""
     fields = _PEER_INFO.unmarshal(body)
-    fields.pop("remote_address", None)
-    return {**_PEER_DEFAULTS, **fields}
+    del fields["remote_address"]
+    return fields
 
 
 @implementer(IPushProducer)

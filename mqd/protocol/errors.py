@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "GoStruct"]
+__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "go_string", "GoStruct"]
 
 
 class ProtocolError(Exception):
@@ -73,6 +73,7 @@ def go_quote(raw: bytes) -> str:
 # -- JSON as Go's encoding/json decodes it into a struct ------------------------------------
 
 _INT_RANGES = {"int": (-(1 << 63), (1 << 63) - 1), "int32": (-(1 << 31), (1 << 31) - 1)}
+_GO_ZERO = {"string": "", "bool": False, "int": 0, "int32": 0}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # Go's foldName: ASCII letters upper-cased, other runes to the smallest of their
 # case-fold orbit; only these two non-ASCII runes fold onto an ASCII letter.
@@ -83,6 +84,17 @@ class _Object(list):
     """A decoded JSON object: its (key, value) members in order, repeats kept, as Go walks them."""
 
     __slots__ = ()
+
+
+def go_string(value: str) -> str:
+    """`value` as a Go string decoded from JSON holds it: each lone surrogate is U+FFFD.
+
+    Python's JSON decoder keeps an unpaired `\\ud800` escape as a surrogate,
+    which no UTF-8 encoder writes: one in a client's or auth server's string
+    made /stats fail for everyone. Go's decoder replaces it, so nsqd shows
+    U+FFFD. ASCII, nearly every string here, is returned as is.
+    """
+    return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
 
 
 def _reject_constant(name: str) -> Any:
@@ -116,14 +128,15 @@ class GoStruct:
     is neither an object nor null, a value of the wrong kind for a field (a
     float literal such as 1000.0 or 1e3 for an int, a number out of range).
     Other keys are skipped, keys match case-insensitively (the last match
-    wins), and null leaves a field alone; the result has the fields that
-    were set.
+    wins), and null leaves a field alone; the result is the whole struct,
+    a field not set holding its Go zero value, as in a fresh struct.
     """
 
-    __slots__ = ("_by_folded",)
+    __slots__ = ("_by_folded", "_zero")
 
     def __init__(self, fields: Mapping[str, str]) -> None:
         self._by_folded = {name.translate(_GO_FOLD): (name, kind) for name, kind in fields.items()}
+        self._zero = {name: _GO_ZERO[kind] for name, kind in fields.items()}
 
     def unmarshal(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -131,11 +144,11 @@ class GoStruct:
         except RecursionError:
             # Go gives up at 10000 levels; Python's limit comes first.
             raise ValueError("JSON nested too deep") from None
+        fields = dict(self._zero)
         if decoded is None:
-            return {}
+            return fields
         if not isinstance(decoded, _Object):
             raise ValueError("not a JSON object")
-        fields: dict[str, Any] = {}
         by_folded = self._by_folded
         for key, value in decoded:
             field = by_folded.get(key.translate(_GO_FOLD))
@@ -150,9 +163,7 @@ def _go_value(name: str, kind: str, value: Any) -> Any:
     if kind == "string":
         if not isinstance(value, str):
             raise ValueError(f"{name}: not a string")
-        # A lone surrogate escape (\ud800) is U+FFFD in Go, and would fail
-        # to encode wherever the string is written out.
-        return value if value.isascii() else _LONE_SURROGATE.sub("\ufffd", value)
+        return go_string(value)
     if kind == "bool":
         if not isinstance(value, bool):
             raise ValueError(f"{name}: not a bool")

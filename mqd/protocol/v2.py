@@ -88,7 +88,7 @@ log = get_logger(__name__)
 
 
 _UINT64 = (1 << 64) - 1
-# nsqd's identifyDataV2, and the zero values of the fields a client leaves out.
+# nsqd's identifyDataV2 (a field the client leaves out has its zero value).
 # (topology_region/zone are only type-checked: mqd has no topology-aware delivery.)
 _IDENTIFY_DATA = GoStruct({
     "client_id": "string", "hostname": "string", "user_agent": "string",
@@ -97,12 +97,6 @@ _IDENTIFY_DATA = GoStruct({
     "deflate_level": "int", "sample_rate": "int32", "msg_timeout": "int",
     "feature_negotiation": "bool", "tls_v1": "bool", "snappy": "bool", "deflate": "bool",
 })
-_IDENTIFY_DEFAULTS: dict[str, Any] = {
-    "client_id": "", "hostname": "", "user_agent": "",
-    "heartbeat_interval": 0, "output_buffer_size": 0, "output_buffer_timeout": 0,
-    "deflate_level": 0, "sample_rate": 0, "msg_timeout": 0,
-    "feature_negotiation": False, "tls_v1": False, "snappy": False, "deflate": False,
-}
 
 
 def _base10(raw: bytes) -> int | None:
@@ -685,8 +679,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         size = self._obuf_len
         self._obuf_len = 0
         if self._unsent or self._output_blocked:
+            # Held frames wait only while the transport is backed up (or the
+            # connection closes): resumeProducing hands these on after them.
             self._unsent.extend(out)
-            self._drain()
             return
         write = self.transport.writeSequence
         if size <= WRITE_STEP:
@@ -872,14 +867,12 @@ class V2Protocol(Protocol, TimeoutMixin):
     def _identify(self, body: dict[str, Any]) -> tuple[bytes, tuple[bool, bool, bool]]:
         """Validate and apply IDENTIFY; nsqd's checks, order and texts.
 
-        `body` has the fields the client set (_IDENTIFY_DATA checked their
-        types). Returns the response and the upgrades to make: (tls_v1,
-        deflate, snappy).
+        `body` is identifyDataV2 as _IDENTIFY_DATA decoded it. Returns the
+        response and the upgrades to make: (tls_v1, deflate, snappy).
         """
         opts = self.broker.options
-        ints = strs = flags = {**_IDENTIFY_DEFAULTS, **body}
 
-        heartbeat = ints["heartbeat_interval"]
+        heartbeat = body["heartbeat_interval"]
         if heartbeat == -1:
             heartbeat_interval = 0.0
         elif heartbeat == 0:
@@ -889,7 +882,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         else:
             raise fatal("E_BAD_BODY", f"IDENTIFY heartbeat interval ({heartbeat}) is invalid")
 
-        buf_timeout = ints["output_buffer_timeout"]
+        buf_timeout = body["output_buffer_timeout"]
         output_buffer_timeout = self.output_buffer_timeout
         if buf_timeout == -1:
             output_buffer_timeout = 0.0
@@ -900,7 +893,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             output_buffer_timeout = buf_timeout / 1000
         else:
             raise fatal("E_BAD_BODY", f"IDENTIFY output buffer timeout ({buf_timeout}) is invalid")
-        buf_size = ints["output_buffer_size"]
+        buf_size = body["output_buffer_size"]
         output_buffer_size = self.output_buffer_size
         if buf_size == -1:
             output_buffer_size = 1
@@ -912,11 +905,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         else:
             raise fatal("E_BAD_BODY", f"IDENTIFY output buffer size ({buf_size}) is invalid")
 
-        sample_rate = ints["sample_rate"]
+        sample_rate = body["sample_rate"]
         if not 0 <= sample_rate <= 99:
             raise fatal("E_BAD_BODY", f"IDENTIFY sample rate ({sample_rate}) is invalid")
 
-        msg_timeout = ints["msg_timeout"]
+        msg_timeout = body["msg_timeout"]
         if msg_timeout == 0:
             client_msg_timeout = opts.msg_timeout
         elif 1000 <= msg_timeout <= opts.max_msg_timeout * 1000:
@@ -924,9 +917,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         else:
             raise fatal("E_BAD_BODY", f"IDENTIFY msg timeout ({msg_timeout}) is invalid")
 
-        self.client_id = strs["client_id"]
-        self.hostname = strs["hostname"]
-        self.user_agent = strs["user_agent"]
+        self.client_id = body["client_id"]
+        self.hostname = body["hostname"]
+        self.user_agent = body["user_agent"]
         self.heartbeat_interval = heartbeat_interval
         self.output_buffer_size = output_buffer_size
         self.output_buffer_timeout = output_buffer_timeout
@@ -935,15 +928,15 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._identified = True
         self._start_heartbeats()
 
-        tls_v1 = self._tls_config is not None and flags["tls_v1"]
-        deflate = opts.deflate and flags["deflate"]
-        snappy = opts.snappy and flags["snappy"]
+        tls_v1 = self._tls_config is not None and body["tls_v1"]
+        deflate = opts.deflate and body["deflate"]
+        snappy = opts.snappy and body["snappy"]
         if deflate and snappy:
             raise fatal("E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression")
-        if not flags["feature_negotiation"]:
+        if not body["feature_negotiation"]:
             # As nsqd: without feature negotiation nothing is upgraded.
             return b"OK", (False, False, False)
-        deflate_level = ints["deflate_level"] if ints["deflate_level"] > 0 else 6
+        deflate_level = body["deflate_level"] if body["deflate_level"] > 0 else 6
         deflate_level = min(deflate_level, opts.max_deflate_level)
         self.deflate_level = deflate_level
         response = {
@@ -1021,8 +1014,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         if self._closed:
             return
         self.auth_state = state
-        then()
-        self._continue_input()
+        then()  # _authed or _resume: both end in _resume, which reads on (or the connection closes)
 
     def _auth_failed(self, failure) -> None:
         self._auth_waiting = False

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import selectors
 import signal
 import socket
 import struct
@@ -565,3 +566,21 @@ def wait_for(condition, timeout: float = 5.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+def select_sockets(readers: Iterable[socket.socket], writers: Iterable[socket.socket],
+                   timeout: float) -> tuple[list[socket.socket], list[socket.socket]]:
+    """select.select's answer for sockets, through epoll: a long test session can hold
+    file descriptors past select()'s limit of 1024."""
+    events: dict[socket.socket, int] = {}
+    for sock in readers:
+        events[sock] = selectors.EVENT_READ
+    for sock in writers:
+        events[sock] = events.get(sock, 0) | selectors.EVENT_WRITE
+    with selectors.DefaultSelector() as selector:
+        for sock, mask in events.items():
+            selector.register(sock, mask)
+        ready = selector.select(timeout)
+    readable = [key.fileobj for key, mask in ready if mask & selectors.EVENT_READ]
+    writable = [key.fileobj for key, mask in ready if mask & selectors.EVENT_WRITE]
+    return readable, writable

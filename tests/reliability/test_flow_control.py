@@ -18,7 +18,6 @@ deflate) and read its RSS from /proc.
 from __future__ import annotations
 
 import json
-import select
 import ssl
 import struct
 import time
@@ -28,7 +27,7 @@ import pytest
 
 from mqd.protocol.compression import SNAPPY_STREAM_HEADER
 from tests._codec_clients import DeflateClient, SnappyClient
-from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, RawConn, command
+from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, RawConn, command, select_sockets
 from tests.integration.test_auth import PUBLISH, authd, grant  # noqa: F401
 from tests.integration.test_tls_compression import UpgradingConn, certs, client_context, tls_flags  # noqa: F401
 from tests.unit.conftest import Client, Msg, cmd, err, identify, ok, parse_frames, pub
@@ -173,7 +172,7 @@ def test_defect03_client_that_never_reads_keeps_broker_memory_bounded(start_brok
     sock.setblocking(False)
     sent, stalled_since = 0, None
     while sent < len(wire):
-        _, writable, _ = select.select([], [sock], [], 0.2)
+        _, writable = select_sockets([], [sock], 0.2)
         peak = max(peak, _rss_kib(pid))
         if writable:
             try:
@@ -212,7 +211,7 @@ def test_defect03_client_that_never_reads_keeps_broker_memory_bounded(start_brok
     deadline = time.monotonic() + 120
     while not frames.other and time.monotonic() < deadline:
         want_write = [sock] if sent < len(wire) else []
-        readable, writable, _ = select.select([sock], want_write, [], 1.0)
+        readable, writable = select_sockets([sock], want_write, 1.0)
         if writable:
             try:
                 sent += sock.send(wire[sent:sent + 1024 * 1024])
@@ -323,7 +322,7 @@ def test_defect04_client_streaming_while_auth_waits_keeps_broker_memory_bounded(
         sock.setblocking(False)
         sent, stalled_since, started = 0, None, time.monotonic()
         while sent < len(flood) and time.monotonic() - started < 2.5:
-            _, writable, _ = select.select([], [sock], [], 0.1)
+            _, writable = select_sockets([], [sock], 0.1)
             peak = max(peak, _rss_kib(pid))
             if writable:
                 try:

@@ -17,7 +17,6 @@ test measures a real broker's RSS with consumers that never read.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import threading
@@ -28,7 +27,13 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
 from mqd.protocol.v2 import V2Factory
-from tests.integration._support import FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command
+from tests.integration._support import (
+    FRAME_MESSAGE,
+    FRAME_RESPONSE,
+    RawConn,
+    command,
+    select_sockets,
+)
 from tests.reliability._fault_support import _lazy_reader, measured
 from tests.unit.conftest import (
     MAGIC,
@@ -329,7 +334,7 @@ def _wait_closed(socks: list[socket.socket], deadline: float) -> int:
     for s in socks:
         s.setblocking(False)
     while open_socks and time.monotonic() < deadline:
-        readable, _, _ = select.select(list(open_socks), [], [], 0.2)
+        readable, _ = select_sockets(list(open_socks), [], 0.2)
         for s in readable:
             try:
                 if not s.recv(1 << 20):
