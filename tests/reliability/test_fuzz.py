@@ -26,10 +26,8 @@ from urllib.parse import quote
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from mqd.logs import set_log_level
@@ -51,6 +49,7 @@ from tests.unit.conftest import (
     sized,
 )
 from tests.unit.test_lookupd_http import LookupdClient
+from tests.unit.test_lookupd_protocol import Conn
 from tests.unit.test_v2_fuzz import check_answer_or_close
 
 from ._fault_support import (
@@ -215,21 +214,9 @@ _LOOKUPD_PEER = {"version": "1.3.0", "tcp_port": 4150, "http_port": 4151, "hostn
                  "broadcast_address": "control-broker"}
 
 
-class V1Conn:
-    def __init__(self, factory: LookupdFactory, port: int) -> None:
-        addr = IPv4Address("TCP", "10.0.0.1", port)
-        self.proto = factory.buildProtocol(addr)
-        self.transport = StringTransport(peerAddress=addr)
-        self.proto.makeConnection(self.transport)
-
-    def send(self, data: bytes) -> bytes:
-        self.proto.dataReceived(data)
-        out = self.transport.value()
-        self.transport.clear()
-        return out
-
+class V1Conn(Conn):
     def identify(self) -> bytes:
-        return self.send(b"IDENTIFY\n" + sized(json.dumps(_LOOKUPD_PEER).encode()))
+        return super().identify(**_LOOKUPD_PEER)
 
 
 def _lookupd_frames(data: bytes) -> list[bytes]:
