@@ -258,9 +258,10 @@ MQD_OPTIONS: tuple[Option, ...] = (
            aliases=("auth_http_addresses",)),
     Option("auth-http-request-method", "str", "get", "how the auth server is asked: get or post",
            _one_of("get", "post")),
-    Option("http-client-connect-timeout", "duration", 2.0, "connect timeout of requests to the auth server",
-           _positive_duration),
-    Option("http-client-request-timeout", "duration", 5.0, "whole-request timeout of requests to the auth server",
+    Option("http-client-connect-timeout", "duration", 2.0,
+           "connect timeout of requests to the auth server and of lookupd /channels queries", _positive_duration),
+    Option("http-client-request-timeout", "duration", 5.0,
+           "whole-request timeout of requests to the auth server and of lookupd /channels queries",
            _positive_duration),
     Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
     Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
@@ -282,7 +283,9 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("max-msg-timeout", "duration", 900.0, "highest msg_timeout a client may ask for", _positive_duration),
     Option("max-msg-size", "int", 1048576, "largest message body in bytes", _at_least(1)),
     Option("max-body-size", "int", 5242880, "largest command body in bytes (IDENTIFY, MPUB)", _at_least(1)),
-    Option("max-req-timeout", "duration", 3600.0, "longest REQ or DPUB delay", _at_least(0)),
+    Option("max-req-timeout", "duration", 3600.0, "longest REQ delay", _at_least(0)),
+    Option("max-defer-timeout", "duration", None,
+           "longest DPUB or /pub, /mpub defer delay (default: max-req-timeout)", _at_least(0)),
     Option("max-rdy-count", "int", 2500, "highest RDY a client may send", _at_least(1)),
     Option("max-heartbeat-interval", "duration", 60.0, "longest heartbeat_interval a client may ask for", _at_least(1.0)),
     Option("max-channel-consumers", "int", 0, "subscribers allowed per channel (0: no limit)", _at_least(0)),
@@ -448,6 +451,9 @@ def _fill_defaults(values: dict[str, Any]) -> None:
         values["node_id"] = default_node_id()
     if "broadcast_address" in values and not values["broadcast_address"]:
         values["broadcast_address"] = socket.gethostname()
+    if "max_defer_timeout" in values and values["max_defer_timeout"] is None:
+        # nsq PR #1504: unset, deferred publishes keep max-req-timeout's limit.
+        values["max_defer_timeout"] = values["max_req_timeout"]
     if "listen_backlog" in values and values["listen_backlog"] is None:
         values["listen_backlog"] = system_backlog()
 

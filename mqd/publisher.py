@@ -116,29 +116,36 @@ def is_big(count: int, size: int) -> bool:
 
 
 def walk_binary(data: bytes, pos: int, end: int, first: int, count: int, max_msg: int,
-                out: list[bytes] | None = None, stop_after: int = -1) -> tuple[int, int]:
+                out: list[bytes] | None = None, stop_after: int = -1,
+                partial: bool = False) -> tuple[int, int]:
     """Check up to `count` [4-byte size][body] messages from `pos`; (where they stop, how many).
 
     None may reach past `end`. `first` is the index of the first one (for
     errors). The walk also stops after the message that crosses
     `stop_after` (when >= 0). Bodies are appended to `out` when given.
-    Raises BatchError.
+    Raises BatchError. `partial`: `end` is only where the input read so far
+    ends (TCP MPUB, read from the stream as nsqd does), so a message it cuts
+    stops the walk before that message instead of failing it.
     """
     if stop_after < 0:
         stop_after = end + 1
     append = out.append if out is not None else None
     for i in range(first, first + count):
         if pos + 4 > end:
+            if partial:
+                return pos, i - first
             raise BatchError(NO_SIZE, i)
         size = _unpack_int32(data, pos)[0]
         if size <= 0:
             raise BatchError(BAD_SIZE, i, size)
         if size > max_msg:
             raise BatchError(TOO_BIG, i, size)
-        pos += 4
-        nxt = pos + size
+        nxt = pos + 4 + size
         if nxt > end:
+            if partial:
+                return pos, i - first
             raise BatchError(NO_BODY, i, size)
+        pos += 4
         if append is not None:
             append(data[pos:nxt])
         pos = nxt
@@ -151,8 +158,9 @@ def binary_chunks(data: bytes, pos: int, end: int, count: int, max_msg: int,
                   exact: bool) -> Iterator[tuple[int, int]]:
     """Check a binary batch a chunk at a time, yielding each chunk as (start, messages).
 
-    `exact`: the messages must end at `end` (TCP's declared body size),
-    else BatchError(TRAILING); HTTP ignores what follows them, as nsqd.
+    `exact`: the messages must end at `end` (TCP MPUB: where reading them
+    from the stream found their end), else BatchError(TRAILING); HTTP
+    ignores what follows them, as nsqd.
     """
     done = 0
     while done < count:

@@ -37,6 +37,7 @@ class Topic:
         "name",
         "ephemeral",
         "paused",
+        "held",
         "exiting",
         "channels",
         "message_count",
@@ -52,6 +53,9 @@ class Topic:
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
         self.paused = False
+        # Set while the channels lookupd lists are being asked for (nsqd's
+        # topic not yet started): messages wait at the topic, as when paused.
+        self.held = False
         self.exiting = False
         self.channels: dict[str, Channel] = {}
         self.message_count = 0
@@ -90,11 +94,11 @@ class Topic:
         self.put(msgs)
 
     def put(self, msgs: list[Message]) -> None:
-        if self.channels and not self.paused and not self._queue:
+        if self.channels and not self.paused and not self.held and not self._queue:
             self._fan_out(msgs)
         else:
             self._queue.put(msgs)
-            if self.channels and not self.paused:
+            if self.channels and not self.paused and not self.held:
                 self._schedule_drain()
         # Counted once stored: a publish the backend refused is not (as nsqd).
         self.message_count += len(msgs)
@@ -144,7 +148,7 @@ class Topic:
         stays where it is until a channel has it.
         """
         self._drain_call = None
-        if not self.channels or self.paused or self.exiting:
+        if not self.channels or self.paused or self.held or self.exiting:
             return
         queue = self._queue
         batch = queue.take(DRAIN_BATCH)
@@ -210,6 +214,18 @@ class Topic:
 
     def unpause(self) -> None:
         self.paused = False
+        self._schedule_drain()
+
+    def hold(self) -> None:
+        """Keep messages at the topic until `release`: its channels are not all known yet.
+
+        nsqd starts a new topic's pump only once the channels lookupd
+        lists exist, so each of them gets the topic's first message.
+        """
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
         self._schedule_drain()
 
     def empty(self) -> None:

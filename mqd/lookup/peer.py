@@ -13,6 +13,13 @@ Reconnecting is Twisted's `ClientService` with a backoff, rather than
 nsqd's "reconnect on the next command": the same outcome (a lookupd that
 comes back learns everything within seconds) without a dial per PING
 while it is down.
+
+A new non-ephemeral topic first asks every connected lookupd's HTTP
+`/channels?topic=` (at the address its IDENTIFY answer gives) and creates
+the channels they list before it hands out a message, as nsqd's GetTopic
+does, so a channel declared in lookupd gets the topic's first message.
+nsqd blocks the topic's creation on the query; here the topic is held
+(its messages wait at the topic) until every lookupd answered or failed.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application import service
@@ -28,8 +36,10 @@ from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet import defer, endpoints
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
+from twisted.python.failure import Failure
 
 from ..logs import get_logger
+from ..names import is_valid_name
 from ..protocol.v2 import NSQ_VERSION
 from .protocol import MAGIC_V1
 
@@ -248,6 +258,31 @@ class LookupPeer:
     def ping(self) -> None:
         self.command(b"PING")
 
+    def http_address(self) -> str | None:
+        """`host:port` of the lookupd's HTTP API, from its IDENTIFY answer (nsqd's lookupdHTTPAddrs).
+
+        None while not connected and identified, or when the answer has
+        no broadcast address.
+        """
+        info = self.protocol.lookupd_info if self.protocol is not None else None
+        if not isinstance(info, dict):
+            return None
+        host, port = info.get("broadcast_address"), info.get("http_port")
+        if not host or not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+            return None
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def channels_answer(body: bytes) -> list[str]:
+    """The channel names of a lookupd's `/channels` answer (`{"channels": [...]}`), or ValueError."""
+    data = json.loads(body)
+    channels = data.get("channels") if isinstance(data, dict) else None
+    if channels is None:
+        return []
+    if not isinstance(channels, list) or not all(isinstance(c, str) for c in channels):
+        raise ValueError(f"unexpected answer {body[:200]!r}")
+    return channels
+
 
 class LookupService(service.Service):
     """The broker's lookupd peers: one per configured address, kept in step with the options.
@@ -259,7 +294,8 @@ class LookupService(service.Service):
 
     name = "lookupd"
 
-    def __init__(self, broker, ports: dict, reactor=None, endpoint_for=None) -> None:
+    def __init__(self, broker, ports: dict, reactor=None, endpoint_for=None,
+                 fetch: Callable[[str, str, dict[str, str]], defer.Deferred] | None = None) -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.broker = broker
@@ -267,6 +303,10 @@ class LookupService(service.Service):
         self.reactor = reactor
         # address -> endpoint; tests substitute their own.
         self.endpoint_for = endpoint_for
+        # fetch(url, method, params) -> Deferred body: the auth client's HTTP
+        # GET (its Accept header and --http-client-* timeouts) unless a test
+        # passes its own.
+        self.fetch = fetch
         self.peers: dict[str, LookupPeer] = {}
 
     def startService(self) -> None:
@@ -312,6 +352,63 @@ class LookupService(service.Service):
 
     def topic_created(self, topic) -> None:
         self._all(b"REGISTER", topic.name)
+        if not topic.ephemeral and not self.broker._loading:
+            self.precreate_channels(topic)
+
+    def http_addresses(self) -> list[str]:
+        return [a for a in (p.http_address() for p in list(self.peers.values())) if a]
+
+    def precreate_channels(self, topic) -> defer.Deferred | None:
+        """Hold the new topic, create the channels the lookupds list, then release it.
+
+        A lookupd that fails or does not answer in time is logged and
+        skipped, as nsqd does: the topic then starts with what the others
+        listed. Fires once the topic is released (None: nothing to ask).
+        """
+        addresses = self.http_addresses()
+        if not addresses:
+            if self.peers:
+                log.error("no available nsqlookupd to query for channels to pre-create for topic {topic}",
+                          topic=topic.name)
+            return None
+        topic.hold()
+        queries = [self._channels_of(address, topic.name) for address in addresses]
+        d = defer.gatherResults(queries, consumeErrors=True)
+        d.addCallback(self._precreate, topic)
+        d.addBoth(self._release, topic)
+        return d
+
+    def _channels_of(self, address: str, topic_name: str) -> defer.Deferred:
+        """One lookupd's channels for the topic; [] (logged) when it cannot say."""
+        fetch = self.fetch or self.broker.auth.fetch
+        d = defer.maybeDeferred(fetch, f"http://{address}/channels", "get", {"topic": topic_name})
+        d.addCallback(channels_answer)
+
+        def failed(failure) -> list[str]:
+            log.warn("failed to query nsqlookupd {address} for channels to pre-create for topic {topic} - {error}",
+                     address=address, topic=topic_name,
+                     error=str(failure.value) or type(failure.value).__name__)
+            return []
+
+        d.addErrback(failed)
+        return d
+
+    def _precreate(self, answers: list[list[str]], topic) -> None:
+        if topic.exiting or self.broker.topics.get(topic.name) is not topic:
+            return  # deleted meanwhile
+        for name in dict.fromkeys(n for names in answers for n in names):
+            if name.endswith("#ephemeral"):
+                continue
+            if not is_valid_name(name):
+                log.warn("ignoring channel {name!r} listed by nsqlookupd for topic {topic}: invalid name",
+                         name=name, topic=topic.name)
+                continue
+            topic.channel(name)
+
+    def _release(self, result, topic) -> None:
+        topic.release()
+        if isinstance(result, Failure):
+            log.failure("pre-creating the channels of topic {topic} failed", result, topic=topic.name)
 
     def topic_deleted(self, topic) -> None:
         self._all(b"UNREGISTER", topic.name)

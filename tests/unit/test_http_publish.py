@@ -278,3 +278,67 @@ def test_request_body_kept_in_memory_is_bounded(make_broker):
 def test_pub_defer_with_leading_zeros_parses_as_go_does(http, broker):
     assert http.post("/pub?topic=t&defer=" + "0" * 30 + "5", b"x").status == 200
     assert broker.topics["t"].depth() == 1
+
+
+# -- --max-defer-timeout (nsq PR #1504) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/pub?topic=t&defer=", "/mpub?topic=t&defer="])
+def test_defer_is_limited_by_max_defer_timeout(make_broker, path):
+    broker = make_broker(max_defer_timeout="10s")
+    http = HTTPClient(broker)
+    assert http.post(path + "10000", b"x").status == 200
+    assert error(http.post(path + "10001", b"x")) == (400, "INVALID_DEFER")
+    assert broker.topics["t"].message_count == 1
+
+
+def test_max_defer_timeout_defaults_to_max_req_timeout(make_broker):
+    broker = make_broker(max_req_timeout="10s")
+    assert broker.options.max_defer_timeout == 10.0
+    http = HTTPClient(broker)
+    assert error(http.post("/pub?topic=t&defer=10001", b"x")) == (400, "INVALID_DEFER")
+    assert error(http.post("/mpub?topic=t&defer=10001", b"x")) == (400, "INVALID_DEFER")
+
+
+def test_max_defer_timeout_may_pass_max_req_timeout(make_broker):
+    http = HTTPClient(make_broker(max_req_timeout="10s", max_defer_timeout="2h"))
+    assert http.post("/pub?topic=t&defer=7200000", b"x").status == 200
+    assert error(http.post("/pub?topic=t&defer=7200001", b"x")) == (400, "INVALID_DEFER")
+
+
+@pytest.mark.parametrize("defer", ["abc", "-1", "", "1.5"])
+def test_mpub_invalid_defer(http, broker, defer):
+    assert error(http.post("/mpub?topic=t&defer=" + defer, b"a\nb")) == (400, "INVALID_DEFER")
+    assert broker.topics["t"].message_count == 0
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_mpub_with_defer_is_held_until_due(http, broker, clock, binary):
+    c = consumer(broker)
+    if binary:
+        r = http.post("/mpub?topic=t&binary=true&defer=5000", framed(b"a", b"b"))
+    else:
+        r = http.post("/mpub?topic=t&defer=5000", b"a\nb\n")
+    assert r.body == b"OK"
+    assert http.post("/mpub?topic=t&defer=0", b"now").status == 200
+    assert [m.body for m in c.messages()] == [b"now"]
+    assert broker.topics["t"].channels["c"].deferred_count() == 2
+    clock.advance(5)
+    scan(broker)
+    assert sorted(m.body for m in c.messages()) == [b"a", b"b"]
+
+
+def test_big_mpub_with_defer_defers_every_chunk(make_broker, clock):
+    from mqd.publisher import CHUNK_MESSAGES
+
+    broker = make_broker(max_body_size=1 << 24)
+    http = HTTPClient(broker)
+    consumer(broker, rdy=0)
+    n = CHUNK_MESSAGES * 2 + 1
+    transport = http.send("POST", "/mpub?topic=t&defer=5000", b"\n".join(b"%d" % i for i in range(n)))
+    assert parse_response(transport.value()) is None  # published over several turns
+    for _ in range(50):
+        clock.advance(0)
+    assert parse_response(transport.value()).body == b"OK"
+    channel = broker.topics["t"].channels["c"]
+    assert channel.deferred_count() == n and channel.depth() == 0

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from .conftest import Client, cmd, dpub, err, mpub, mpub_body, ok, pub, sized
+from .conftest import Client, cmd, consumer, dpub, err, mpub, mpub_body, ok, pub, scan, sized
 
 I32 = struct.Struct(">i")
 
@@ -259,31 +259,115 @@ def test_mpub_message_too_big(make_broker):
     assert broker.topics["t"].depth() == 0
 
 
-def test_mpub_count_larger_than_body(connect):
+def test_mpub_count_larger_than_body(connect, broker):
+    # nsqd reads the messages from the stream, not from the declared body:
+    # it waits for the third message (it fails only if the stream ends).
     c = connect()
     body = I32.pack(3) + sized(b"a") + sized(b"b")
-    assert c.request(cmd("MPUB", "t") + sized(body)) == [
-        err("E_BAD_MESSAGE MPUB failed to read message(2) body size")
-    ]
+    assert c.request(cmd("MPUB", "t") + sized(body)) == []
+    assert not c.closed
+    assert c.request(sized(b"c")) == [ok()]
+    assert queued(broker) == [b"a", b"b", b"c"]
 
 
-def test_mpub_message_overruns_body(connect):
+def test_mpub_message_overruns_body(connect, broker):
     c = connect()
     body = I32.pack(1) + I32.pack(10) + b"abc"
-    assert c.request(cmd("MPUB", "t") + sized(body)) == [err("E_BAD_MESSAGE MPUB failed to read message body")]
+    assert c.request(cmd("MPUB", "t") + sized(body)) == []
+    assert not c.closed
+    assert c.request(b"defghij") == [ok()]
+    assert queued(broker) == [b"abcdefghij"]
 
 
-def test_mpub_body_without_count(connect):
+def test_mpub_body_without_count(connect, broker):
+    # A declared size of 1-3 is in range for nsqd (it only refuses <= 0):
+    # the count is read from the stream.
     c = connect()
-    assert c.request(cmd("MPUB", "t") + sized(b"\x00\x00")) == [err("E_BAD_BODY MPUB failed to read message count")]
+    assert c.request(cmd("MPUB", "t") + sized(b"\x00\x00")) == []
+    assert not c.closed
+    assert c.request(b"\x00\x01" + sized(b"x")) == [ok()]
+    assert queued(broker) == [b"x"]
 
 
-def test_mpub_trailing_bytes_in_body_rejected(connect, broker):
-    # mqd frames MPUB by its declared size (nsqd would read the rest as commands).
+def test_mpub_bytes_inside_declared_size_after_the_messages_are_commands(connect, broker):
     c = connect()
-    body = mpub_body([b"a"]) + b"NOP\n"
-    assert c.request(cmd("MPUB", "t") + sized(body)) == [err(f"E_BAD_BODY MPUB invalid body size {len(body)}")]
+    body = mpub_body([b"a"]) + pub("t", b"b")
+    assert c.request(cmd("MPUB", "t") + sized(body)) == [ok(), ok()]
+    assert queued(broker) == [b"a", b"b"]
+
+
+def messages_only(bodies: list[bytes]) -> bytes:
+    """MPUB as squeaky and npm's nsq clients send it: the declared size counts the messages' bytes only."""
+    return cmd("MPUB", "t") + I32.pack(sum(map(len, bodies))) + mpub_body(bodies)
+
+
+def test_mpub_declared_size_of_message_bytes_only(connect, broker):
+    c = connect()
+    bodies = [b"hello", b"world", b"!"]
+    assert c.request(messages_only(bodies) + pub("t", b"tail")) == [ok(), ok()]
+    assert queued(broker) == bodies + [b"tail"]
+    assert c.proto.pub_counts == {"t": 4}
+
+
+@pytest.mark.parametrize("form", ["whole", "messages"])
+def test_mpub_both_size_forms_byte_by_byte(connect, broker, form):
+    bodies = [b"m%d" % i for i in range(30)]
+    data = mpub("t", bodies) if form == "whole" else messages_only(bodies)
+    c = connect()
+    c.send_bytewise(data + pub("t", b"tail"))
+    assert c.read() == [ok(), ok()]
+    assert queued(broker) == bodies + [b"tail"]
+
+
+@pytest.mark.parametrize("declared", [1, 2, 3, 4])
+def test_mpub_declared_size_below_the_count_size(connect, broker, declared):
+    c = connect()
+    assert c.request(cmd("MPUB", "t") + I32.pack(declared) + mpub_body([b"a", b"b"])) == [ok()]
+    assert queued(broker) == [b"a", b"b"]
+
+
+def test_mpub_declared_larger_than_what_follows_is_answered_once_the_messages_are_in(connect, broker):
+    c = connect()
+    assert c.request(cmd("MPUB", "t") + I32.pack(5242880) + mpub_body([b"a"])) == [ok()]
+    assert c.request(pub("t", b"b")) == [ok()]
+    assert queued(broker) == [b"a", b"b"]
+
+
+def test_mpub_bad_message_arriving_later_publishes_nothing(connect, broker):
+    c = connect()
+    first = cmd("MPUB", "t") + sized(mpub_body([b"a", b"b", b"c"]))[:4] + I32.pack(3) + sized(b"a")
+    assert c.request(first) == []
+    assert c.request(I32.pack(0)) == [err("E_BAD_MESSAGE MPUB invalid message(1) body size 0")]
+    assert c.closed
     assert broker.topics["t"].depth() == 0
+
+
+def test_mpub_messages_over_max_body_size_refused_before_they_arrive(make_broker):
+    # mqd's bound on a pending MPUB (nsqd has none but count x max-msg-size):
+    # the messages' own bytes at most max-body-size; 4 + 4 x count + 100 here.
+    broker = make_broker(max_body_size=100, max_msg_size=100)
+    c = Client(broker)
+    assert c.request(cmd("MPUB", "t") + I32.pack(4) + mpub_body([b"x" * 50, b"y" * 50])) == [ok()]
+    c = Client(broker)
+    head = cmd("MPUB", "t") + I32.pack(4) + I32.pack(2) + sized(b"x" * 60) + I32.pack(41)
+    assert c.request(head) == [err("E_BAD_BODY MPUB body too big 113 > 112")]
+    assert c.closed
+    assert broker.topics["t"].depth() == 2  # the first client's
+
+
+def test_mpub_message_bytes_form_at_max_body_size_is_not_cut_off(connect, broker, clock):
+    # Over max-body-size bytes follow the declared size: the input kept
+    # meanwhile must not trip the connection's input bound.
+    bodies = [b"%07d" % i + b"." * 45 for i in range(100_000)]  # 5.2 MB of messages, 5.6 MB in all
+    data = messages_only(bodies)
+    assert sum(map(len, bodies)) <= 5242880 < len(data) - 65536
+    c = connect()
+    for i in range(0, len(data), 65536):
+        c.send(data[i : i + 65536])
+    assert not c.closed
+    clock.advance(0)  # a big MPUB is published a chunk per reactor turn
+    assert c.read() == [ok()]
+    assert broker.topics["t"].message_count == 100_000
 
 
 def test_mpub_large_batch_in_many_chunks(connect, broker, clock):
@@ -296,3 +380,24 @@ def test_mpub_large_batch_in_many_chunks(connect, broker, clock):
     assert c.read() == [ok(), ok()]
     assert queued(broker) == bodies + [b"tail"]
     assert broker.topics["t"].message_count == 5001
+
+
+def test_dpub_range_follows_max_defer_timeout(make_broker):
+    c = Client(make_broker(max_req_timeout="10s", max_defer_timeout="20s"))
+    assert c.request(dpub("t", 20000, b"x")) == [ok()]
+    assert c.request(dpub("t", 20001, b"x")) == [err("E_INVALID DPUB timeout 20001 out of range 0-20000")]
+    assert c.closed
+
+
+def test_req_stays_limited_by_max_req_timeout(make_broker):
+    """--max-defer-timeout is for publishes only: a REQ past max-req-timeout is still clamped to it."""
+    broker = make_broker(max_req_timeout="10s", max_defer_timeout="1h")
+    c = consumer(broker)
+    Client(broker).request(pub("t", b"x"))
+    (msg,) = c.messages()
+    c.req(msg, 60000)
+    channel = broker.topics["t"].channels["c"]
+    assert channel.deferred_count() == 1
+    broker.clock.advance(10)
+    scan(broker)
+    assert [m.body for m in c.messages()] == [b"x"]
