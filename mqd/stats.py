@@ -153,16 +153,20 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
     pub_counts = _pub_counts(client, topic)
     if pub_counts:
         row["pub_counts"] = pub_counts
-    # No ALPN and no topology (IDENTIFY answers them empty): nsqd's zero values.
+    # No ALPN: no negotiated protocol. Go's NegotiatedProtocolIsMutual is
+    # deprecated and always true for a TLS connection, so nsqd shows true.
     row.update(
         tls=client.tls,
         tls_cipher_suite=client.tls_cipher_suite,
         tls_version=client.tls_version,
         tls_negotiated_protocol="",
-        tls_negotiated_protocol_is_mutual=False,
-        topology_zone="",
-        topology_region="",
+        tls_negotiated_protocol_is_mutual=client.tls,
     )
+    # Not in nsqd 1.3.0's answers unless the client's IDENTIFY set them.
+    if client.topology_zone:
+        row["topology_zone"] = client.topology_zone
+    if client.topology_region:
+        row["topology_region"] = client.topology_region
     return row
 
 

@@ -32,6 +32,8 @@ SNAPPY_STREAM_HEADER = b"\xff\x06\x00\x00sNaPpY"
 # header; a chunk may decode to at most one 64 KiB block.
 _SNAPPY_MAX_CHUNK = 76490 + 4
 _SNAPPY_MAX_BLOCK = 65536
+# Go's flate writer at level 1 sends a write up to this size as a stored block.
+_GO_STORED_MAX = 16
 
 
 class CompressionError(Exception):
@@ -47,13 +49,34 @@ class DeflateCodec:
     """
 
     def __init__(self, level: int) -> None:
+        self._level = level
+        self._first = True
         self._compressor = zlib.compressobj(level, zlib.DEFLATED, -15)
         self._decompressor = zlib.decompressobj(-15)
         self._input = b""  # compressed bytes not inflated yet (zlib's unconsumed_tail)
         self._full = False  # the last step stopped at its limit: zlib may hold more
 
     def compress(self, data: bytes) -> bytes:
+        if self._first:
+            self._first = False
+            if len(data) <= _GO_STORED_MAX:
+                return self._compress_as_go(data)
         c = self._compressor
+        return c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH)
+
+    def _compress_as_go(self, data: bytes) -> bytes:
+        """A small first write (the upgrade's OK) in the bytes nsqd's Go flate writer sends.
+
+        Go stores it at level 1 and, at higher levels, whose matches are 4
+        bytes or longer, finds none in the OK frame and sends literals,
+        where zlib would use a 3-byte match. The block ends sync-flushed,
+        byte-aligned, so the main compressor's blocks follow as one stream
+        (they do not refer back to these few bytes).
+        """
+        if self._level <= 1:
+            c = zlib.compressobj(0, zlib.DEFLATED, -15)
+        else:
+            c = zlib.compressobj(self._level, zlib.DEFLATED, -15, 8, zlib.Z_HUFFMAN_ONLY)
         return c.compress(data) + c.flush(zlib.Z_SYNC_FLUSH)
 
     @property

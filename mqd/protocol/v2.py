@@ -142,6 +142,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.client_id = ""
         self.hostname = ""
         self.user_agent = ""
+        self.topology_region = ""  # IDENTIFY's, shown by /stats when set
+        self.topology_zone = ""
         self.remote_address = ""
         self._remote_ip = ""  # what the auth server is told; "" for a unix socket peer
         self.connect_ts = 0
@@ -197,6 +199,9 @@ class V2Protocol(Protocol, TimeoutMixin):
         # A big MPUB being published over several turns (mqd.publisher):
         # reading stops until it is answered.
         self._publishing = False
+        # An MPUB waiting for more input: (offset of its walk from the body
+        # size, messages checked so far), so each read walks only new bytes.
+        self._mpub_walk: tuple[int, int] | None = None
         self._reading_paused = False
         # Frames waiting behind a durable publish's OK; None when nothing waits.
         self._held: list | None = None
@@ -214,11 +219,17 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._output_blocked = False
         self._auth_waiting = False
         self._producing = False
-        # Input a paused parse may keep: the biggest command (line, size, body).
-        self._max_pending = MAX_LINE + 4 + max(options.max_body_size, options.max_msg_size)
+        # Input a paused parse may keep: the biggest command (line, size, body);
+        # an MPUB's body is bounded by _mpub_limit, not by its declared size.
+        max_mpub = _mpub_limit(options.max_body_size, (options.max_body_size - 4) // 5)
+        self._max_pending = MAX_LINE + 4 + max(max_mpub, options.max_msg_size)
         self._upgrade_leftover: bytes | None = None
         self._tls_layer = None
         self._handshake_timer = None
+        # Compression negotiated but not started yet (see _upgrade), and the
+        # input that came for it meanwhile, compressed already.
+        self._codec_pending = None
+        self._codec_input: list[bytes] = []
 
     # -- connection lifecycle -------------------------------------------------
 
@@ -300,6 +311,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.resetTimeout()
         if self._codec is not None:
             self._inflate(data)
+        elif self._codec_pending is not None:
+            self._codec_input.append(data)
         else:
             self._parse(data)
 
@@ -432,16 +445,18 @@ class V2Protocol(Protocol, TimeoutMixin):
         """Read the socket only while nothing holds it.
 
         Reasons: a chunked MPUB in progress (_publishing), an auth server
-        being asked, compressed input not inflated yet, output over its
-        bound (pauseProducing). Every reason is a flag checked here, so one
-        reason ending does not resume reading that another still holds.
-        Output backed up during a TLS handshake is the TLS layer holding our
-        OK until the handshake is done, which takes reading: that one does
-        not stop it.
+        being asked, compressed input not inflated yet, compression
+        negotiated but not started, output over its bound (pauseProducing).
+        Every reason is a flag checked here, so one reason ending does not
+        resume reading that another still holds. Output backed up during a
+        TLS handshake is the TLS layer holding our OK until the handshake is
+        done, which takes reading: that one does not stop it, nor does a
+        compression waiting for that handshake.
         """
         codec = self._codec
         paused = (self._publishing or self._auth_waiting
                   or (codec is not None and codec.has_more)
+                  or (self._codec_pending is not None and not (self.tls and not self.tls_version))
                   or (self._output_blocked and not (self.tls and not self.tls_version)))
         if paused == self._reading_paused or self._closed:
             return
@@ -747,7 +762,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._upgrade(*upgrades)
         # Whatever followed IDENTIFY in this read was sent for the new
         # layers (TLS records, compressed bytes): dataReceived hands it to
-        # them once this pass is over, instead of parsing it as commands.
+        # them once this pass is over, instead of parsing it as commands
+        # (compressed bytes wait in _codec_input until the codec is on).
         self._upgrade_leftover = data[end:]
         return len(data)
 
@@ -756,7 +772,12 @@ class V2Protocol(Protocol, TimeoutMixin):
 
         Each OK goes out through the layers enabled so far: the first one
         encrypted (queued by the TLS layer until the handshake is done),
-        the second also compressed.
+        the second also compressed. nsqd flushes each of these frames in a
+        write of its own, and clients rely on it: some read the plain
+        frame and switch their decoder at that read's end, which fails if
+        compressed bytes came in the same read. So compression starts only
+        once what precedes it is on the wire (_start_compression), after
+        the TLS handshake when there is one.
         """
         if tls_v1:
             if self.tls:
@@ -776,12 +797,34 @@ class V2Protocol(Protocol, TimeoutMixin):
                 raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed compression already enabled")
             if self._held is not None:
                 raise fatal("E_IDENTIFY_FAILED", "IDENTIFY failed cannot compress this connection")
-            codec = SnappyCodec() if snappy else DeflateCodec(self.deflate_level)
-            self.transport = CompressedTransport(self.transport, codec)
-            self._codec = codec
-            self.snappy = snappy
-            self.deflate = deflate
-            self._write_frame(OK)
+            self._codec_pending = SnappyCodec() if snappy else DeflateCodec(self.deflate_level)
+            if not tls_v1:
+                self._after_flush(self._start_compression)
+            self._update_reading()
+
+    def _after_flush(self, step) -> None:
+        """Run `step` once this turn's writes are on the wire: two reactor turns on.
+
+        The reactor hands a turn's writes to the socket in its I/O phase,
+        which follows the turn's timed calls, so a callLater(0) made now
+        runs before them; the one it makes in turn runs after.
+        """
+        self.clock.callLater(0, self.clock.callLater, 0, step)
+
+    def _start_compression(self) -> None:
+        """Put the negotiated codec on, send its OK, then decode the input kept for it."""
+        codec, self._codec_pending = self._codec_pending, None
+        kept, self._codec_input = self._codec_input, []
+        if self._closed or codec is None:
+            return
+        self.transport = CompressedTransport(self.transport, codec)
+        self._codec = codec
+        self.snappy = isinstance(codec, SnappyCodec)
+        self.deflate = not self.snappy
+        self._write_frame(OK)
+        self._update_reading()
+        if kept:
+            self.dataReceived(b"".join(kept))
 
     def _feed_upgraded(self, data: bytes) -> None:
         """Bytes read past IDENTIFY, given to the innermost new layer (TLS, else the decoder)."""
@@ -839,7 +882,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         self._update_reading()
 
     def handshakeCompleted(self) -> None:
-        """IHandshakeListener: the TLS upgrade is done; note what /stats shows of it."""
+        """IHandshakeListener: the TLS upgrade is done; note what /stats shows of it.
+
+        A compression negotiated with TLS starts once the TLS layer has
+        sent the OK it held for the handshake (see _upgrade).
+        """
         self._cancel_handshake_timer()
         try:
             handle = self.transport.getHandle()
@@ -852,6 +899,9 @@ class V2Protocol(Protocol, TimeoutMixin):
             log.debug("client {remote}: TLS details unavailable: {error}",
                       remote=self.remote_address, error=str(e))
             self.tls_version = self.tls_version or "TLS"
+        if self._codec_pending is not None:
+            self._after_flush(self._start_compression)
+            self._update_reading()
 
     def _handshake_timed_out(self) -> None:
         self._handshake_timer = None
@@ -920,6 +970,8 @@ class V2Protocol(Protocol, TimeoutMixin):
         self.client_id = body["client_id"]
         self.hostname = body["hostname"]
         self.user_agent = body["user_agent"]
+        self.topology_region = body["topology_region"]
+        self.topology_zone = body["topology_zone"]
         self.heartbeat_interval = heartbeat_interval
         self.output_buffer_size = output_buffer_size
         self.output_buffer_timeout = output_buffer_timeout
@@ -1233,7 +1285,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_INVALID", f"DPUB could not parse timeout {_echo(params[2])}")
         # nsqd checks the Duration (which may overflow) and prints the uint64 milliseconds.
         defer_ns = _ms_duration_ns(timeout_ms)
-        max_ns = round(self.broker.options.max_req_timeout * 1e9)
+        max_ns = round(self.broker.options.max_defer_timeout * 1e9)
         if defer_ns < 0 or defer_ns > max_ns:
             raise fatal("E_INVALID", f"DPUB timeout {timeout_ms} out of range 0-{max_ns // 1_000_000}")
         got = self._single_body("DPUB", data, start)
@@ -1258,31 +1310,56 @@ class V2Protocol(Protocol, TimeoutMixin):
             raise fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
         if size > opts.max_body_size:
             raise fatal("E_BAD_BODY", f"MPUB body too big {size} > {opts.max_body_size}")
+        # As nsqd, the declared size is only range-checked: the count and the
+        # messages are read from the stream, however many bytes they take
+        # (clients declare either the whole body or the messages' bytes).
         pos = start + 4
-        end = pos + size
-        if end > len(data):
-            self._need = end
+        avail = len(data)
+        if pos + 4 > avail:
+            self._need = pos + 4
             return _NEED_MORE
-        if size < 4:
-            raise fatal("E_BAD_BODY", "MPUB failed to read message count")
         count = _unpack_int32(data, pos)[0]
         if count <= 0 or count > (opts.max_body_size - 4) // 5:
             raise fatal("E_BAD_BODY", f"MPUB invalid message count {count}")
-        pos += 4
-        if is_big(count, size):
-            return self._mpub_in_chunks(topic_name, data, pos, end, count, size)
+        first = pos = pos + 4
+        limit = _mpub_limit(opts.max_body_size, count)
+        walked, self._mpub_walk = self._mpub_walk, None
+        done = 0
+        if walked is not None:
+            pos = start + walked[0]
+            done = walked[1]
         max_msg = opts.max_msg_size
-        bodies: list[bytes] = []
+        bodies = [] if walked is None and not is_big(count, size) else None
         try:
-            pos = walk_binary(data, pos, end, 0, count, max_msg, bodies)[0]
+            pos, n = walk_binary(data, pos, avail, done, count - done, max_msg, bodies, -1, True)
         except BatchError as e:
+            if is_big(count, avail - start - 4):
+                # Refused over turns, as any big batch's bad message is.
+                return self._mpub_in_chunks(topic_name, data, first, avail, count, size)
             raise _mpub_error(e, max_msg, size) from None
-        # The declared body size frames the command, as every client sends
-        # it; bytes left over inside it would otherwise be read as commands.
-        if pos != end:
-            raise fatal("E_BAD_BODY", f"MPUB invalid body size {size}")
+        done += n
+        if done < count:
+            # Parse again once the next thing nsqd would read is here: the
+            # size of the next message, or the body begun and the size after
+            # it, so a bad size is answered as soon as it arrives.
+            if pos + 4 > avail:
+                need = pos + 4
+            else:
+                need = pos + 4 + _unpack_int32(data, pos)[0] + (4 if count - done > 1 else 0)
+            if need - start - 4 > limit:
+                raise fatal("E_BAD_BODY", f"MPUB body too big {need - start - 4} > {limit}")
+            self._mpub_walk = (pos - start, done)
+            self._need = need
+            return _NEED_MORE
+        if pos - start - 4 > limit:
+            raise fatal("E_BAD_BODY", f"MPUB body too big {pos - start - 4} > {limit}")
+        if is_big(count, pos - start - 4):
+            return self._mpub_in_chunks(topic_name, data, first, pos, count, size)
+        if bodies is None:
+            bodies = []
+            walk_binary(data, first, pos, 0, count, max_msg, bodies)
         self._publish("MPUB", topic_name, bodies)
-        return end
+        return pos
 
     def _mpub_in_chunks(self, topic_name: str, data: bytes, pos: int, end: int, count: int, size: int):
         """A big MPUB, checked and published over several turns (mqd.publisher); OK once done.
@@ -1351,6 +1428,18 @@ _PUB = V2Protocol._cmd_pub
 
 def _tls_required(self, params, data, start):
     raise fatal("E_INVALID", f"cannot {_echo(params[0])} in current state (TLS required)")
+
+
+def _mpub_limit(max_body_size: int, count: int) -> int:
+    """The most bytes an MPUB body of `count` messages may take after its declared size.
+
+    nsqd reads up to count x (4 + max-msg-size) bytes whatever the declared
+    size; mqd keeps a pending MPUB in memory, so it bounds the messages'
+    own bytes by max-body-size: the count, the sizes, and max-body-size.
+    That takes both forms clients send (declared = the whole body, or the
+    messages' bytes only) up to max-body-size.
+    """
+    return 4 + 4 * count + max_body_size
 
 
 def _mpub_error(err: BatchError, max_msg: int, size: int) -> ProtocolError:

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from mqd.stats import go_duration, nanoseconds_to_human, stats_json, stats_text
+from mqd.stats import client_stats, go_duration, nanoseconds_to_human, stats_json, stats_text
 
 from .conftest import START_TIME, Client, cmd, dpub, identify, mpub, ok, pub, scan
+from .test_v2_upgrade import tls_client
 
 TOPIC_KEYS = [
     "topic_name", "channels", "depth", "backend_depth", "message_count", "message_bytes",
@@ -22,7 +23,7 @@ CLIENT_KEYS = [
     "client_id", "hostname", "version", "remote_address", "state", "ready_count", "in_flight_count",
     "message_count", "finish_count", "requeue_count", "connect_ts", "sample_rate", "deflate", "snappy",
     "user_agent", "tls", "tls_cipher_suite", "tls_version", "tls_negotiated_protocol",
-    "tls_negotiated_protocol_is_mutual", "topology_zone", "topology_region",
+    "tls_negotiated_protocol_is_mutual",
 ]
 MEMORY_KEYS = [
     "heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes", "gc_pause_usec_100",
@@ -116,7 +117,6 @@ def test_every_field(broker, producer):
         "requeue_count": 0, "connect_ts": int(START_TIME), "sample_rate": 0, "deflate": False,
         "snappy": False, "user_agent": "sub/2.0", "tls": False, "tls_cipher_suite": "",
         "tls_version": "", "tls_negotiated_protocol": "", "tls_negotiated_protocol_is_mutual": False,
-        "topology_zone": "", "topology_region": "",
     }
     [prod] = stats["producers"]
     assert list(prod) == CLIENT_KEYS[:15] + ["pub_counts"] + CLIENT_KEYS[15:]
@@ -379,3 +379,19 @@ def test_go_duration(ns, text):
 ])
 def test_nanoseconds_to_human(ns, text):
     assert nanoseconds_to_human(ns) == text
+
+
+def test_tls_and_topology_fields(broker):
+    """Go reports NegotiatedProtocolIsMutual true for every TLS connection; topology only when set."""
+    c = tls_client(broker)
+    c.send(identify(feature_negotiation=True, tls_v1=True, topology_zone="z1", topology_region="r1"))
+    c.raw()
+    row = client_stats(c.proto)
+    assert (row["tls"], row["tls_negotiated_protocol_is_mutual"]) == (True, True)
+    assert list(row)[-2:] == ["topology_zone", "topology_region"]
+    assert (row["topology_zone"], row["topology_region"]) == ("z1", "r1")
+    plain = Client(broker, port=5002)
+    plain.request(identify(client_id="x"))
+    row = client_stats(plain.proto)
+    assert row["tls_negotiated_protocol_is_mutual"] is False
+    assert "topology_zone" not in row and "topology_region" not in row

@@ -25,6 +25,12 @@ def split_first_frame(data: bytes) -> tuple[dict, bytes]:
     return json.loads(data[8:4 + size]), data[4 + size:]
 
 
+def compressed_start(c: Client) -> bytes:
+    """What the connection writes once its compression starts: a later reactor turn."""
+    c.broker.clock.advance(0)
+    return c.raw()
+
+
 @pytest.mark.parametrize("fields", [{"feature_negotiation": True}, {}], ids=["negotiated", "plain"])
 def test_both_compressions_fail(connect, fields):
     c = connect()
@@ -48,9 +54,10 @@ def test_compressed_stream_both_ways(connect, kind, client_codec):
     answer, rest = split_first_frame(c.raw())
     assert answer[kind] is True
     assert answer["snappy" if kind == "deflate" else "deflate"] is False
+    assert rest == b""  # the JSON answer goes out alone, as nsqd flushes it
     codec = client_codec()
-    # The second OK comes compressed.
-    assert parse_frames(codec.decompress(rest)) == [ok()]
+    # The second OK comes compressed, in a later write.
+    assert parse_frames(codec.decompress(compressed_start(c))) == [ok()]
     c.send(codec.compress(pub("t", b"hello") + pub("t", b"world")))
     assert parse_frames(codec.decompress(c.raw())) == [ok(), ok()]
     # A read may stop in the middle of a compressed chunk.
@@ -67,7 +74,12 @@ def test_compressed_bytes_in_the_identify_read(connect):
     codec = SnappyClient()
     c.send(identify(feature_negotiation=True, snappy=True) + codec.compress(pub("t", b"early")))
     _, rest = split_first_frame(c.raw())
-    assert parse_frames(codec.decompress(rest)) == [ok(), ok()]
+    assert rest == b""
+    c.send(codec.compress(pub("t", b"later")))  # before the compression starts: kept
+    assert c.raw() == b"" and c.proto._reading_paused
+    assert parse_frames(codec.decompress(compressed_start(c))) == [ok(), ok(), ok()]
+    assert not c.proto._reading_paused
+    assert c.broker.topics["t"].message_count == 2
     assert not c.closed
 
 
@@ -95,6 +107,7 @@ def test_corrupt_compressed_input_closes_only_that_connection(connect, kind):
     bad, good = connect(), connect()
     bad.send(identify(feature_negotiation=True, **{kind: True}))
     bad.raw()
+    compressed_start(bad)
     garbage = b"\x00\x05\x00\x00garbage-garbage" if kind == "snappy" else b"\xff" * 32
     bad.send(garbage)
     assert bad.closed
@@ -143,9 +156,14 @@ def test_tls_upgrade_order(broker):
     at = c.transport.tls_started_at
     assert data[:at].endswith(b"}")  # nothing but the JSON before the handshake
     after = data[at:]
-    assert after.startswith(struct.pack(">ii", 6, 0) + b"OK")  # this OK goes out encrypted
+    assert after == struct.pack(">ii", 6, 0) + b"OK"  # this OK goes out encrypted
+    # The compression starts once the handshake is done and that OK sent.
+    c.broker.clock.advance(0)
+    assert c.transport.value() == data and not c.proto.deflate
+    c.proto.handshakeCompleted()
+    assert c.transport.value() == data
     codec = DeflateClient()
-    assert parse_frames(codec.decompress(after[10:])) == [ok()]
+    assert parse_frames(codec.decompress(compressed_start(c)[len(data):])) == [ok()]
     assert c.proto.tls and c.proto.deflate
 
 
@@ -204,3 +222,54 @@ def test_tls_required_flag_forms(tmp_path, args, expected):
 def test_bad_tls_required_value(tmp_path):
     with pytest.raises(ConfigError, match="true, false or tcp-https"):
         settings(tmp_path, tls_required="maybe")
+
+
+# -- the compression's start: a write of its own ---------------------------------------
+
+
+def test_tls_with_compression_waits_for_the_handshake_keeping_input(broker):
+    """Reading goes on for the handshake; input decrypted before the codec is on waits for it."""
+    c = tls_client(broker)
+    c.send(identify(feature_negotiation=True, tls_v1=True, snappy=True))
+    data = c.raw()
+    assert not c.proto._reading_paused  # the TLS handshake needs reading
+    c.proto.handshakeCompleted()
+    assert c.proto._reading_paused and not c.proto.snappy
+    codec = SnappyClient()
+    c.send(codec.compress(pub("t", b"pipelined")))  # what the TLS layer decrypted meanwhile
+    assert c.raw() == b""
+    assert parse_frames(codec.decompress(compressed_start(c))) == [ok(), ok()]
+    assert c.proto.snappy and not c.proto._reading_paused
+    assert data.endswith(struct.pack(">ii", 6, 0) + b"OK")
+
+
+def test_connection_lost_before_compression_starts(connect):
+    c = connect()
+    c.send(identify(feature_negotiation=True, deflate=True))
+    c.raw()
+    c.lose()
+    assert compressed_start(c) == b""
+    assert c.proto._codec is None and not c.proto.deflate
+
+
+# What nsqd (Go 1.19's compress/flate, Write then Flush) sends for the
+# upgrade's OK frame as the stream's first bytes: stored at level 1,
+# literals at 2 to 9 (no match of Go's 4-byte minimum).
+GO_DEFLATE_OK = {
+    1: "000a00f5ff00000006000000004f4b000000ffff",
+    **{level: "6260606063606060f0f706000000ffff" for level in range(2, 10)},
+}
+
+
+@pytest.mark.parametrize("level", range(1, 10))
+def test_deflate_ok_bytes_as_nsqd_sends_them(make_broker, level):
+    broker = make_broker(max_deflate_level=9)
+    c = Client(broker)
+    c.send(identify(feature_negotiation=True, deflate=True, deflate_level=level))
+    c.raw()
+    assert compressed_start(c).hex() == GO_DEFLATE_OK[level]
+    # The stream goes on decodable after those blocks.
+    codec = DeflateClient()
+    codec.decompress(bytes.fromhex(GO_DEFLATE_OK[level]))
+    c.send(codec.compress(pub("t", b"OK") + pub("t", b"x" * 100)))
+    assert parse_frames(codec.decompress(c.raw())) == [ok(), ok()]
