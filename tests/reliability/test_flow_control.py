@@ -26,6 +26,7 @@ import tracemalloc
 import pytest
 
 from mqd.protocol.compression import SNAPPY_STREAM_HEADER
+from mqd.protocol.v2 import UPGRADE_GAP
 from tests._codec_clients import DeflateClient, SnappyClient
 from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, RawConn, command, select_sockets
 from tests.integration.test_auth import PUBLISH, authd, grant  # noqa: F401
@@ -48,7 +49,7 @@ def compressed_client(connect, kind: str = "deflate"):
     c.send(identify(feature_negotiation=True, **{kind: True}))
     _, rest = split_first_frame(c.raw())
     assert rest == b""  # the compressed OK is a later write (#15)
-    c.broker.clock.advance(0)
+    c.broker.clock.advance(UPGRADE_GAP)
     codec = DeflateClient() if kind == "deflate" else SnappyClient()
     assert parse_frames(codec.decompress(c.raw())) == [ok()]
     return c, codec

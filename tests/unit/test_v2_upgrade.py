@@ -10,6 +10,7 @@ from twisted.internet.testing import StringTransport
 
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
 from mqd.protocol.compression import DeflateCodec, SnappyCodec
+from mqd.protocol.v2 import UPGRADE_GAP
 from mqd.tap import Options
 from mqd.tlsconfig import ServerTLS, server_tls
 
@@ -26,8 +27,8 @@ def split_first_frame(data: bytes) -> tuple[dict, bytes]:
 
 
 def compressed_start(c: Client) -> bytes:
-    """What the connection writes once its compression starts: a later reactor turn."""
-    c.broker.clock.advance(0)
+    """What the connection writes once its compression starts, UPGRADE_GAP after the answer."""
+    c.broker.clock.advance(UPGRADE_GAP)
     return c.raw()
 
 
@@ -158,7 +159,7 @@ def test_tls_upgrade_order(broker):
     after = data[at:]
     assert after == struct.pack(">ii", 6, 0) + b"OK"  # this OK goes out encrypted
     # The compression starts once the handshake is done and that OK sent.
-    c.broker.clock.advance(0)
+    c.broker.clock.advance(UPGRADE_GAP)
     assert c.transport.value() == data and not c.proto.deflate
     c.proto.handshakeCompleted()
     assert c.transport.value() == data
