@@ -252,20 +252,23 @@ def _cooperator(clock: IReactorTime) -> Cooperator:
 
 def publish_in_chunks(clock: IReactorTime, topic: Topic, chunks: Iterator,
                       bodies_of: Callable[[object], list[bytes]],
-                      done: Callable[[BatchError | BackendError | None], None]) -> None:
+                      done: Callable[[BatchError | BackendError | None], None],
+                      defer: float = 0.0) -> None:
     """Check every chunk of `chunks`, then publish them in order, a turn each; then `done(error)`.
+
+    `defer` (seconds) holds every message as Topic.publish does (a deferred /mpub).
 
     `done` gets None once the last chunk is published, the BatchError
     that refused the batch (nothing published), or the BackendError that
     stopped it mid-way (earlier chunks published). A topic deleted or shut
     down meanwhile is TopicExiting, nsqd's PutMessages error.
     """
-    _cooperator(clock).cooperate(_run(topic, chunks, bodies_of, done))
+    _cooperator(clock).cooperate(_run(topic, chunks, bodies_of, done, defer))
 
 
-def _run(topic: Topic, chunks: Iterator, bodies_of, done) -> Iterator[None]:
+def _run(topic: Topic, chunks: Iterator, bodies_of, done, defer: float) -> Iterator[None]:
     try:
-        error = yield from _steps(topic, chunks, bodies_of)
+        error = yield from _steps(topic, chunks, bodies_of, defer)
     except Exception as e:  # noqa: BLE001 - a bug must still answer the publisher
         log.failure("publishing a batch to {topic} failed", topic=topic.name)
         error = BackendError(str(e))
@@ -275,7 +278,7 @@ def _run(topic: Topic, chunks: Iterator, bodies_of, done) -> Iterator[None]:
         log.failure("answering a batch published to {topic} failed", topic=topic.name)
 
 
-def _steps(topic: Topic, chunks: Iterator, bodies_of):
+def _steps(topic: Topic, chunks: Iterator, bodies_of, defer: float):
     """The batch's turns; returns what `done` is told."""
     checked = []
     try:
@@ -290,7 +293,7 @@ def _steps(topic: Topic, chunks: Iterator, bodies_of):
         if topic.exiting:
             return TopicExiting()
         try:
-            _publish_chunk(topic, bodies_of(chunk))
+            _publish_chunk(topic, bodies_of(chunk), defer)
         except BackendError as e:
             return e
         if i < last:
@@ -298,7 +301,7 @@ def _steps(topic: Topic, chunks: Iterator, bodies_of):
     return None
 
 
-def _publish_chunk(topic: Topic, bodies: list[bytes]) -> None:
+def _publish_chunk(topic: Topic, bodies: list[bytes], defer: float) -> None:
     """topic.publish with the cyclic garbage collector paused.
 
     A chunk makes a few tracked objects per message (Message, its store
@@ -310,10 +313,10 @@ def _publish_chunk(topic: Topic, bodies: list[bytes]) -> None:
     all they need.
     """
     if not gc.isenabled():
-        topic.publish(bodies)
+        topic.publish(bodies, defer)
         return
     gc.disable()
     try:
-        topic.publish(bodies)
+        topic.publish(bodies, defer)
     finally:
         gc.enable()

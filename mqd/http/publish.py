@@ -131,31 +131,6 @@ def defer_param(query, options) -> float:
     return _defer_ms(raw, options.max_defer_timeout * 1000) / 1000
 
 
-class _DeferredTopic:
-    """A topic whose publishes are deferred: what a big deferred /mpub hands mqd.publisher.
-
-    The chunked publisher calls `topic.publish(bodies)`; this adds the
-    request's delay without a per-chunk closure or a second publisher.
-    """
-
-    __slots__ = ("topic", "defer")
-
-    def __init__(self, topic: Topic, defer: float) -> None:
-        self.topic = topic
-        self.defer = defer
-
-    @property
-    def name(self) -> str:
-        return self.topic.name
-
-    @property
-    def exiting(self) -> bool:
-        return self.topic.exiting
-
-    def publish(self, bodies: list[bytes], defer: float = 0.0) -> None:
-        self.topic.publish(bodies, self.defer)
-
-
 class _Publisher(Endpoint):
     def publish(self, request: Request, topic: Topic, bodies: list[bytes],
                 defer: float = 0.0) -> object:
@@ -200,8 +175,7 @@ class _Publisher(Endpoint):
                 self.broker.set_health(str(error))
                 finish_v1(request, 500, "INTERNAL_ERROR")
 
-        publish_in_chunks(self.broker.clock, _DeferredTopic(topic, defer) if defer > 0 else topic,
-                          chunks, bodies_of, done)
+        publish_in_chunks(self.broker.clock, topic, chunks, bodies_of, done, defer)
         return LATER
 
     def _answer_stored(self, request: Request, topic: Topic) -> object:
