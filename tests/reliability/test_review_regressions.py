@@ -65,7 +65,7 @@ def test_defect06_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
         exiting = False
         name = "t"
 
-        def publish(self, bodies) -> None:
+        def publish(self, bodies, defer=0.0) -> None:  # as Topic.publish
             pass
 
     def done(error) -> None:
