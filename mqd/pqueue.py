@@ -107,5 +107,13 @@ class PriorityQueue:
         self._live = 0
         return [msg for _, _, msg in live]
 
+    def entries(self) -> list[tuple[float, Message]]:
+        """Every live message with its priority, in heap (not sorted) order.
+
+        One pass and no sort, for a snapshot's capture on the reactor: the
+        caller sorts what it took, in its own thread.
+        """
+        return [(entry[0], entry[2]) for entry in self._heap if entry[2].pq_seq == entry[1]]
+
     def __iter__(self) -> Iterator[Message]:
         return (entry[2] for entry in self._heap if entry[2].pq_seq == entry[1])

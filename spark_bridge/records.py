@@ -33,7 +33,17 @@ import pyarrow.compute as pc
 
 from backends.lmdb import KEY, RECORD
 
-from .snapshot import DATA_FILE, Manifest, QueueInfo, SnapshotError, kind_of, read_manifest
+from .snapshot import (
+    DATA_FILE,
+    HELD,
+    HELD_BIT,
+    STATES,
+    Manifest,
+    QueueInfo,
+    SnapshotError,
+    kind_of,
+    read_manifest,
+)
 
 __all__ = [
     "ARROW_SCHEMA",
@@ -56,17 +66,21 @@ ARROW_SCHEMA = pa.schema([
     pa.field("topic", pa.string()),
     pa.field("channel", pa.string()),  # null for a topic's own queue
     pa.field("kind", pa.string()),  # "topic" or "channel"
-    pa.field("sequence", pa.int64()),  # position in its queue (key order)
+    pa.field("state", pa.string()),  # "queued", "in_flight" or "deferred"
+    pa.field("sequence", pa.int64()),  # position in its queue's store (null: never stored)
     pa.field("message_id", pa.string()),  # nsqd's 16 hex characters
     pa.field("timestamp", _UTC_US),  # when it was published
     pa.field("attempts", pa.int32()),
     pa.field("deferred_until", _UTC_US),  # null unless deferred (DPUB / REQ with delay)
+    pa.field("in_flight_client", pa.string()),  # the holder's address; null unless in flight
+    pa.field("timeout_at", _UTC_US),  # when it times out; null unless in flight
     pa.field("body_size", pa.int32()),
     pa.field("body", pa.binary()),
 ])
 SPARK_SCHEMA_DDL = (
-    "topic string, channel string, kind string, sequence bigint, message_id string, "
-    "timestamp timestamp, attempts int, deferred_until timestamp, body_size int, body binary"
+    "topic string, channel string, kind string, state string, sequence bigint, "
+    "message_id string, timestamp timestamp, attempts int, deferred_until timestamp, "
+    "in_flight_client string, timeout_at timestamp, body_size int, body binary"
 )
 
 BATCH_ROWS = 65536
@@ -74,16 +88,27 @@ BATCH_ROWS = 65536
 BATCH_BYTES = 64 << 20
 # Records in the first read of a scan, before their size is known.
 _FIRST_ROWS = 256
-_HEADER = RECORD.size
+_RECORD_FIELDS = [("ts", ">i8"), ("attempts", ">u2"), ("deferred", ">f8"), ("id", "S16")]
 _KEY_DTYPE = np.dtype([("qid", ">u4"), ("seq", ">u8")])
-_HEADER_DTYPE = np.dtype([("ts", ">i8"), ("attempts", ">u2"), ("deferred", ">f8"), ("id", "S16")])
-assert _KEY_DTYPE.itemsize == KEY.size and _HEADER_DTYPE.itemsize == _HEADER
+_HEADER_DTYPE = np.dtype(_RECORD_FIELDS)
+# A held row's header: HELD's fields, then the record's.
+_HELD_HEADER_DTYPE = np.dtype([("state", "u1"), ("timeout", ">f8"), ("client", ">i4"), ("store_seq", ">i8"),
+                               *_RECORD_FIELDS])
+assert _KEY_DTYPE.itemsize == KEY.size and _HEADER_DTYPE.itemsize == RECORD.size
+assert _HELD_HEADER_DTYPE.itemsize == HELD.size + RECORD.size
+_STATE_NAMES = pa.array(STATES, pa.string())
+_QUEUED = pa.scalar(STATES[0], pa.string())
 _BODY_END = 2**31 - 1  # pc.binary_slice needs an explicit stop
 
 
 @dataclass(frozen=True)
 class KeyRange:
-    """The records of one queue with `first <= seq <= last`; `count` is an estimate for planning."""
+    """The records of one queue with `first <= seq <= last`; `count` is an estimate for planning.
+
+    `held`: the queue's held rows (what a live broker held outside its
+    store, keyed under queue_id | HELD_BIT), which name their in-flight
+    client by an index into `clients`.
+    """
 
     queue_id: int
     topic: str
@@ -91,10 +116,17 @@ class KeyRange:
     first: int
     last: int
     count: int
+    held: bool = False
+    clients: tuple[str, ...] = ()
 
     @property
     def kind(self) -> str:
         return kind_of(self.channel)
+
+    @property
+    def key_id(self) -> int:
+        """The queue id its keys carry."""
+        return self.queue_id | HELD_BIT if self.held else self.queue_id
 
 
 @dataclass(frozen=True)
@@ -122,10 +154,15 @@ class QueueFilter:
 
 
 def snapshot_ranges(manifest: Manifest, where: QueueFilter | None = None) -> list[KeyRange]:
-    """One range per non-empty queue the filter admits, in key order (queue id)."""
-    return [KeyRange(q.queue_id, q.topic, q.channel, q.first_seq, q.last_seq, q.count)
-            for q in sorted(manifest.queues, key=lambda q: q.queue_id)
-            if q.count and (where is None or where.admits(q))]
+    """A range per queue the filter admits with stored rows, then one per queue with held rows, in key order."""
+    queues = [q for q in sorted(manifest.queues, key=lambda q: q.queue_id)
+              if where is None or where.admits(q)]
+    clients = tuple(c.get("remote_address", "") for c in manifest.clients)
+    stored = [KeyRange(q.queue_id, q.topic, q.channel, q.first_seq, q.last_seq, q.stored)
+              for q in queues if q.stored]
+    held = [KeyRange(q.queue_id, q.topic, q.channel, 0, q.held - 1, q.held, True, clients)
+            for q in queues if q.held]
+    return stored + held
 
 
 def plan_partitions(ranges: Sequence[KeyRange], partitions: int) -> list[list[KeyRange]]:
@@ -199,7 +236,7 @@ def read_ranges(env: lmdb.Environment, ranges: Iterable[KeyRange], batch_rows: i
     with env.begin(db=messages, buffers=False) as txn:
         key_cursor, value_cursor = txn.cursor(), txn.cursor()
         for r in ranges:
-            start, end = pack(r.queue_id, r.first), pack(r.queue_id, r.last)
+            start, end = pack(r.key_id, r.first), pack(r.key_id, r.last)
             if not key_cursor.set_range(start) or not value_cursor.set_range(start):
                 continue
             keys_it = key_cursor.iternext(keys=True, values=False)
@@ -243,30 +280,49 @@ def _byte_slices(sizes: np.ndarray) -> Iterator[tuple[int, int]]:
 def _batch(r: KeyRange, keys: list[bytes], values: list[bytes], sizes: np.ndarray,
            bodies: bool) -> pa.RecordBatch:
     n = len(keys)
-    seqs = np.frombuffer(b"".join(keys), dtype=_KEY_DTYPE)["seq"].astype(np.int64)
+    dtype = _HELD_HEADER_DTYPE if r.held else _HEADER_DTYPE
+    size = dtype.itemsize
     # The values as one Arrow binary array built from a join and their
     # lengths (4x faster than pa.array on the list).
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(sizes, out=offsets[1:], dtype=np.int32)
     raw = pa.BinaryArray.from_buffers(
         pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(values))])
-    # Every header is _HEADER bytes, so the sliced headers are one contiguous
+    # Every header is `size` bytes, so the sliced headers are one contiguous
     # run of fixed-size records numpy reads in place.
-    headers = pc.binary_slice(raw, 0, _HEADER)
+    headers = pc.binary_slice(raw, 0, size)
     first = np.frombuffer(headers.buffers()[1], dtype=np.int32, count=1, offset=4 * headers.offset)[0]
-    header = np.frombuffer(headers.buffers()[2], dtype=_HEADER_DTYPE, count=n,
-                           offset=int(first))
+    header = np.frombuffer(headers.buffers()[2], dtype=dtype, count=n, offset=int(first))
     deferred = header["deferred"].astype(np.float64)
+    if r.held:
+        state = _STATE_NAMES.take(pa.array(header["state"].astype(np.int32)))
+        store_seq = header["store_seq"].astype(np.int64)
+        sequence = pa.array(store_seq, pa.int64(), mask=store_seq < 0)
+        client = header["client"].astype(np.int64)
+        names = pa.array(r.clients + ("",), pa.string())
+        in_flight_client = names.take(pa.array(np.where(client < 0, len(r.clients), client), pa.int64()))
+        in_flight_client = pc.if_else(pa.array(client < 0), pa.scalar(None, pa.string()), in_flight_client)
+        timeout = header["timeout"].astype(np.float64)
+        timeout_at = pa.array(np.rint(timeout * 1e6).astype(np.int64), _UTC_US, mask=timeout <= 0)
+    else:
+        state = pa.repeat(_QUEUED, n)
+        sequence = pa.array(np.frombuffer(b"".join(keys), dtype=_KEY_DTYPE)["seq"].astype(np.int64),
+                            pa.int64())
+        in_flight_client = pa.nulls(n, pa.string())
+        timeout_at = pa.nulls(n, _UTC_US)
     columns = [
         pa.repeat(pa.scalar(r.topic, pa.string()), n),
         pa.repeat(pa.scalar(r.channel, pa.string()), n),
         pa.repeat(pa.scalar(r.kind, pa.string()), n),
-        pa.array(seqs, pa.int64()),
+        state,
+        sequence,
         pa.array(header["id"], pa.binary(16)).cast(pa.binary()).cast(pa.string()),
         pa.array(header["ts"].astype(np.int64) // 1000, _UTC_US),
         pa.array(header["attempts"].astype(np.int32), pa.int32()),
         pa.array(np.rint(deferred * 1e6).astype(np.int64), _UTC_US, mask=deferred <= 0),
-        pa.array(np.diff(offsets) - _HEADER, pa.int32()),
-        pc.binary_slice(raw, _HEADER, _BODY_END) if bodies else pa.nulls(n, pa.binary()),
+        in_flight_client,
+        timeout_at,
+        pa.array(np.diff(offsets) - size, pa.int32()),
+        pc.binary_slice(raw, size, _BODY_END) if bodies else pa.nulls(n, pa.binary()),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)

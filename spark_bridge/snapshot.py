@@ -36,19 +36,38 @@ import lmdb
 from backends.lmdb import ENV_DIR, FORMAT, KEY
 
 __all__ = [
+    "DEFERRED",
+    "HELD",
+    "HELD_BIT",
+    "IN_FLIGHT",
     "MANIFEST",
     "MANIFEST_VERSION",
     "Manifest",
+    "QUEUED",
     "QueueInfo",
+    "STATES",
     "SnapshotError",
     "SnapshotExists",
+    "copy_store",
     "kind_of",
+    "new_snapshot_dir",
+    "publish_snapshot",
     "read_manifest",
     "take_snapshot",
+    "utc_stamp",
 ]
 
 MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+# Held rows (what a live broker held outside its store) are stored under
+# their queue's id with this bit set, so they follow every stored record in
+# key order and a reader tells the two apart by the key alone.
+HELD_BIT = 1 << 31
+# Before a held row's record: state, timeout_at (reactor = unix seconds, 0
+# none), index into the manifest's clients (-1 none), store sequence (-1 none).
+HELD = struct.Struct(">Bdiq")
+STATES = ("queued", "in_flight", "deferred")
+QUEUED, IN_FLIGHT, DEFERRED = range(3)
 DATA_FILE = "data.mdb"
 _QID = struct.Struct(">I")
 
@@ -68,7 +87,14 @@ def kind_of(channel: str | None) -> str:
 
 @dataclass
 class QueueInfo:
-    """One queue as the snapshot holds it: a topic queue (channel None) or a channel queue."""
+    """One queue as the snapshot holds it: a topic queue (channel None) or a channel queue.
+
+    `count` is every row of the queue: `stored` ones (records the live
+    store held and the broker had not read) plus `held` ones (what the
+    broker held outside its store: memory queue, in flight, deferred).
+    `stats` is what /stats reported for the queue at the snapshot's instant
+    (None when no broker took it), so the rows can be checked against it.
+    """
 
     name: str
     topic: str
@@ -77,6 +103,20 @@ class QueueInfo:
     count: int
     first_seq: int | None
     last_seq: int | None
+    stored: int = -1
+    held: int = 0
+    queued: int = -1
+    in_flight: int = 0
+    deferred: int = 0
+    stats: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        # Version-1 manifests (and data-path snapshots): every row is a
+        # stored record, and stored records are queued.
+        if self.stored < 0:
+            self.stored = self.count - self.held
+        if self.queued < 0:
+            self.queued = self.count - self.in_flight - self.deferred
 
     @property
     def kind(self) -> str:
@@ -96,6 +136,17 @@ class Manifest:
     # How the copy went (for throughput reports), not needed to read the data.
     bytes: int = 0
     copy_seconds: float = 0.0
+    # "broker": a live broker took it (its whole state); "data-path": a copy
+    # of a store's files, holding only what the store held.
+    source: str = "data-path"
+    backend: str | None = None
+    durable: bool | None = None
+    # The clients holding in-flight messages; rows refer to them by index.
+    clients: list[dict[str, str]] = field(default_factory=list)
+    # Queues a broker snapshot does not hold (ephemeral ones) and their counts.
+    left_out: list[dict[str, Any]] = field(default_factory=list)
+    # How long the broker's reactor was held to capture its state.
+    capture_seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -206,25 +257,20 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
     `env_or_path`: the broker's open environment (in the broker's process,
     where it may not be opened again), or a data path / mqd.lmdb directory
     (a stopped or running broker, from another process). Safe to call from
-    a thread other than the one committing.
+    a thread other than the one committing. This copies the store's files
+    only: a running broker's memory queues, in-flight and deferred messages
+    are not in them (`spark_bridge.live` takes those).
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.lexists(out_dir):
-        raise SnapshotExists(f"{out_dir}: already exists")
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    tmp = new_snapshot_dir(out_dir)
     opened = None
     try:
         if isinstance(env_or_path, lmdb.Environment):
             env = env_or_path
         else:
             env = opened = _open_source(os.fspath(env_or_path))
-        started = time.perf_counter()
         with env.begin(buffers=False) as txn:
-            env.copy(tmp, compact=True, txn=txn)
-            seconds = time.perf_counter() - started
-            mark, queues = _describe(env, txn)
+            mark, queues, seconds = copy_store(env, txn, tmp)
         if opened is not None:
             opened.close()
             opened = None
@@ -232,37 +278,70 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
             format_version=MANIFEST_VERSION,
             broker_id=broker_id,
             node_id=node_id,
-            created_at=datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            created_at=utc_stamp(datetime.now(UTC)),
             data_format=mark,
             queues=queues,
-            bytes=os.path.getsize(os.path.join(tmp, DATA_FILE)),
             copy_seconds=seconds,
         )
-        manifest_tmp = os.path.join(tmp, MANIFEST)
-        with open(manifest_tmp, "w") as f:
-            json.dump(manifest.to_json(), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        # Readable by whoever reads the data path (mkdtemp makes it 0700).
-        os.chmod(tmp, 0o755)
-        try:
-            # A directory is only renamed onto nothing or an empty directory:
-            # a symlink planted meanwhile makes this fail (ENOTDIR), never followed.
-            os.rename(tmp, out_dir)
-        except FileExistsError:
-            raise SnapshotExists(f"{out_dir}: already exists") from None
-        except OSError as e:
-            if os.path.lexists(out_dir):
-                raise SnapshotExists(f"{out_dir}: already exists") from None
-            raise SnapshotError(f"{out_dir}: cannot move the snapshot into place ({e.strerror})") from None
-        _fsync_dir(parent)
-        return manifest
+        return publish_snapshot(tmp, out_dir, manifest)
     except BaseException:
         if opened is not None:
             opened.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def utc_stamp(when: datetime) -> str:
+    """A manifest's time: ISO 8601 UTC with microseconds and a Z."""
+    return when.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def new_snapshot_dir(out_dir: str) -> str:
+    """The hidden temporary directory a snapshot bound for `out_dir` is written in."""
+    if os.path.lexists(out_dir):
+        raise SnapshotExists(f"{out_dir}: already exists")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+
+
+def copy_store(env: lmdb.Environment, txn: lmdb.Transaction, tmp: str,
+               ) -> tuple[str, list[QueueInfo], float]:
+    """Copy what `txn` sees into `tmp`: (data format mark, queues as stored, seconds the copy took)."""
+    started = time.perf_counter()
+    env.copy(tmp, compact=True, txn=txn)
+    seconds = time.perf_counter() - started
+    mark, queues = _describe(env, txn)
+    return mark, queues, seconds
+
+
+def publish_snapshot(tmp: str, out_dir: str, manifest: Manifest) -> Manifest:
+    """Write the manifest into `tmp` and move the finished snapshot to `out_dir`.
+
+    Renamed into place only once complete, so a reader never sees half a
+    snapshot; the caller removes `tmp` if this fails.
+    """
+    manifest.bytes = os.path.getsize(os.path.join(tmp, DATA_FILE))
+    manifest_tmp = os.path.join(tmp, MANIFEST)
+    with open(manifest_tmp, "w") as f:
+        json.dump(manifest.to_json(), f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    # Readable by whoever reads the data path (mkdtemp makes it 0700).
+    os.chmod(tmp, 0o755)
+    try:
+        # A directory is only renamed onto nothing or an empty directory:
+        # a symlink planted meanwhile makes this fail (ENOTDIR), never followed.
+        os.rename(tmp, out_dir)
+    except FileExistsError:
+        raise SnapshotExists(f"{out_dir}: already exists") from None
+    except OSError as e:
+        if os.path.lexists(out_dir):
+            raise SnapshotExists(f"{out_dir}: already exists") from None
+        raise SnapshotError(f"{out_dir}: cannot move the snapshot into place ({e.strerror})") from None
+    _fsync_dir(os.path.dirname(out_dir))
+    return manifest
 
 
 def _fsync_dir(path: str) -> None:

@@ -1,11 +1,17 @@
-"""`POST /snapshot[?out=DIR]`: a consistent copy of the LMDB store for the Spark bridge (issue #7).
+"""`POST /snapshot[?out=DIR]`: the broker's whole queue state at one instant, for the Spark bridge.
 
-The copy runs in a thread (`deferToThread`): it takes a few hundred
-milliseconds per 250 MB, and LMDB lets it read in its own transaction
-while the reactor keeps committing, so publishing and delivery go on
-during a snapshot. The answer is `{"path": ..., "manifest": {...}}` once
-the snapshot is in place. Only the lmdb backend has anything to copy:
-other backends answer `400 SNAPSHOT_UNSUPPORTED`.
+Every message the broker holds goes in, in every backend: what the store
+holds (a compact copy of LMDB in one read transaction) and what the
+broker holds outside it (memory queues, in flight with their client and
+timeout, deferred with their due time), all taken at one reactor instant
+(mqd.capture) so nothing is missed or counted twice while the broker
+keeps serving. The bulk of the work (the copy, the held messages written
+into it, never into the live store) runs in a thread (`deferToThread`).
+The answer is `{"path": ..., "manifest": {...}}` once the snapshot is in
+place; the manifest's per-queue state counts are those of /stats at the
+instant. Ephemeral queues are left out (the manifest lists them). A store
+that is failing (a full disk) cannot give a consistent cut:
+`503 STORE_FAILED`, and nothing changes.
 
 `out` defaults to `<data-path>/snapshots/<UTC time>`; a given `out` is one
 name in that directory (letters, digits and `._:+-`, at most 200, not
@@ -18,7 +24,7 @@ and a symlink at the destination is a name taken.
 
 All snapshots together may use at most `--snapshot-max-bytes` of disk:
 when one more could pass it (its size estimated as the store's current
-size) the request is `507 SNAPSHOT_LIMIT`. The broker deletes no snapshot
+size plus the held messages) the request is `507 SNAPSHOT_LIMIT`. The broker deletes no snapshot
 to make room, because a Spark job may be reading the oldest one.
 """
 
@@ -33,14 +39,17 @@ from datetime import UTC, datetime
 from twisted.internet import threads
 from twisted.web.server import Request
 
-from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists, take_snapshot
+from backends.lmdb import KEY, RECORD
+from spark_bridge.live import LiveState, write_live_snapshot
+from spark_bridge.snapshot import HELD, Manifest, SnapshotError, SnapshotExists
 
+from ..capture import StoreNotReady, capture
 from ..logs import get_logger
 from .args import query_of
 from .endpoint import LATER, Endpoint, finish_v1
 from .response import ApiError
 
-__all__ = ["Snapshot", "SnapshotLimit", "disk_use", "snapshot_into"]
+__all__ = ["Snapshot", "SnapshotLimit", "disk_use", "held_bytes", "snapshot_into"]
 
 log = get_logger(__name__)
 
@@ -86,30 +95,49 @@ def _real_directory(path: str) -> None:
         raise SnapshotError(f"{path}: not a directory")
 
 
-def snapshot_into(env, base: str, name: str, max_bytes: int, broker_id: str | None,
-                  node_id: int | None) -> Manifest:
-    """Take a snapshot named `name` in `base` (run in a thread: it reads the disk)."""
-    _real_directory(base)
-    out = os.path.join(base, name)
-    if os.path.lexists(out):
-        raise SnapshotExists(f"{out}: already exists")
-    if max_bytes:
-        # A compact copy is never larger than the pages the store uses.
-        estimate = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        used = disk_use(base)
-        if used + estimate > max_bytes:
-            raise SnapshotLimit(f"snapshots use {used} bytes; one more of up to {estimate} bytes "
-                                f"could pass --snapshot-max-bytes={max_bytes}")
-    return take_snapshot(env, out, broker_id=broker_id, node_id=node_id)
+def held_bytes(state: LiveState) -> int:
+    """About what the held rows of `state` add to a snapshot (keys, headers, bodies)."""
+    overhead = KEY.size + HELD.size + RECORD.size
+    total = 0
+    for q in state.queues:
+        total += sum(overhead + len(f[-1]) for f in q.queued)
+        total += sum(overhead + len(e[1][-1]) for e in q.deferred)
+        total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
+    return total
+
+
+def snapshot_into(state: LiveState, env, txn, base: str, name: str, max_bytes: int,
+                  broker_id: str | None, node_id: int | None) -> Manifest:
+    """Write the snapshot of a capture, named `name` in `base` (run in a thread: it reads the disk).
+
+    `txn` (the store's read transaction of the capture's instant, or None)
+    is aborted whatever happens.
+    """
+    try:
+        _real_directory(base)
+        out = os.path.join(base, name)
+        if os.path.lexists(out):
+            raise SnapshotExists(f"{out}: already exists")
+        if max_bytes:
+            # A compact copy is never larger than the pages the store uses.
+            estimate = held_bytes(state)
+            if env is not None:
+                estimate += (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            used = disk_use(base)
+            if used + estimate > max_bytes:
+                raise SnapshotLimit(f"snapshots use {used} bytes; one more of up to {estimate} bytes "
+                                    f"could pass --snapshot-max-bytes={max_bytes}")
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise
+    return write_live_snapshot(state, out, env=env, txn=txn, broker_id=broker_id, node_id=node_id)
 
 
 class Snapshot(Endpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         broker = self.broker
         store = broker.store
-        env = getattr(store, "env", None)
-        if broker.options.backend != "lmdb" or env is None:
-            raise ApiError(400, "SNAPSHOT_UNSUPPORTED")
         base = os.path.join(broker.data_path, "snapshots")
         name = query_of(request).first("out")
         if not name:
@@ -121,12 +149,19 @@ class Snapshot(Endpoint):
         out = os.path.abspath(os.path.join(base, name))
         if os.path.lexists(out):
             raise ApiError(400, "OUT_EXISTS")
+        try:
+            state, env, txn = capture(broker)
+        except StoreNotReady as e:
+            log.warn("snapshot {path} refused: the store is failing: {error}", path=out, error=e)
+            raise ApiError(503, "STORE_FAILED") from None
         opts = broker.options
         # Everything the thread needs is taken now: it must not touch the broker.
         # The store must not resize its map while the thread reads it.
-        store.copies += 1
-        d = threads.deferToThread(snapshot_into, env, os.path.abspath(base), name, opts.snapshot_max_bytes,
-                                  broker_id=opts.broadcast_address, node_id=opts.node_id)
+        if env is not None:
+            store.copies += 1
+        d = threads.deferToThread(snapshot_into, state, env, txn, os.path.abspath(base), name,
+                                  opts.snapshot_max_bytes, broker_id=opts.broadcast_address,
+                                  node_id=opts.node_id)
         broker.background.add(d)
 
         def done(manifest) -> None:
@@ -150,7 +185,8 @@ class Snapshot(Endpoint):
 
         def settled(_) -> None:
             broker.background.discard(d)
-            store.copies -= 1
+            if env is not None:
+                store.copies -= 1
 
         d.addCallbacks(done, failed)
         d.addBoth(settled)

@@ -15,7 +15,8 @@ messages, an empty body and a large one.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,9 +26,10 @@ from twisted.internet.task import Clock
 
 from backends.lmdb import LmdbStore
 from mqd.message import Message
+from spark_bridge.live import LiveQueue, LiveState, write_live_snapshot
 from spark_bridge.snapshot import take_snapshot
 
-__all__ = ["STANDARD_QUEUES", "build_snapshot", "expected_rows", "message", "messages", "micros"]
+__all__ = ["Held", "STANDARD_QUEUES", "build_snapshot", "expected_rows", "message", "messages", "micros"]
 
 # 2023-11-14T22:13:20.123456789Z: sub-microsecond digits, so the ns -> us
 # conversion is visible.
@@ -59,14 +61,29 @@ def micros(value: datetime) -> int:
     return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
 
 
+@dataclass(frozen=True)
+class Held:
+    """A message a live broker held outside its store: its state, and when in flight, its timeout and client."""
+
+    state: str
+    message: Message
+    timeout_at: float = 0.0
+    client: int = -1
+
+
 def build_snapshot(tmp_path: str | os.PathLike, queues: Mapping[str, list[Message]], *,
-                   holes: Mapping[str, Iterable[int]] | None = None, name: str = "snap") -> Path:
+                   holes: Mapping[str, Iterable[int]] | None = None, name: str = "snap",
+                   held: Mapping[str, list[Held]] | None = None, clients: Sequence[str] = (),
+                   ) -> Path:
     """Write `queues` into a new store under tmp_path, snapshot it, return the snapshot directory.
 
     Queue `name` gets its messages at sequence numbers 0, 1, ...; `holes`
     names, per queue, sequence numbers removed again after the first commit
     (as FINs leave them in durable mode), so the snapshot's key ranges have
-    gaps. The Message objects given are not modified.
+    gaps. With `held` the snapshot is a live broker's (manifest version 2,
+    written by spark_bridge.live): those messages are its held rows, in
+    flight ones held by `clients[client]`. The Message objects given are
+    not modified.
     """
     base = Path(tmp_path)
     options = SimpleNamespace(data_path=str(base / f"{name}-data"), durable=False,
@@ -82,34 +99,98 @@ def build_snapshot(tmp_path: str | os.PathLike, queues: Mapping[str, list[Messag
             store.open_queue(queue_name).finish([stored[queue_name][s] for s in seqs])
         store.commit()
         out = base / name
-        take_snapshot(store.env, out, broker_id="test-broker", node_id=3)
+        if held is None:
+            take_snapshot(store.env, out, broker_id="test-broker", node_id=3)
+        else:
+            state = _live_state(store, queues, holes or {}, held, clients)
+            store.commit()
+            write_live_snapshot(state, out, env=store.env, txn=store.env.begin(buffers=False),
+                                broker_id="test-broker", node_id=3)
     finally:
         store.close()
     return out
 
 
+def _live_state(store: LmdbStore, queues: Mapping[str, list[Message]], holes: Mapping[str, Iterable[int]],
+                held: Mapping[str, list[Held]], clients: Sequence[str]) -> LiveState:
+    live = []
+    for queue_name in _queue_order(queues, held):
+        topic, _, channel = queue_name.partition(":")
+        entries = held.get(queue_name, [])
+        stored = len(queues.get(queue_name, [])) - len(set(holes.get(queue_name, ())))
+        q = LiveQueue(queue_name, topic, channel or None, store.open_queue(queue_name).qid, stats={})
+        for h in entries:
+            m = h.message
+            fields = (None, m.id, m.timestamp, m.attempts, m.deferred_until, m.body)
+            if h.state == "queued":
+                q.queued.append(fields)
+            elif h.state == "deferred":
+                q.deferred.append((m.deferred_until, fields))
+            else:
+                q.in_flight.append((h.timeout_at, fields, h.client))
+        q.stats = {"depth": stored + len(q.queued), "in_flight_count": len(q.in_flight),
+                   "deferred_count": len(q.deferred)}
+        live.append(q)
+    return LiveState(created_at=datetime.now(UTC), backend="lmdb", durable=False, queues=live,
+                     clients=[{"remote_address": c, "client_id": c, "hostname": c, "user_agent": "test"}
+                              for c in clients],
+                     left_out=[], capture_seconds=0.0)
+
+
+def _queue_order(queues: Mapping[str, Any], held: Mapping[str, Any]) -> list[str]:
+    """Queue names in queue id order: build_snapshot opens `queues`' first, then held-only ones."""
+    return list(queues) + [name for name in held if name not in queues]
+
+
+def _held_rows(queue_name: str, entries: list[Held], clients: Sequence[str]) -> list[dict[str, Any]]:
+    """A queue's held rows in the writer's order: queued, deferred by due, in flight by timeout."""
+    order = ([h for h in entries if h.state == "queued"]
+             + sorted((h for h in entries if h.state == "deferred"), key=lambda h: h.message.deferred_until)
+             + sorted((h for h in entries if h.state == "in_flight"), key=lambda h: h.timeout_at))
+    rows = []
+    for h in order:
+        row = _row(queue_name, None, h.message)
+        row["state"] = h.state
+        if h.state == "in_flight":
+            row["in_flight_client"] = clients[h.client] if h.client >= 0 else None
+            row["timeout_at"] = utc_us(round(h.timeout_at * 1_000_000))
+        rows.append(row)
+    return rows
+
+
+def _row(queue_name: str, seq: int | None, m: Message) -> dict[str, Any]:
+    topic, _, channel = queue_name.partition(":")
+    return {
+        "topic": topic,
+        "channel": channel or None,
+        "kind": "channel" if channel else "topic",
+        "state": "queued",
+        "sequence": seq,
+        "message_id": m.id.decode(),
+        "timestamp": utc_us(m.timestamp // 1000),
+        "attempts": m.attempts,
+        "deferred_until": utc_us(round(m.deferred_until * 1_000_000)) if m.deferred_until else None,
+        "in_flight_client": None,
+        "timeout_at": None,
+        "body_size": len(m.body),
+        "body": m.body,
+    }
+
+
 def expected_rows(queues: Mapping[str, list[Message]],
-                  holes: Mapping[str, Iterable[int]] | None = None) -> list[dict[str, Any]]:
-    """The rows a reader of `build_snapshot(..., queues, holes=holes)` gives, in key order."""
+                  holes: Mapping[str, Iterable[int]] | None = None,
+                  held: Mapping[str, list[Held]] | None = None,
+                  clients: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The rows a reader of `build_snapshot(..., queues, holes=holes, held=held)` gives, in key order."""
     rows = []
     for queue_name, msgs in queues.items():
-        topic, _, channel = queue_name.partition(":")
         gone = set((holes or {}).get(queue_name, ()))
         for seq, m in enumerate(msgs):
             if seq in gone:
                 continue
-            rows.append({
-                "topic": topic,
-                "channel": channel or None,
-                "kind": "channel" if channel else "topic",
-                "sequence": seq,
-                "message_id": m.id.decode(),
-                "timestamp": utc_us(m.timestamp // 1000),
-                "attempts": m.attempts,
-                "deferred_until": utc_us(round(m.deferred_until * 1_000_000)) if m.deferred_until else None,
-                "body_size": len(m.body),
-                "body": m.body,
-            })
+            rows.append(_row(queue_name, seq, m))
+    for queue_name in _queue_order(queues, held or {}):
+        rows += _held_rows(queue_name, (held or {}).get(queue_name, []), clients)
     return rows
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -19,9 +20,9 @@ from spark_bridge.records import (
     read_ranges,
     snapshot_ranges,
 )
-from spark_bridge.snapshot import QueueInfo, SnapshotError
+from spark_bridge.snapshot import QueueInfo, SnapshotError, read_manifest
 
-from ._snapshots import build_snapshot, expected_rows, message, messages
+from ._snapshots import Held, build_snapshot, expected_rows, message, messages
 
 
 def read_all(path, ranges=None, **kwargs) -> list[pa.RecordBatch]:
@@ -71,11 +72,12 @@ def test_column_values_in_detail(tmp_path):
     (batch_t, batch_c) = read_all(build_snapshot(tmp_path, queues))
     t, = batch_t.to_pylist()
     assert t == {
-        "topic": "t", "channel": None, "kind": "topic", "sequence": 0,
+        "topic": "t", "channel": None, "kind": "topic", "state": "queued", "sequence": 0,
         "message_id": "0000000000000001",
         # ns -> us truncates: .999999999 s stays in its second.
         "timestamp": datetime(2023, 11, 14, 22, 13, 20, 999999, tzinfo=UTC),
-        "attempts": 0, "deferred_until": None, "body_size": 0, "body": b"",
+        "attempts": 0, "deferred_until": None, "in_flight_client": None, "timeout_at": None,
+        "body_size": 0, "body": b"",
     }
     c2, c3 = batch_c.to_pylist()
     assert (c2["channel"], c2["kind"], c2["sequence"], c2["message_id"]) == ("c", "channel", 0, "0000000000000002")
@@ -109,6 +111,58 @@ def test_snapshot_ranges_skip_empty_queues_and_follow_key_order(known_snapshot):
     assert [r.queue_id for r in ranges] == sorted(r.queue_id for r in ranges)
     only = snapshot_ranges(manifest, QueueFilter(topics=frozenset({"orders"})))
     assert [(r.topic, r.channel) for r in only] == [("orders", None), ("orders", "billing")]
+
+
+def test_held_rows_carry_their_state_client_and_timeout(tmp_path):
+    """A live broker's snapshot: stored rows are queued, held rows say where each message was."""
+    queues = {"t:c": messages(3, prefix=b"s")}
+    held = {
+        "t:c": [
+            Held("in_flight", message(10, b"late", attempts=2), timeout_at=1_700_000_090.25, client=1),
+            Held("deferred", message(11, b"due2", deferred_until=1_700_000_200.5)),
+            Held("queued", message(12, b"mem")),
+            Held("in_flight", message(13, b"early", attempts=1), timeout_at=1_700_000_030.5, client=0),
+            Held("deferred", message(14, b"due1", attempts=3, deferred_until=1_700_000_100.75)),
+        ],
+        "t": [Held("queued", message(20, b"at-topic", deferred_until=1_700_000_500.0))],
+    }
+    clients = ["127.0.0.1:1111", "10.0.0.2:2222"]
+    path = build_snapshot(tmp_path, queues, held=held, clients=clients)
+    got = [row for batch in read_all(path) for row in batch.to_pylist()]
+    assert got == expected_rows(queues, held=held, clients=clients)
+    assert [(r["state"], r["body"], r["in_flight_client"]) for r in got] == [
+        ("queued", b"s0", None), ("queued", b"s1", None), ("queued", b"s2", None),
+        # Held rows: delivery order, then deferred by due time, in flight by timeout.
+        ("queued", b"mem", None), ("deferred", b"due1", None), ("deferred", b"due2", None),
+        ("in_flight", b"early", "127.0.0.1:1111"), ("in_flight", b"late", "10.0.0.2:2222"),
+        ("queued", b"at-topic", None),
+    ]
+    assert got[6]["timeout_at"] == datetime(2023, 11, 14, 22, 13, 50, 500000, tzinfo=UTC)
+    assert {r["sequence"] for r in got[3:]} == {None}
+    manifest = read_manifest(path)
+    assert (manifest.format_version, manifest.source) == (2, "broker")
+    c = manifest.queue("t:c")
+    assert (c.count, c.stored, c.held, c.queued, c.in_flight, c.deferred) == (8, 3, 5, 4, 2, 2)
+    assert c.stats == {"depth": 4, "in_flight_count": 2, "deferred_count": 2}
+    ranges = snapshot_ranges(manifest)
+    assert [(r.channel, r.held, r.count) for r in ranges] == [("c", False, 3), ("c", True, 5), (None, True, 1)]
+
+
+def test_a_version_1_manifest_reads_as_queued(tmp_path):
+    path = build_snapshot(tmp_path, {"t:c": messages(2)})
+    data = json.loads((path / "manifest.json").read_text())
+    for key in ("source", "backend", "durable", "clients", "left_out", "capture_seconds"):
+        del data[key]
+    for q in data["queues"]:
+        for key in ("stored", "held", "queued", "in_flight", "deferred", "stats"):
+            del q[key]
+    data["format_version"] = 1
+    (path / "manifest.json").write_text(json.dumps(data))
+    manifest = read_manifest(path)
+    q = manifest.queue("t:c")
+    assert (q.count, q.stored, q.held, q.queued, q.in_flight, q.deferred, q.stats) == (2, 2, 0, 2, 0, 0, None)
+    rows = [row for batch in read_all(path) for row in batch.to_pylist()]
+    assert [(r["state"], r["in_flight_client"], r["timeout_at"]) for r in rows] == [("queued", None, None)] * 2
 
 
 def test_open_snapshot_refuses_a_directory_that_is_not_a_snapshot(tmp_path):

@@ -61,7 +61,7 @@ def test_manifest_counts_match_what_was_committed(store, clock, tmp_path):
     out = tmp_path / "snap"
     manifest = take_snapshot(store.env, out, broker_id="host-a", node_id=12)
 
-    assert manifest.format_version == 1
+    assert manifest.format_version == 2 and manifest.source == "data-path"
     assert manifest.broker_id == "host-a" and manifest.node_id == 12
     assert manifest.data_format == FORMAT.decode()
     assert manifest.created_at.endswith("Z")
@@ -279,8 +279,18 @@ def test_http_snapshot(tmp_path, clock, sync_threads):
         broker.close()
 
 
-def test_http_snapshot_unsupported_without_lmdb(http):
-    assert error(http.post("/snapshot")) == (400, "SNAPSHOT_UNSUPPORTED")
+def test_http_snapshot_of_the_memory_backend(tmp_path, clock, sync_threads):
+    # Every backend can be snapshotted now (issue #12): its messages are all held rows.
+    broker = new_broker(tmp_path, clock, backend="memory")
+    try:
+        http = HTTPClient(broker)
+        assert http.post("/pub?topic=t", b"one").status == 200
+        reply = http.post("/snapshot?out=m")
+        assert reply.status == 200, reply.body
+        manifest = read_manifest(reply.json()["path"])
+        assert (manifest.backend, manifest.total, manifest.queue("t").held) == ("memory", 1, 1)
+    finally:
+        broker.close()
 
 
 def test_http_snapshot_is_post_only(http):
