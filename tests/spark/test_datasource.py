@@ -12,7 +12,7 @@ from pyspark.sql.types import StructType
 from spark_bridge.datasource import PUSHDOWN_CONF, register
 from spark_bridge.records import SPARK_SCHEMA_DDL
 
-from ._snapshots import build_snapshot, expected_rows, messages
+from ._snapshots import Held, build_snapshot, expected_rows, messages
 
 
 def load(spark, path, partitions: int | None = None):
@@ -23,7 +23,9 @@ def load(spark, path, partitions: int | None = None):
 
 
 def key(row: dict) -> tuple:
-    return row["topic"], row["channel"] or "", row["sequence"]
+    # Held rows of a live snapshot may have no store sequence: their id orders them.
+    seq = row["sequence"]
+    return row["topic"], row["channel"] or "", seq is None, seq or 0, row["message_id"]
 
 
 def arrow_rows(df) -> list[dict]:
@@ -49,9 +51,10 @@ def test_all_rows_with_exactly_the_schema(spark, known_snapshot):
     assert df.schema == StructType.fromDDL(SPARK_SCHEMA_DDL)
     assert [(f.name, f.dataType.simpleString(), f.nullable) for f in df.schema] == [
         ("topic", "string", True), ("channel", "string", True), ("kind", "string", True),
-        ("sequence", "bigint", True), ("message_id", "string", True),
+        ("state", "string", True), ("sequence", "bigint", True), ("message_id", "string", True),
         ("timestamp", "timestamp", True), ("attempts", "int", True),
-        ("deferred_until", "timestamp", True), ("body_size", "int", True),
+        ("deferred_until", "timestamp", True), ("in_flight_client", "string", True),
+        ("timeout_at", "timestamp", True), ("body_size", "int", True),
         ("body", "binary", True)]
     assert arrow_rows(df) == sorted(known_snapshot.rows, key=key)
 
@@ -187,3 +190,21 @@ def test_a_snapshot_with_holes_reads_every_record_once(spark, tmp_path):
         df = load(spark, path, partitions=n)
         got = [(r.channel, r.sequence) for r in df.select("channel", "sequence").collect()]
         assert sorted(got, key=order) == want
+
+
+def test_held_rows_read_through_spark_with_their_states(spark, tmp_path):
+    """A live broker's snapshot: stored and held rows, every state, in any partitioning."""
+    queues = {"t:c": messages(50)}
+    held = {"t:c": [Held("queued", m) for m in messages(20, start=100)]
+                   + [Held("in_flight", m, timeout_at=1_700_000_100.0 + m.timestamp % 7, client=0)
+                      for m in messages(5, start=200)]
+                   + [Held("deferred", m) for m in messages(3, start=300, deferred_until=1_700_000_500.0)]}
+    path = build_snapshot(tmp_path, queues, held=held, clients=["127.0.0.1:5555"])
+    want = sorted(expected_rows(queues, held=held, clients=["127.0.0.1:5555"]), key=key)
+    for n in (1, 4):
+        df = load(spark, path, partitions=n)
+        assert arrow_rows(df) == want
+    counts = {r.state: r["count"] for r in load(spark, path).groupBy("state").count().collect()}
+    assert counts == {"queued": 70, "in_flight": 5, "deferred": 3}
+    holders = load(spark, path).filter(F.col("state") == "in_flight").select("in_flight_client").distinct()
+    assert [r.in_flight_client for r in holders.collect()] == ["127.0.0.1:5555"]
