@@ -25,6 +25,10 @@ class DummyQueue:
     def read(self, count: int) -> list:
         return []
 
+    def peek(self, count: int) -> list:
+        """Nothing is kept, so nothing to see."""
+        return []
+
     def finish(self, messages) -> None:
         """Nothing kept once read."""
 

@@ -34,6 +34,15 @@ class IBackendQueue(Interface):
         `key`) until `finish`, so a crash redelivers anything not FINished.
         """
 
+    def peek(count):
+        """The first `count` messages `read` would return now, in order, changing nothing.
+
+        For inspecting a live queue (`GET /channel/peek`): no read
+        position, depth, record or cache moves, so peeking can never change
+        what consumers get, nor in which order. The messages may be the
+        queue's own objects: callers only look at them.
+        """
+
     def finish(messages):
         """These messages (from `read`) are done for good; a durable store drops them."""
 

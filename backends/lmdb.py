@@ -26,6 +26,7 @@ import os
 import struct
 import zlib
 from collections import deque
+from itertools import islice
 from typing import Any
 
 import lmdb
@@ -183,8 +184,12 @@ class LmdbQueue:
                 self.finish(out)
         return out
 
-    def _read_stored(self, count: int, tail_start: int) -> list[Message]:
-        """Decode up to `count` committed records from the read position."""
+    def _stored(self, count: int, tail_start: int) -> list[Message]:
+        """Up to `count` committed records from the read position to the tail, decoded, moving nothing.
+
+        Held and deleted keys are passed over, a pending rewrite stands in
+        for its record: what `read` hands out, and what `peek` shows.
+        """
         start = KEY.pack(self.qid, self._read_seq)
         stop = KEY.pack(self.qid, tail_start)
         held = self._held
@@ -203,9 +208,30 @@ class LmdbQueue:
                     continue
                 msg = updates.get(key)
                 out.append(msg if msg is not None else _decode(key, value))
+        return out
+
+    def _read_stored(self, count: int, tail_start: int) -> list[Message]:
+        """Decode up to `count` committed records from the read position."""
+        out = self._stored(count, tail_start)
         if not out:
             # Only held or deleted records before the cached tail.
             self._read_seq = tail_start
+        return out
+
+    def peek(self, count: int) -> list[Message]:
+        """What `read(count)` would return now, decoded in a read transaction of its own.
+
+        The same records in the same order as `read`, then the tail, but
+        nothing moves: not the read position (which `read` also advances
+        past held records), the depth, the tail nor the store's pending
+        changes, so a peek cannot change a later read.
+        """
+        if count <= 0:
+            return []
+        tail_start = self._tail_start()
+        out = self._stored(count, tail_start) if self._read_seq < tail_start else []
+        if len(out) < count:
+            out += islice(self._tail, count - len(out))
         return out
 
     def finish(self, messages) -> None:
@@ -543,6 +569,23 @@ class LmdbStore:
         if self._commit_call is not None and self._commit_call.active():
             self._commit_call.cancel()
         self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
+
+    def cut(self) -> lmdb.Transaction:
+        """Commit what is pending now and open a read transaction on the result.
+
+        A snapshot's consistent cut: called on the reactor, so nothing is
+        staged between the commit and the transaction, which therefore
+        holds every message the broker has put and not removed. Raises
+        BackendError while the store is failing (or a commit is waiting
+        for a running copy to finish): a cut then would miss what is
+        staged. The caller aborts the transaction (any thread may).
+        """
+        if self.failure:
+            raise BackendError(self.failure)
+        self.commit()
+        if self.failure or self._pending():
+            raise BackendError(self.failure or "a commit is waiting for a snapshot copy")
+        return self.env.begin(buffers=False)
 
     def commit(self) -> None:
         """Write everything gathered since the last commit in one transaction."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 
 from zope.interface import implementer
 
@@ -37,6 +38,9 @@ class MemoryQueue:
 
     def read(self, count: int) -> list:
         return take(self._items, count)
+
+    def peek(self, count: int) -> list:
+        return list(islice(self._items, max(count, 0)))
 
     def finish(self, messages) -> None:
         """Nothing kept once read."""

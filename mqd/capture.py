@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from backends import BackendError
 from spark_bridge.live import FIELDS, LiveQueue, LiveState
 
 if TYPE_CHECKING:
@@ -82,12 +83,10 @@ def capture(broker: Broker) -> tuple[LiveState, lmdb.Environment | None, lmdb.Tr
     env = getattr(store, "env", None) if broker.options.backend == "lmdb" else None
     txn = None
     if env is not None:
-        if store.failure:
-            raise StoreNotReady(store.failure)
-        store.commit()
-        if store.failure or store._pending():
-            raise StoreNotReady(store.failure or "a commit is waiting for a snapshot copy")
-        txn = env.begin(buffers=False)
+        try:
+            txn = store.cut()
+        except BackendError as e:
+            raise StoreNotReady(str(e)) from None
     try:
         state = _capture_queues(broker, env is not None)
     except BaseException:

@@ -100,6 +100,30 @@ class Channel:
     def deferred_count(self) -> int:
         return len(self._deferred)
 
+    # -- inspection (GET /channel/peek) --------------------------------------
+
+    def peek(self, state: str, count: int) -> list[tuple[Message, float | None, object | None]]:
+        """The first `count` messages of one state as (message, due or timeout, client), moving none.
+
+        `queued`: delivery order (memory, then the backend), no time, no
+        client; `deferred`: by due time (reactor seconds); `in_flight`: by
+        timeout (reactor seconds), with the client holding each. The heaps
+        are only read (their live entries, as `pop_due` would surface them),
+        so no count, timer, order or attempt changes. ValueError for
+        another state.
+        """
+        if state == "queued":
+            return [(msg, None, None) for msg in self._queue.peek(count)]
+        if state == "deferred":
+            pq = self._deferred
+        elif state == "in_flight":
+            pq = self._in_flight_pq
+        else:
+            raise ValueError(f"unknown state {state!r}")
+        if pq is self._deferred:
+            return [(msg, due, None) for due, msg in pq.peek(count)]
+        return [(msg, timeout, msg.client) for timeout, msg in pq.peek(count)]
+
     # -- queueing ------------------------------------------------------------
 
     def put(self, msgs: list[Message], spill: bool = False) -> None:
@@ -318,6 +342,16 @@ class Channel:
         self._queue.put_accepted(due)
         self.deliver()
         return True
+
+    # -- snapshots -----------------------------------------------------------
+
+    def holdings(self) -> tuple[OverflowQueue, PriorityQueue, PriorityQueue]:
+        """The queue (memory + backend), the deferred queue and the in-flight queue, live.
+
+        For a snapshot's capture (mqd.capture), which must read all three
+        at one instant and take what it needs before the reactor runs on.
+        """
+        return self._queue, self._deferred, self._in_flight_pq
 
     # -- clients -------------------------------------------------------------
 

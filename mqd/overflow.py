@@ -8,6 +8,7 @@ stays FIFO across both (nsqd reads memory and disk in random order).
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from backends import BackendError
@@ -129,6 +130,20 @@ class OverflowQueue:
         if self.mem:
             return take(self.mem, n)
         return self.backend.read(n) if self.backend.depth() else []
+
+    def peek(self, count: int) -> list[Message]:
+        """The first `count` messages in delivery order (memory, then the backend), moving none.
+
+        `take` empties memory before it reads the backend, so this is the
+        order consumers get them in; nothing is read from the backend, so
+        its read position and records stay as they are.
+        """
+        if count <= 0:
+            return []
+        out = list(islice(self.mem, count))
+        if len(out) < count and self.backend.depth():
+            out += self.backend.peek(count - len(out))
+        return out
 
     def empty(self) -> None:
         self.mem.clear()

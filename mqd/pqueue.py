@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Iterator
 
 from .message import Message
@@ -25,6 +26,7 @@ __all__ = ["PriorityQueue"]
 _sequence = itertools.count()
 _heappush = heapq.heappush
 _heappop = heapq.heappop
+_order = operator.itemgetter(0, 1)
 
 # Rebuild when the heap holds this many more entries than live messages and
 # at least four times as many: rebuilding less often costs less per FIN than
@@ -114,6 +116,17 @@ class PriorityQueue:
         caller sorts what it took, in its own thread.
         """
         return [(entry[0], entry[2]) for entry in self._heap if entry[2].pq_seq == entry[1]]
+
+    def peek(self, count: int) -> list[tuple[float, Message]]:
+        """The first `count` live messages with their priority, in the order `pop_due` gives them.
+
+        By priority, then by entry (a delivery batch shares one deadline and
+        keeps its order); nothing is popped, so no timer or order changes.
+        """
+        if count <= 0:
+            return []
+        live = (entry for entry in self._heap if entry[2].pq_seq == entry[1])
+        return [(entry[0], entry[2]) for entry in heapq.nsmallest(count, live, key=_order)]
 
     def __iter__(self) -> Iterator[Message]:
         return (entry[2] for entry in self._heap if entry[2].pq_seq == entry[1])

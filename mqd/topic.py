@@ -18,6 +18,7 @@ from .message import IdFactory, Message
 
 if TYPE_CHECKING:
     from .broker import Broker
+    from .overflow import OverflowQueue
 
 __all__ = ["Topic"]
 
@@ -74,6 +75,14 @@ class Topic:
 
     def backend_depth(self) -> int:
         return self._queue.backend_depth()
+
+    def peek(self, count: int) -> list[Message]:
+        """The first `count` messages waiting at the topic, in the order its channels will get them.
+
+        Only read (GET /topic/peek): nothing moves to the channels and no
+        store position changes. A DPUB waiting here keeps its deferred_until.
+        """
+        return self._queue.peek(count)
 
     # -- publishing ----------------------------------------------------------
 
@@ -175,6 +184,10 @@ class Topic:
     def _schedule_drain(self) -> None:
         if self._drain_call is None and self._queue:
             self._drain()
+
+    def holdings(self) -> OverflowQueue:
+        """What waits at the topic (memory + backend), live, for a snapshot's capture."""
+        return self._queue
 
     # -- channels ------------------------------------------------------------
 

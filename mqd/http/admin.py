@@ -35,10 +35,12 @@ __all__ = [
     "ChannelCreate",
     "ChannelDelete",
     "ChannelEmpty",
+    "ChannelEndpoint",
     "ChannelPause",
     "TopicCreate",
     "TopicDelete",
     "TopicEmpty",
+    "TopicEndpoint",
     "TopicPause",
 ]
 
@@ -74,7 +76,9 @@ def _empty(queue_owner: Topic | Channel) -> None:
 # -- topics ---------------------------------------------------------------------------
 
 
-class _TopicEndpoint(Endpoint):
+class TopicEndpoint(Endpoint):
+    """An endpoint about an existing topic (404 TOPIC_NOT_FOUND otherwise): /topic/* and /topic/peek."""
+
     def existing_topic(self, name: str) -> Topic:
         topic = self.broker.topics.get(name)
         if topic is None:
@@ -82,7 +86,7 @@ class _TopicEndpoint(Endpoint):
         return topic
 
 
-class TopicCreate(_TopicEndpoint):
+class TopicCreate(TopicEndpoint):
     """`/topic/create?topic=<t>`: create it if new (idempotent)."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
@@ -90,7 +94,7 @@ class TopicCreate(_TopicEndpoint):
         return _answer_once_persisted(self.broker, request)
 
 
-class TopicDelete(_TopicEndpoint):
+class TopicDelete(TopicEndpoint):
     """`/topic/delete?topic=<t>`: the topic, its channels (consumers disconnected) and their data."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
@@ -100,14 +104,14 @@ class TopicDelete(_TopicEndpoint):
         return _answer_once_persisted(self.broker, request)
 
 
-class TopicEmpty(_TopicEndpoint):
+class TopicEmpty(TopicEndpoint):
     """`/topic/empty?topic=<t>`: drop what waits at the topic; its channels keep theirs."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
         _empty(self.existing_topic(topic_arg(query_of(request))))
 
 
-class TopicPause(_TopicEndpoint):
+class TopicPause(TopicEndpoint):
     """`/topic/pause` and `/topic/unpause`: stop or resume the topic → channel flow."""
 
     def __init__(self, broker, paused: bool) -> None:
@@ -126,7 +130,9 @@ class TopicPause(_TopicEndpoint):
 # -- channels -------------------------------------------------------------------------
 
 
-class _ChannelEndpoint(Endpoint):
+class ChannelEndpoint(Endpoint):
+    """An endpoint about a topic's channel, named as nsqd's GetTopicChannelArgs reads it: /channel/*."""
+
     def topic_and_name(self, request: Request) -> tuple[Topic, str]:
         """The existing topic and the channel name (which may not exist yet)."""
         topic_name, channel_name = topic_channel_args(query_of(request))
@@ -143,7 +149,7 @@ class _ChannelEndpoint(Endpoint):
         return channel
 
 
-class ChannelCreate(_ChannelEndpoint):
+class ChannelCreate(ChannelEndpoint):
     """`/channel/create?topic=<t>&channel=<c>`: on an existing topic only (it is not created)."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
@@ -152,7 +158,7 @@ class ChannelCreate(_ChannelEndpoint):
         return _answer_once_persisted(self.broker, request)
 
 
-class ChannelDelete(_ChannelEndpoint):
+class ChannelDelete(ChannelEndpoint):
     """`/channel/delete`: the channel, its messages and data; its consumers are disconnected."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
@@ -163,14 +169,14 @@ class ChannelDelete(_ChannelEndpoint):
         return _answer_once_persisted(self.broker, request)
 
 
-class ChannelEmpty(_ChannelEndpoint):
+class ChannelEmpty(ChannelEndpoint):
     """`/channel/empty`: drop queued, in-flight and deferred messages; consumers stay."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
         _empty(self.existing_channel(request))
 
 
-class ChannelPause(_ChannelEndpoint):
+class ChannelPause(ChannelEndpoint):
     """`/channel/pause` and `/channel/unpause`: stop or resume channel → consumer delivery."""
 
     def __init__(self, broker, paused: bool) -> None:

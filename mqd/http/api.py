@@ -12,7 +12,8 @@ a known path lists the methods, and anything else is
 The endpoints themselves live in one module per concept: status.py
 (/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
 admin.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
-(/snapshot, the Spark bridge's copy of the LMDB store).
+(/snapshot, the Spark bridge's copy of the LMDB store), peek.py
+(/channel/peek, /topic/peek: mqd's look at messages without consuming them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .args import BAD_ESCAPE
 from .config import Config
 from .endpoint import Endpoint
 from .metrics import Metrics
+from .peek import ChannelPeek, TopicPeek
 from .publish import Mpub, Pub
 from .response import respond_v1
 from .snapshot import Snapshot
@@ -144,6 +146,8 @@ class NsqdAPI(Router):
             "/channel/empty": ChannelEmpty(broker),
             "/channel/pause": ChannelPause(broker, paused=True),
             "/channel/unpause": ChannelPause(broker, paused=False),
+            "/channel/peek": ChannelPeek(broker),
+            "/topic/peek": TopicPeek(broker),
             "/snapshot": Snapshot(broker),
         })
         self.config = Config(broker)
