@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -46,7 +47,7 @@ from .snapshot import (
     utc_stamp,
 )
 
-__all__ = ["FIELDS", "LiveQueue", "LiveState", "write_live_snapshot"]
+__all__ = ["FIELDS", "LiveQueue", "LiveState", "held_bytes", "write_live_snapshot"]
 
 # The attributes of a message a capture takes, in this order (one
 # attrgetter call per message): everything of its record, and its store key.
@@ -60,9 +61,15 @@ _SLACK = 64 << 20
 class LiveQueue:
     """One queue's messages outside the store at the capture instant.
 
-    `queued` holds FIELDS tuples in delivery order; `deferred` pairs each
-    with its due time, `in_flight` with its timeout and client index; both
-    unsorted (sorted in the writer's thread, not on the reactor).
+    `queued` holds the queued messages themselves, in delivery order, and
+    `queued_keys` / `queued_attempts` / `queued_deferred` their store key,
+    attempts and deferral at the instant (a message's id, body and
+    timestamp never change; those three do as soon as it is delivered,
+    requeued or FINished): a capture takes a reference and three values
+    per message, the least the reactor can do (~1 ms per 10,000). The
+    few thousand `deferred` and `in_flight` ones are FIELDS tuples paired
+    with their due time, and their timeout and client index; all unsorted
+    (sorted in the writer's thread, not on the reactor).
     """
 
     name: str
@@ -70,13 +77,22 @@ class LiveQueue:
     channel: str | None
     queue_id: int
     stats: dict[str, int]
-    queued: list[tuple] = field(default_factory=list)
+    queued: list = field(default_factory=list)
+    queued_keys: list = field(default_factory=list)
+    queued_attempts: list = field(default_factory=list)
+    queued_deferred: list = field(default_factory=list)
     deferred: list[tuple[float, tuple]] = field(default_factory=list)
     in_flight: list[tuple[float, tuple, int]] = field(default_factory=list)
 
     @property
     def held(self) -> int:
         return len(self.queued) + len(self.deferred) + len(self.in_flight)
+
+    def queued_fields(self) -> Iterator[tuple]:
+        """The queued messages as FIELDS tuples, as they were at the instant."""
+        for msg, key, attempts, deferred_until in zip(self.queued, self.queued_keys, self.queued_attempts,
+                                                      self.queued_deferred, strict=True):
+            yield key, msg.id, msg.timestamp, attempts, deferred_until, msg.body
 
 
 @dataclass
@@ -109,7 +125,7 @@ def _held_rows(queue: LiveQueue) -> list[tuple[bytes, bytes]]:
                      + pack_record(timestamp, attempts & 0xFFFF, deferred_until, msg_id) + body))
         rank += 1
 
-    for fields in queue.queued:
+    for fields in queue.queued_fields():
         add(QUEUED, 0.0, -1, fields)
     for _due, fields in sorted(queue.deferred, key=_first):
         add(DEFERRED, 0.0, -1, fields)
@@ -124,7 +140,7 @@ def _first(entry: tuple) -> Any:
 
 def _stored_keys(queue: LiveQueue) -> list[bytes]:
     """Store keys of the held messages: a durable store still has their records."""
-    keys = [f[0] for f in queue.queued]
+    keys = list(queue.queued_keys)
     keys += [f[0] for _, f in queue.deferred]
     keys += [f[0] for _, f, _ in queue.in_flight]
     return [k for k in keys if k is not None]
@@ -189,10 +205,7 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
     """
     data_file = os.path.join(tmp, "data.mdb")
     size = os.path.getsize(data_file) if os.path.exists(data_file) else 0
-    held_bytes = sum(
-        HELD.size + RECORD.size + KEY.size + 64 + len(f[-1])
-        for q in state.queues for f in (*q.queued, *(e[1] for e in q.deferred), *(e[1] for e in q.in_flight)))
-    map_size = size + 2 * held_bytes + _SLACK
+    map_size = size + 2 * held_bytes(state) + _SLACK
     removed: dict[int, int] = {}
     env = lmdb.open(tmp, map_size=map_size, max_dbs=8, subdir=True, sync=False, metasync=False,
                     readahead=False)
@@ -220,6 +233,17 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
     finally:
         env.close()
     return removed
+
+
+def held_bytes(state: LiveState) -> int:
+    """About what the held rows of `state` add to a snapshot (keys, headers, bodies)."""
+    overhead = KEY.size + HELD.size + RECORD.size
+    total = 0
+    for q in state.queues:
+        total += sum(overhead + len(m.body) for m in q.queued)
+        total += sum(overhead + len(e[1][-1]) for e in q.deferred)
+        total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
+    return total
 
 
 def _queue_info(stored: QueueInfo | None, live: LiveQueue | None, removed: int) -> QueueInfo:

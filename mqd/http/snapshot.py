@@ -39,9 +39,8 @@ from datetime import UTC, datetime
 from twisted.internet import threads
 from twisted.web.server import Request
 
-from backends.lmdb import KEY, RECORD
-from spark_bridge.live import LiveState, write_live_snapshot
-from spark_bridge.snapshot import HELD, Manifest, SnapshotError, SnapshotExists
+from spark_bridge.live import LiveState, held_bytes, write_live_snapshot
+from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists
 
 from ..capture import StoreNotReady, capture
 from ..logs import get_logger
@@ -49,7 +48,7 @@ from .args import query_of
 from .endpoint import LATER, Endpoint, finish_v1
 from .response import ApiError
 
-__all__ = ["Snapshot", "SnapshotLimit", "disk_use", "held_bytes", "snapshot_into"]
+__all__ = ["Snapshot", "SnapshotLimit", "disk_use", "snapshot_into"]
 
 log = get_logger(__name__)
 
@@ -93,17 +92,6 @@ def _real_directory(path: str) -> None:
         raise SnapshotError(f"{path}: is a symlink, which snapshots do not follow")
     if not stat.S_ISDIR(mode):
         raise SnapshotError(f"{path}: not a directory")
-
-
-def held_bytes(state: LiveState) -> int:
-    """About what the held rows of `state` add to a snapshot (keys, headers, bodies)."""
-    overhead = KEY.size + HELD.size + RECORD.size
-    total = 0
-    for q in state.queues:
-        total += sum(overhead + len(f[-1]) for f in q.queued)
-        total += sum(overhead + len(e[1][-1]) for e in q.deferred)
-        total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
-    return total
 
 
 def snapshot_into(state: LiveState, env, txn, base: str, name: str, max_bytes: int,

@@ -123,7 +123,10 @@ def _live_state(store: LmdbStore, queues: Mapping[str, list[Message]], holes: Ma
             m = h.message
             fields = (None, m.id, m.timestamp, m.attempts, m.deferred_until, m.body)
             if h.state == "queued":
-                q.queued.append(fields)
+                q.queued.append(m)
+                q.queued_keys.append(None)
+                q.queued_attempts.append(m.attempts)
+                q.queued_deferred.append(m.deferred_until)
             elif h.state == "deferred":
                 q.deferred.append((m.deferred_until, fields))
             else:
