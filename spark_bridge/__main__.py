@@ -1,8 +1,10 @@
 """`python -m spark_bridge <command>`: the Spark bridge's command line.
 
-- `snapshot` copies a broker's LMDB environment (a stopped broker's, or a
-  running one's from outside its process) so analysis never touches the
-  live data;
+- `snapshot` takes a consistent snapshot so analysis never touches the
+  live data: `--broker URL` asks a running broker for its whole state
+  (memory queues, in flight, deferred, its store) over HTTP; `--data-path`
+  copies a stopped broker's store files (refused on a running broker,
+  whose memory-held messages the files lack, unless `--lmdb-only`);
 - `analyze` answers "what is stuck where, since when, and why" with
   PySpark (local by default, `--master` for a cluster) as a terminal
   table and an HTML report;
@@ -16,58 +18,267 @@ imported only by `analyze`, so `snapshot` works without it.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import http.client
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from spark_bridge.snapshot import Manifest, SnapshotError, take_snapshot
+from spark_bridge.snapshot import DATA_FILE, Manifest, SnapshotError, take_snapshot
+
+# How long `--broker` waits for the answer by default: a store of many GB takes a while to copy.
+BROKER_TIMEOUT = 600.0
 
 
 def summary(manifest: Manifest, path: str) -> str:
-    """The manifest in a few lines, with the copy's throughput."""
+    """The manifest in a few lines: where it came from, the copy's throughput, each queue's states.
+
+    A broker's snapshot is checked against the /stats counts it recorded at
+    the same instant: they can only differ through a bug, so it says so.
+    """
     mb = manifest.bytes / 1e6
     rate = mb / manifest.copy_seconds if manifest.copy_seconds > 0 else float("inf")
+    copied = f"  {mb:.1f} MB copied in {manifest.copy_seconds:.3f} s ({rate:.0f} MB/s)"
+    if manifest.source == "broker":
+        mode = f"{manifest.backend} backend" + (", --durable" if manifest.durable else "")
+        origin = f"  taken by the broker ({mode}): everything it held"
+        copied += f"; reactor held {manifest.capture_seconds * 1e3:.1f} ms for the capture"
+    else:
+        origin = "  copied from the store's files: what the store held"
+    queued = sum(q.queued for q in manifest.queues)
+    in_flight = sum(q.in_flight for q in manifest.queues)
+    deferred = sum(q.deferred for q in manifest.queues)
     lines = [
         f"snapshot {path}",
         f"  broker {manifest.broker_id}, taken {manifest.created_at}, format {manifest.data_format}",
-        f"  {mb:.1f} MB copied in {manifest.copy_seconds:.3f} s ({rate:.0f} MB/s)",
-        f"  {len(manifest.queues)} queues, {manifest.total} messages",
+        origin,
+        copied,
+        f"  {_queues(len(manifest.queues))}, {manifest.total} messages: "
+        f"{queued} queued, {in_flight} in flight, {deferred} deferred",
     ]
     for q in manifest.queues:
-        where = q.topic if q.channel is None else f"{q.topic} / {q.channel}"
-        seqs = "" if q.count == 0 else f"  seq {q.first_seq}..{q.last_seq}"
-        lines.append(f"    {where}: {q.count}{seqs}")
+        seqs = "" if q.first_seq is None else f"  stored seq {q.first_seq}..{q.last_seq}"
+        lines.append(f"    {_where(q.topic, q.channel)}: {q.count} "
+                     f"({q.queued} queued, {q.in_flight} in flight, {q.deferred} deferred){seqs}")
+    if manifest.left_out:
+        lines.append(f"  left out: {_queues(len(manifest.left_out))}")
+        for left in manifest.left_out:
+            lines.append(f"    {_where(left['topic'], left.get('channel'))} ({left.get('reason')}): "
+                         f"depth {left.get('depth', 0)}, {left.get('in_flight_count', 0)} in flight, "
+                         f"{left.get('deferred_count', 0)} deferred")
+    if manifest.source == "broker":
+        wrong = stats_mismatches(manifest)
+        if wrong:
+            lines.append(f"  !!! BUG: the rows of {_queues(len(wrong))} differ from /stats at the same "
+                         "instant (please report it):")
+            lines += [f"    {line}" for line in wrong]
+        else:
+            checked = sum(q.stats is not None for q in manifest.queues)
+            lines.append(f"  stats check: the rows of {_queues(checked)} equal /stats at the capture instant")
     return "\n".join(lines)
 
 
+def stats_mismatches(manifest: Manifest) -> list[str]:
+    """One line per queue whose state counts differ from the /stats counts recorded with them."""
+    wrong = []
+    for q in manifest.queues:
+        stats = q.stats
+        if stats is None:
+            continue
+        expected = (stats.get("depth", 0), stats.get("in_flight_count", 0), stats.get("deferred_count", 0))
+        if (q.queued, q.in_flight, q.deferred) != expected:
+            wrong.append(f"{_where(q.topic, q.channel)}: rows {q.queued} queued, {q.in_flight} in flight, "
+                         f"{q.deferred} deferred; /stats depth {expected[0]}, in_flight_count "
+                         f"{expected[1]}, deferred_count {expected[2]}")
+    return wrong
+
+
+def _queues(n: int) -> str:
+    return "1 queue" if n == 1 else f"{n} queues"
+
+
+def _where(topic: str, channel: str | None) -> str:
+    return topic if channel is None else f"{topic} / {channel}"
+
+
 def _snapshot(args: argparse.Namespace) -> int:
+    if args.broker is not None:
+        return _snapshot_from_broker(args)
+    for flag, value in (("--timeout", args.timeout),):
+        if value is not None:
+            args.usage_error(f"{flag} goes with --broker")
+    running = data_path_in_use(args.data_path)
+    if running and not args.lmdb_only:
+        print(f"snapshot refused: a broker is running on {args.data_path} (it holds the data path's "
+              "lock).\n"
+              "  A copy of its files would miss the messages it holds in memory: its memory queues,\n"
+              "  the messages in flight and the deferred ones. Ask the broker for its whole state\n"
+              "  at its --http-address instead:\n"
+              "    python -m spark_bridge snapshot --broker http://HOST:PORT\n"
+              "  or copy the store's files anyway, without those: add --lmdb-only.", file=sys.stderr)
+        return 1
     out = args.out
     if out is None:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
         out = os.path.join(args.data_path, "snapshots", stamp)
+    broker_id = socket.gethostname() if args.broker_id is None else args.broker_id
     try:
-        manifest = take_snapshot(args.data_path, out, broker_id=args.broker_id)
+        manifest = take_snapshot(args.data_path, out, broker_id=broker_id)
     except (SnapshotError, OSError) as e:
         print(f"snapshot failed: {e}", file=sys.stderr)
         return 1
     print(summary(manifest, out))
+    if running:
+        print("note: --lmdb-only on a running broker: the messages it holds in memory, in flight "
+              "or deferred are not in this snapshot", file=sys.stderr)
     return 0
+
+
+def data_path_in_use(path: str) -> bool:
+    """Whether a running broker holds `path` (its data path, or the mqd.lmdb in it).
+
+    A broker holds an exclusive flock on its data-path directory while it
+    runs (nsqd's directory lock): a shared attempt that would block means
+    one is there. The attempt is released at once, so a broker starting
+    meanwhile is turned away only for that instant.
+    """
+    directory = os.path.abspath(path)
+    if os.path.exists(os.path.join(directory, DATA_FILE)):  # the store's own directory
+        directory = os.path.dirname(directory)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False  # nothing to lock: take_snapshot says what is wrong with the path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # a filesystem without flock: nothing to tell
+    finally:
+        os.close(fd)  # and with it the lock
+    return False
+
+
+class _RequestFailed(Exception):
+    """The broker did not answer with a snapshot; the text says why, for one line."""
+
+
+def _snapshot_from_broker(args: argparse.Namespace) -> int:
+    if args.lmdb_only:
+        args.usage_error("--lmdb-only goes with --data-path: a broker's snapshot holds its whole state")
+    if args.broker_id is not None:
+        args.usage_error("--broker-id goes with --data-path: a broker records its own id")
+    timeout = BROKER_TIMEOUT if args.timeout is None else args.timeout
+    if not 0 < timeout < 1e9:  # NaN and inf too: a socket takes neither
+        args.usage_error("--timeout must be more than 0 seconds")
+    if args.out is not None and any(sep and sep in args.out for sep in ("/", os.sep, os.altsep)):
+        args.usage_error(f"--out {args.out!r}: with --broker it is a NAME under the broker's "
+                         "<data-path>/snapshots/, not a path (no path separator)")
+    base = _broker_url(args.broker)
+    if base is None:
+        args.usage_error(f"--broker {args.broker!r}: expected the broker's HTTP address, "
+                         "http://HOST:PORT")
+    url = f"{base}/snapshot"
+    if args.out is not None:
+        url += "?" + urllib.parse.urlencode({"out": args.out})
+    try:
+        path, manifest = _request_snapshot(url, timeout)
+    except _RequestFailed as e:
+        print(f"snapshot failed: {url}: {e}", file=sys.stderr)
+        return 1
+    print(summary(manifest, path))
+    wrong = stats_mismatches(manifest) if manifest.source == "broker" else []
+    if wrong:
+        print(f"snapshot {path}: BUG: the rows of {_queues(len(wrong))} differ from /stats (see above)",
+              file=sys.stderr)
+    return 0
+
+
+def _broker_url(value: str) -> str | None:
+    """The base URL of a broker's HTTP API (a bare HOST:PORT is taken as http://), or None."""
+    text = value.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urllib.parse.urlsplit(text)
+    try:
+        parts.port  # noqa: B018 - raises on a port that is no number
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        return None
+    return text.rstrip("/")
+
+
+def _request_snapshot(url: str, timeout: float) -> tuple[str, Manifest]:
+    """POST /snapshot and wait for the broker's answer: (the snapshot's path there, its manifest)."""
+    request = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            raise _RequestFailed(f"{e.code} {_error_text(e.read(), e.reason)}") from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, TimeoutError):
+            raise _RequestFailed(f"cannot connect within {timeout:g} s (--timeout)") from None
+        text = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
+        raise _RequestFailed(f"cannot connect: {text}") from None
+    except TimeoutError:
+        raise _RequestFailed(f"no answer within {timeout:g} s (--timeout); the broker may still "
+                             "finish the snapshot") from None
+    except (OSError, http.client.HTTPException) as e:
+        raise _RequestFailed(f"the connection failed: {e or type(e).__name__}") from None
+    try:
+        answer = json.loads(body)
+        return answer["path"], Manifest.from_json(answer["manifest"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise _RequestFailed(f"200 but no snapshot in the answer ({type(e).__name__}: {e})") from None
+
+
+def _error_text(body: bytes, reason: str) -> str:
+    """nsqd's error answer is {"message": TEXT}; anything else (a proxy's page) shows its reason phrase."""
+    try:
+        message = json.loads(body)["message"]
+    except (ValueError, KeyError, TypeError):
+        return reason
+    return str(message)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m spark_bridge", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    snap = sub.add_parser("snapshot", help="copy a broker's LMDB data to a consistent snapshot")
-    snap.add_argument("--data-path", required=True, help="the broker's --data-path (or its mqd.lmdb)")
-    snap.add_argument("--out", help="snapshot directory to create (default: DATA_PATH/snapshots/<UTC time>)")
-    snap.add_argument("--broker-id", default=socket.gethostname(),
-                      help="broker id recorded in the manifest (default: this host's name)")
-    snap.set_defaults(run=_snapshot)
+    snap = sub.add_parser("snapshot", help="a consistent snapshot: a running broker's whole state, "
+                                           "or a stopped broker's store")
+    source = snap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--broker", metavar="URL",
+                        help="a running broker's HTTP address (http://HOST:PORT, its --http-address): "
+                             "it snapshots everything it holds (memory queues, in flight, deferred, "
+                             "its store) under its <data-path>/snapshots/")
+    source.add_argument("--data-path",
+                        help="a stopped broker's --data-path (or its mqd.lmdb): copy its store's files")
+    snap.add_argument("--out", help="with --data-path: the snapshot directory to create (default: "
+                                    "DATA_PATH/snapshots/<UTC time>); with --broker: a NAME under the "
+                                    "broker's <data-path>/snapshots/ (default: the UTC time)")
+    snap.add_argument("--lmdb-only", action="store_true",
+                      help="with --data-path on a running broker: copy its store's files anyway "
+                           "(what it holds in memory, in flight or deferred is then missing)")
+    snap.add_argument("--timeout", type=float, metavar="SECONDS",
+                      help=f"with --broker: how long to wait for the answer (default: {BROKER_TIMEOUT:g})")
+    snap.add_argument("--broker-id",
+                      help="with --data-path: broker id recorded in the manifest (default: this host's name)")
+    snap.set_defaults(run=_snapshot, usage_error=snap.error)
+
 
     an = sub.add_parser("analyze", help="backlog, ages, sizes, attempts and deferrals per queue, with PySpark")
     an.add_argument("snapshot", metavar="SNAPDIR", help="a snapshot directory")
