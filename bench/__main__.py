@@ -9,4 +9,8 @@ if __name__ == "__main__":
         from bench.torture import main as torture
 
         sys.exit(torture(sys.argv[2:]))
+    if sys.argv[1:2] == ["snapshot"]:
+        from bench.snapshot import main as snapshot
+
+        sys.exit(snapshot(sys.argv[2:]))
     sys.exit(main())
