@@ -9,9 +9,16 @@ each question is a job over memory, not another Python-fed scan.
 
 Ages are measured from the snapshot's own time (its manifest), so an
 analysis of an old snapshot gives the same numbers today as then.
+
 Percentiles are Spark's `percentile_approx` (nearest rank, rank error
 below 1/10,000): exact for the sizes a test uses, and they scale on a
 cluster where exact percentiles would gather every value of a queue.
+
+Each row has a `state`: where the broker held the message at that instant
+(STATES). A consumer that stopped reading without closing shows as a
+large in-flight share of its channel with old ages (`queue_summary`,
+`state_counts`); `deferred` counts the state, `scheduled` every message
+with a due time (a DPUB still at its topic is queued, yet scheduled).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pyspark import StorageLevel
@@ -30,7 +37,7 @@ from pyspark.sql import functions as F
 
 from .datasource import FORMAT_NAME, register
 from .records import SPARK_SCHEMA_DDL
-from .snapshot import Manifest, read_manifest
+from .snapshot import STATES, Manifest, read_manifest
 
 __all__ = [
     "AGE_BUCKETS",
@@ -39,6 +46,7 @@ __all__ = [
     "DUE_BUCKETS",
     "PERCENTILES",
     "SIZE_BUCKETS",
+    "STATES",
     "age_histogram",
     "analyze",
     "attempts_histogram",
@@ -51,6 +59,7 @@ __all__ = [
     "read_snapshot",
     "size_histogram",
     "snapshot_time",
+    "state_counts",
     "with_age",
 ]
 
@@ -135,10 +144,26 @@ def _labelled(df: DataFrame, index: str, buckets: Sequence[tuple[str, float]]) -
     return df.withColumn("bucket", F.element_at(labels, F.col(index) + 1))
 
 
+def _queue_order_columns() -> list[Column]:
+    return [F.col("topic"), F.col("channel").asc_nulls_first()]
+
+
+def _state_order() -> Column:
+    """STATES' order as a sortable column (array_position is 1-based; unknown states last)."""
+    return F.array_position(F.array(*[F.lit(s) for s in STATES]), F.col("state"))
+
+
 def queue_summary(df: DataFrame, as_of: datetime, poison_attempts: int = DEFAULT_POISON_ATTEMPTS,
                   ) -> DataFrame:
-    """One row per queue: backlog, bytes, oldest/newest, age and size percentiles, deferred, poison."""
+    """One row per queue: backlog, rows per state, bytes, ages, sizes, scheduled, poison.
+
+    `scheduled` counts rows with deferred_until set, whatever their state.
+    `in_flight_share` and `oldest_in_flight_age_s` (null: nothing in
+    flight) are what tell a stuck consumer from a slow one: a slow one
+    keeps few messages in flight, briefly.
+    """
     aged = with_age(df, as_of)
+    state = F.col("state")
     pct = F.array(*[F.lit(p) for p in PERCENTILES])
     out = aged.groupBy(*QUEUE).agg(
         F.count(F.lit(1)).alias("messages"),
@@ -150,32 +175,45 @@ def queue_summary(df: DataFrame, as_of: datetime, poison_attempts: int = DEFAULT
         F.percentile_approx("body_size", pct, 10000).alias("size_pct"),
         F.max("body_size").alias("size_max"),
         F.max("attempts").alias("max_attempts"),
-        F.count("deferred_until").alias("deferred"),
+        *[F.count_if(state == s).alias(s) for s in STATES],
+        F.count("deferred_until").alias("scheduled"),
+        F.max(F.when(state == "in_flight", F.col("age_s"))).alias("oldest_in_flight_age_s"),
         F.count_if(F.col("attempts") > poison_attempts).alias("poison"),
     )
+    out = out.withColumn("in_flight_share", F.col("in_flight") / F.col("messages"))
     for i, p in enumerate(PERCENTILES):
         tag = f"p{round(p * 100)}"
         out = out.withColumn(f"age_{tag}_s", F.col("age_pct_s")[i])
         out = out.withColumn(f"size_{tag}", F.col("size_pct")[i])
-    return _sorted(out.drop("age_pct_s", "size_pct"), "topic", F.col("channel").asc_nulls_first())
+    return _sorted(out.drop("age_pct_s", "size_pct"), *_queue_order_columns())
+
+
+def state_counts(df: DataFrame, as_of: datetime) -> DataFrame:
+    """Per queue and state (rows only for states present): messages, bytes, oldest, its age."""
+    return (with_age(df, as_of).groupBy(*QUEUE, "state")
+            .agg(F.count(F.lit(1)).alias("messages"), F.sum("body_size").alias("bytes"),
+                 F.min("timestamp").alias("oldest"), F.max("age_s").alias("oldest_age_s"))
+            .transform(_sorted, *_queue_order_columns(), _state_order()))
 
 
 def bucket_counts(df: DataFrame, as_of: datetime) -> DataFrame:
-    """Messages per queue, attempts, age bucket, size bucket and due bucket (-1: not deferred).
+    """Messages per queue, state, attempts, age, size and due bucket (-1: not deferred).
 
-    Every histogram of the report is a roll-up of this one small table,
-    so the whole set costs one pass over the messages.
+    Every histogram of the report, and the per-state table, is a roll-up
+    of this one small table (bytes and the oldest publication carried
+    along), so the whole set costs one pass over the messages.
     """
     aged = with_age(df, as_of)
     due_in = _seconds_between(F.col("deferred_until"), F.lit(as_of))
     return (aged.select(
-                *QUEUE, "attempts", "deferred_until",
+                *QUEUE, "state", "attempts", "deferred_until", "body_size", "timestamp",
                 _bucket(F.col("age_s"), AGE_BUCKETS).alias("age_bucket"),
                 _bucket(F.col("body_size"), SIZE_BUCKETS).alias("size_bucket"),
                 F.when(F.col("deferred_until").isNull(), F.lit(-1))
                  .otherwise(_bucket(due_in, DUE_BUCKETS)).alias("due_bucket"))
-            .groupBy(*QUEUE, "attempts", "age_bucket", "size_bucket", "due_bucket")
-            .agg(F.count(F.lit(1)).alias("messages"), F.min("deferred_until").alias("next_due")))
+            .groupBy(*QUEUE, "state", "attempts", "age_bucket", "size_bucket", "due_bucket")
+            .agg(F.count(F.lit(1)).alias("messages"), F.min("deferred_until").alias("next_due"),
+                 F.sum("body_size").alias("bytes"), F.min("timestamp").alias("oldest")))
 
 
 def _rollup(counts: DataFrame, column: str, buckets: Sequence[tuple[str, float]] | None = None,
@@ -256,10 +294,21 @@ class Analysis:
     json_field: str | None = None
     json_counts: list[dict[str, Any]] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    # state_counts' rows (rolled up from the bucket counts).
+    states: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(q["messages"] for q in self.queues)
+
+    def state_total(self, state: str) -> int:
+        """Messages in `state` over every queue."""
+        return sum(q[state] for q in self.queues)
+
+    @property
+    def left_out(self) -> list[dict[str, Any]]:
+        """The queues the snapshot did not take (ephemeral ones), as its manifest lists them."""
+        return list(self.manifest.left_out)
 
     @property
     def poison_total(self) -> int:
@@ -315,7 +364,7 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
         queues=_with_empty_queues(queues, manifest), age_histogram=ages, size_histogram=sizes,
         attempts_histogram=attempts, poison=poison, deferred=deferred,
         json_field=json_field_name, json_counts=json_counts[0] if json_counts else [],
-        seconds=seconds,
+        seconds=seconds, states=_state_rows(counts, as_of),
     )
 
 
@@ -392,6 +441,27 @@ def _rollup_rows(counts: list[dict[str, Any]], column: str,
     return out
 
 
+def _state_rows(counts: list[dict[str, Any]], as_of: datetime) -> list[dict[str, Any]]:
+    """`state_counts(...)` of collected bucket_counts rows: the same rows, in the same order."""
+    sums: dict[tuple, list[Any]] = {}
+    for r in counts:
+        entry = sums.setdefault((r["topic"], r["channel"], r["kind"], r["state"]), [0, 0, None])
+        entry[0] += r["messages"]
+        entry[1] += r["bytes"]
+        if entry[2] is None or r["oldest"] < entry[2]:
+            entry[2] = r["oldest"]
+    order = {s: i for i, s in enumerate(STATES)}
+    out = []
+    for (topic, channel, kind, state), (messages, size, oldest) in sorted(
+            sums.items(), key=lambda item: (*_queue_order(item[0][0], item[0][1]),
+                                            order.get(item[0][3], len(STATES)))):
+        # Spark's age, to the same float: whole microseconds, then / 1e6.
+        age = (as_of - oldest) // timedelta(microseconds=1) / 1e6
+        out.append({"topic": topic, "channel": channel, "kind": kind, "state": state,
+                    "messages": messages, "bytes": size, "oldest": oldest, "oldest_age_s": age})
+    return out
+
+
 def _collect(df: DataFrame) -> list[dict[str, Any]]:
     """The rows as dicts, timestamps made UTC-aware (pyspark hands back naive local times)."""
     rows = [r.asDict() for r in df.collect()]
@@ -412,7 +482,8 @@ def _with_empty_queues(rows: list[dict[str, Any]], manifest: Manifest) -> list[d
                         "kind": q.kind,
                         "messages": 0, "bytes": 0, "oldest": None, "newest": None,
                         "oldest_age_s": None, "size_max": None, "max_attempts": None,
-                        "deferred": 0, "poison": 0,
+                        **dict.fromkeys(STATES, 0), "scheduled": 0,
+                        "oldest_in_flight_age_s": None, "in_flight_share": None, "poison": 0,
                         **{f"age_p{round(p * 100)}_s": None for p in PERCENTILES},
                         **{f"size_p{round(p * 100)}": None for p in PERCENTILES}})
     out.sort(key=lambda r: _queue_order(r["topic"], r["channel"]))

@@ -11,12 +11,13 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from .analysis import AGE_BUCKETS, DUE_BUCKETS, PERCENTILES, SIZE_BUCKETS, Analysis
+from .analysis import AGE_BUCKETS, DUE_BUCKETS, PERCENTILES, SIZE_BUCKETS, STATES, Analysis
 
 __all__ = ["format_age", "format_bytes", "load_charting", "render_html", "render_text", "write_html"]
 
@@ -55,6 +56,40 @@ def _time(value: datetime | None) -> str:
     return "-" if value is None else value.strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+# How each state is named in the reports, and its colour in the charts.
+_STATE_LABELS = {"queued": "queued", "in_flight": "in flight", "deferred": "deferred"}
+_STATE_COLORS = {"queued": "tab:blue", "in_flight": "tab:orange", "deferred": "tab:purple"}
+
+
+def _states_line(analysis: Analysis) -> str:
+    """`N queued, N in flight, N deferred` over every queue."""
+    return ", ".join(f"{analysis.state_total(s):,} {_STATE_LABELS[s]}" for s in STATES)
+
+
+def _source_line(analysis: Analysis) -> str:
+    """Where the rows come from, and so what they can hold."""
+    m = analysis.manifest
+    if m.source == "broker":
+        how = ", ".join(x for x in (m.backend, "durable" if m.durable else None) if x)
+        return f"taken by the broker{f' ({how})' if how else ''}: everything it held"
+    return ("a copy of a store's files: messages a running broker held in memory, in flight or "
+            "deferred are not in it")
+
+
+def _left_out_lines(analysis: Analysis) -> list[str]:
+    """One `left out (<reason>): queue (counts), ...` line per reason; none if nothing was."""
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for q in analysis.left_out:
+        by_reason[q.get("reason", "unknown")].append(
+            f"{_queue_name(q)} ({q.get('depth', 0):,} queued, {q.get('in_flight_count', 0):,} "
+            f"in flight, {q.get('deferred_count', 0):,} deferred)")
+    return [f"left out ({reason}): " + ", ".join(names) for reason, names in by_reason.items()]
+
+
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[bool]) -> list[str]:
     cells = [[str(c) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -72,18 +107,21 @@ _NO_JSON_VALUE = "(not JSON / no field)"
 
 
 def _summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[bool]]:
-    headers = ["queue", "kind", "backlog", "bytes", "oldest", "oldest age",
+    headers = ["queue", "kind", "backlog", *[_STATE_LABELS[s] for s in STATES], "in flight %",
+               "bytes", "oldest", "oldest age", "oldest in flight",
                *[f"age {t}" for t in _TAGS], *[f"size {t}" for t in _TAGS], "max attempts",
-               "deferred", "poison"]
+               "scheduled", "poison"]
     rows = []
     for q in analysis.queues:
         rows.append([
-            _queue_name(q), q["kind"], f"{q['messages']:,}", format_bytes(q["bytes"]),
+            _queue_name(q), q["kind"], f"{q['messages']:,}", *[f"{q[s]:,}" for s in STATES],
+            _share(q["in_flight_share"]), format_bytes(q["bytes"]),
             _time(q["oldest"]), format_age(q["oldest_age_s"]),
+            format_age(q["oldest_in_flight_age_s"]),
             *[format_age(q[f"age_{t}_s"]) for t in _TAGS],
             *[format_bytes(q[f"size_{t}"]) for t in _TAGS],
             "-" if q["max_attempts"] is None else q["max_attempts"],
-            f"{q['deferred']:,}", f"{q['poison']:,}",
+            f"{q['scheduled']:,}", f"{q['poison']:,}",
         ])
     right = [False, False] + [True] * (len(headers) - 2)
     return headers, rows, right
@@ -102,7 +140,9 @@ def render_text(analysis: Analysis) -> str:
     out = [
         f"snapshot {analysis.path}",
         f"  broker {m.broker_id}, taken {m.created_at} (ages are measured from then)",
-        f"  {analysis.total:,} messages in {len(analysis.queues)} queues",
+        f"  {_source_line(analysis)}",
+        f"  {analysis.total:,} messages in {len(analysis.queues)} queues: {_states_line(analysis)}",
+        *[f"  {line}" for line in _left_out_lines(analysis)],
         "",
     ]
     out += _table(*_summary_rows(analysis))
@@ -176,6 +216,11 @@ def _queue_chart(fig, ax, title: str, xlabel: str) -> tuple[str, str]:
     return title, _png(fig)
 
 
+def _legend_outside(ax) -> None:
+    """The legend right of the plot, where no bar runs under it (the PNG is cropped to fit it)."""
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple[str, float]],
              queues: Sequence[str]) -> tuple[str, str]:
     """A stacked bar per queue, one segment per bucket (a histogram per queue, side by side)."""
@@ -191,7 +236,7 @@ def _stacked(title: str, rows: Sequence[dict[str, Any]], buckets: Sequence[tuple
         if any(values):
             ax.barh(queues, values, left=left, label=label, color=cmap(i))
             left = [a + b for a, b in zip(left, values, strict=True)]
-    ax.legend(fontsize="small", loc="lower right")
+    _legend_outside(ax)
     return _queue_chart(fig, ax, title, "messages")
 
 
@@ -205,16 +250,37 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
     if not queues:
         return charts
     try:
+        # One segment per state: a stuck consumer is a long orange one.
         fig, ax = _per_queue(len(queues))
-        ax.barh(queues, [q["messages"] for q in analysis.queues], color="tab:blue")
-        charts.append(_queue_chart(fig, ax, "Backlog per queue", "messages"))
+        left = [0] * len(queues)
+        for s in STATES:
+            values = [q[s] for q in analysis.queues]
+            ax.barh(queues, values, left=left, label=_STATE_LABELS[s], color=_STATE_COLORS[s])
+            left = [a + b for a, b in zip(left, values, strict=True)]
+        _legend_outside(ax)
+        charts.append(_queue_chart(fig, ax, "Backlog per queue by state", "messages"))
 
-        ages = [(q, r["oldest_age_s"]) for q, r in zip(queues, analysis.queues, strict=True)
+        aged = [(q, r["oldest_age_s"], r["oldest_in_flight_age_s"])
+                for q, r in zip(queues, analysis.queues, strict=True)
                 if r["oldest_age_s"] is not None]
-        if ages:
-            fig, ax = _per_queue(len(ages))
-            ax.barh([a for a, _ in ages], [max(v, 1e-3) for _, v in ages], color="tab:red")
+        if aged:
+            # Two bars per queue: the oldest message, and the oldest in flight
+            # (none when nothing is).
+            fig, ax = _per_queue(len(aged))
+            ys = range(len(aged))
+            ax.barh([y - 0.2 for y in ys], [max(a, 1e-3) for _, a, _ in aged], height=0.4,
+                    color="tab:red", label="any state")
+            flying = [(y, f) for y, (_, _, f) in zip(ys, aged, strict=True) if f is not None]
+            if flying:
+                ax.barh([y + 0.2 for y, _ in flying], [max(f, 1e-3) for _, f in flying], height=0.4,
+                        color=_STATE_COLORS["in_flight"], label="in flight")
+            ax.set_yticks(list(ys), [q for q, _, _ in aged])
             ax.set_xscale("log")
+            # Bars start at a power of ten below the shortest: log autoscaling
+            # would start at the shortest one, which then shows as nothing.
+            shortest = min(max(v, 1e-3) for _, a, f in aged for v in (a, f) if v is not None)
+            ax.set_xlim(left=10 ** math.floor(math.log10(shortest)))
+            _legend_outside(ax)
             charts.append(_queue_chart(fig, ax, "Oldest message age", "seconds (log scale)"))
 
         for title, rows, buckets in (
@@ -274,10 +340,19 @@ def render_html(analysis: Analysis) -> str:
         f"<style>{_STYLE}</style></head><body>",
         f"<h1>mqd snapshot {html.escape(m.created_at)}</h1>",
         f"<p>{html.escape(analysis.path)} &middot; broker {html.escape(str(m.broker_id))} &middot; "
-        f"{analysis.total:,} messages in {len(analysis.queues)} queues &middot; "
+        f"{analysis.total:,} messages in {len(analysis.queues)} queues "
+        f"({html.escape(_states_line(analysis))}) &middot; "
         "ages are measured from the snapshot's time</p>",
+        f"<p>{html.escape(_source_line(analysis))}</p>",
+        *[f'<p class="left-out">{html.escape(line)}</p>' for line in _left_out_lines(analysis)],
         "<h2>Queues</h2>",
         _html_table(*_summary_rows(analysis)[:2]),
+        "<h2>Queues by state</h2>",
+        _html_table(["queue", "state", "messages", "bytes", "oldest", "oldest age"],
+                    [[_queue_name(r), _STATE_LABELS.get(r["state"], r["state"]),
+                      f"{r['messages']:,}", format_bytes(r["bytes"]), _time(r["oldest"]),
+                      format_age(r["oldest_age_s"])]
+                     for r in analysis.states]) if analysis.states else "<p>no messages</p>",
     ]
     for title, png in _charts(analysis):
         parts.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'

@@ -5,11 +5,18 @@ built; ages are measured from the manifest's time, so every expected age
 is exact: (manifest time - publication) to the microsecond. Offsets keep
 clear of bucket bounds by more than the few seconds building can take.
 Percentiles are nearest-rank (what percentile_approx gives on few values).
+
+`states_result` analyses a snapshot as a live broker takes it (manifest
+version 2): a channel whose rows are queued (stored and in memory), in
+flight with two clients, and deferred, so the per-state numbers are exact
+too.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import json
 import math
 import os
 import re
@@ -27,12 +34,12 @@ from selenium.webdriver.common.by import By
 
 from spark_bridge import analysis as mq
 from spark_bridge.__main__ import main
-from spark_bridge.report import render_html, render_text, write_html
-from spark_bridge.snapshot import read_manifest
+from spark_bridge.report import format_age, render_html, render_text, write_html
+from spark_bridge.snapshot import MANIFEST, STATES, read_manifest
 from tests.ensure_browser import BROWSER, DRIVER
 from tests.integration._support import REPO_ROOT, child_env
 
-from ._snapshots import build_snapshot, expected_rows, message, micros
+from ._snapshots import Held, build_snapshot, expected_rows, message, micros
 
 AGES_S = [15, 25, 35, 45, 55, 65, 75, 85, 95, 105]  # orders:billing, publication = now - age
 SIZES = [100 * (i + 1) for i in range(10)]
@@ -111,7 +118,10 @@ def test_backlog_ages_and_sizes_per_queue(result, snap, now_ns):
         assert billing[f"size_{tag}"] == nearest_rank(SIZES, p)
     assert billing["size_max"] == 1000
     assert billing["max_attempts"] == 9
-    assert billing["deferred"] == 3
+    # Stored records are queued, deferred_until or not: 3 are scheduled.
+    assert (billing["queued"], billing["in_flight"], billing["deferred"]) == (10, 0, 0)
+    assert billing["scheduled"] == 3
+    assert (billing["in_flight_share"], billing["oldest_in_flight_age_s"]) == (0.0, None)
     assert billing["poison"] == 3
 
     topic = queue(result, "orders", None)
@@ -121,6 +131,8 @@ def test_backlog_ages_and_sizes_per_queue(result, snap, now_ns):
     # The empty queue is listed, with nothing in it.
     ship = queue(result, "orders", "ship")
     assert (ship["messages"], ship["bytes"], ship["oldest_age_s"], ship["poison"]) == (0, 0, None, 0)
+    assert (ship["queued"], ship["in_flight"], ship["deferred"], ship["scheduled"]) == (0, 0, 0, 0)
+    assert (ship["in_flight_share"], ship["oldest_in_flight_age_s"]) == (None, None)
     assert result.total == 17
     assert [(q["topic"], q["channel"]) for q in result.queues] == [
         ("events", "audit"), ("orders", None), ("orders", "billing"), ("orders", "ship")]
@@ -229,9 +241,11 @@ def test_library_functions_return_dataframes(spark, snap, result):
     assert mq._collect(mq.size_histogram(df)) == result.size_histogram
     assert mq._collect(mq.attempts_histogram(df)) == result.attempts_histogram
     assert mq._collect(mq.deferred_backlog(df, as_of)) == result.deferred
+    assert mq._collect(mq.state_counts(df, as_of)) == result.states
     for frame in (mq.queue_summary(df, as_of), mq.age_histogram(df, as_of), mq.size_histogram(df),
                   mq.attempts_histogram(df), mq.poison_messages(df), mq.deferred_backlog(df, as_of),
-                  mq.json_field_counts(df, "type"), mq.bucket_counts(df, as_of)):
+                  mq.json_field_counts(df, "type"), mq.bucket_counts(df, as_of),
+                  mq.state_counts(df, as_of)):
         assert isinstance(frame, DataFrame)
     # Users compose them: the poison messages of one channel, from the DataFrame.
     ids = [r.message_id for r in mq.poison_messages(df.filter("channel = 'billing'"), 6).collect()]
@@ -241,7 +255,8 @@ def test_library_functions_return_dataframes(spark, snap, result):
 
 def test_text_report(result):
     text = render_text(result)
-    assert "17 messages in 4 queues" in text
+    assert "17 messages in 4 queues: 17 queued, 0 in flight, 0 deferred" in text
+    assert "a copy of a store's files" in text and "left out" not in text
     line = next(x for x in text.splitlines() if x.startswith("orders/billing"))
     assert "10" in line.split() and "1m 45s" in line  # backlog, oldest age ~105 s
     assert f"{1009:016x}" in text
@@ -250,7 +265,7 @@ def test_text_report(result):
     assert "JSON field 'type'" in text
 
 
-CHARTS = ["Backlog per queue", "Oldest message age", "Message ages", "Body sizes",
+CHARTS = ["Backlog per queue by state", "Oldest message age", "Message ages", "Body sizes",
           "Deferred backlog by due time", "Attempts"]  # the report's, in order
 
 
@@ -306,10 +321,188 @@ def test_the_report_shows_its_charts_and_tables_in_a_browser(browser, result, tm
         "return performance.getEntriesByType('resource').map(r => r.name)")
     assert resources == []
     tables = browser.find_elements(By.TAG_NAME, "table")
-    assert len(tables) == 4  # queues, poison, deferred, JSON field
+    assert len(tables) == 5  # queues, queues by state, poison, deferred, JSON field
+    assert all(t.is_displayed() for t in tables)
     first_rows = [r.text for r in tables[0].find_elements(By.TAG_NAME, "tr")]
-    assert any(r.startswith("orders/billing channel 10 ") for r in first_rows)
-    assert f"{1009:016x}" in tables[1].text
+    assert first_rows[0].startswith("queue kind backlog queued in flight deferred in flight %")
+    assert any(r.startswith("orders/billing channel 10 10 0 0 0.0% ") for r in first_rows)
+    state_rows = [r.text for r in tables[1].find_elements(By.TAG_NAME, "tr")]
+    assert any(r.startswith("orders/billing queued 10 ") for r in state_rows)
+    assert f"{1009:016x}" in tables[2].text
+
+
+# -- states: a snapshot as a live broker takes it -----------------------------------------
+
+# Who held the in-flight messages (the manifest's clients; rows name them by index).
+CLIENTS = ["10.0.0.7:50412", "10.0.0.8:40100"]
+LEFT_OUT = [{"topic": "jobs", "channel": "tmp#ephemeral", "reason": "ephemeral", "depth": 2,
+             "in_flight_count": 1, "deferred_count": 0}]
+IN_FLIGHT_AGES_S = [600, 300, 120]  # jobs:work's in-flight messages, held since long: stuck
+
+
+def _s(now_ns, seconds):
+    return now_ns + round(seconds * 1e9)
+
+
+def state_queues(now_ns):
+    """(stored, held): what the store held and what the broker held outside it, per queue.
+
+    jobs:work: 4 stored (the oldest 900 s old) + 3 queued in memory + 2
+    deferred + 3 in flight (held for long: a stuck consumer) = 12; jobs: a
+    stored message and a DPUB waiting at the topic (queued, yet
+    scheduled); jobs:idle: empty.
+    """
+    now_s = now_ns / 1e9
+    stored = {
+        "jobs": [message(3000, b"j" * 10, timestamp=_s(now_ns, -50))],
+        "jobs:work": [message(3100 + i, b"w" * 100, timestamp=_s(now_ns, -(900 - 10 * i)))
+                      for i in range(4)],
+        "jobs:idle": [],
+    }
+    held = {
+        "jobs": [Held("queued", message(3001, b"d" * 20, timestamp=_s(now_ns, -5),
+                                        deferred_until=now_s + 3600))],
+        "jobs:work": [
+            *[Held("queued", message(3200 + i, b"q" * 200, timestamp=_s(now_ns, -(30 + i))))
+              for i in range(3)],
+            *[Held("deferred", message(3300 + i, b"r" * 300, timestamp=_s(now_ns, -(40 + i)),
+                                       attempts=2, deferred_until=now_s + 60 + 600 * i))
+              for i in range(2)],
+            *[Held("in_flight", message(3400 + i, b"f" * 400, timestamp=_s(now_ns, -age), attempts=1),
+                   timeout_at=now_s + 30 + i, client=i % 2)
+              for i, age in enumerate(IN_FLIGHT_AGES_S)],
+        ],
+    }
+    return stored, held
+
+
+@pytest.fixture(scope="module")
+def states_now_ns():
+    return time.time_ns()
+
+
+@pytest.fixture(scope="module")
+def states_snap(tmp_path_factory, states_now_ns):
+    # Built right after its own `now`: the ages are the offsets to within milliseconds.
+    stored, held = state_queues(states_now_ns)
+    snap = build_snapshot(tmp_path_factory.mktemp("states"), stored, held=held, clients=CLIENTS)
+    # build_snapshot's broker has no ephemeral queue: the manifest says one was left out.
+    manifest = json.loads((snap / MANIFEST).read_text())
+    manifest["left_out"] = LEFT_OUT
+    (snap / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return snap
+
+
+@pytest.fixture(scope="module")
+def states_result(spark, states_snap) -> mq.Analysis:
+    return mq.analyze(spark, str(states_snap))
+
+
+def test_states_per_queue(states_result, states_snap, states_now_ns):
+    work = queue(states_result, "jobs", "work")
+    assert work["messages"] == 12 and work["bytes"] == 4 * 100 + 3 * 200 + 2 * 300 + 3 * 400
+    assert (work["queued"], work["in_flight"], work["deferred"]) == (7, 3, 2)
+    assert work["scheduled"] == 2  # the deferred ones
+    assert work["in_flight_share"] == 0.25
+    in_flight_ages = exact_ages(states_snap, [_s(states_now_ns, -a) for a in IN_FLIGHT_AGES_S])
+    assert work["oldest_in_flight_age_s"] == pytest.approx(max(in_flight_ages), abs=1e-6)
+    (oldest,) = exact_ages(states_snap, [_s(states_now_ns, -900)])
+    assert work["oldest_age_s"] == pytest.approx(oldest, abs=1e-6)
+    # The topic's DPUB waits queued at the topic, with its due time set.
+    topic = queue(states_result, "jobs", None)
+    assert [topic[k] for k in ("messages", "queued", "in_flight", "deferred")] == [2, 2, 0, 0]
+    assert [topic[k] for k in ("scheduled", "in_flight_share", "oldest_in_flight_age_s")] == [
+        1, 0.0, None]
+    idle = queue(states_result, "jobs", "idle")
+    assert (idle["messages"], idle["queued"], idle["in_flight"], idle["deferred"]) == (0, 0, 0, 0)
+    assert (idle["in_flight_share"], idle["oldest_in_flight_age_s"]) == (None, None)
+    # The counts are the manifest's, which are /stats' at the instant.
+    for q in states_result.manifest.queues:
+        row = queue(states_result, q.topic, q.channel)
+        counts = (row["queued"], row["in_flight"], row["deferred"])
+        assert counts == (q.queued, q.in_flight, q.deferred)
+        assert counts == (q.stats["depth"], q.stats["in_flight_count"], q.stats["deferred_count"])
+    assert [states_result.state_total(s) for s in STATES] == [9, 3, 2]
+    assert states_result.left_out == LEFT_OUT
+
+
+def test_state_counts_per_queue_and_state(spark, states_result, states_snap, states_now_ns):
+    rows = [(r["topic"], r["channel"], r["state"], r["messages"], r["bytes"])
+            for r in states_result.states]
+    # Queue order, then STATES' order; no rows for states a queue does not have.
+    assert rows == [
+        ("jobs", None, "queued", 2, 30),
+        ("jobs", "work", "queued", 7, 1000),
+        ("jobs", "work", "in_flight", 3, 1200),
+        ("jobs", "work", "deferred", 2, 600),
+    ]
+    oldest = {r["state"]: r["oldest_age_s"] for r in states_result.states if r["channel"] == "work"}
+    expected = exact_ages(states_snap, [_s(states_now_ns, -a) for a in (900, 600, 41)])
+    assert oldest == {"queued": pytest.approx(expected[0], abs=1e-6),
+                      "in_flight": pytest.approx(expected[1], abs=1e-6),
+                      "deferred": pytest.approx(expected[2], abs=1e-6)}
+    # analyze() rolls them up from the bucket counts: the same as the DataFrame function's.
+    df = mq.read_snapshot(spark, str(states_snap), bodies=False)
+    assert mq._collect(mq.state_counts(df, states_result.as_of)) == states_result.states
+    summary = mq._collect(mq.queue_summary(df, states_result.as_of))
+    assert [r for r in summary if r["channel"] == "work"][0]["in_flight_share"] == 0.25
+
+
+def test_text_report_shows_the_states(states_result):
+    text = render_text(states_result)
+    assert "14 messages in 3 queues: 9 queued, 3 in flight, 2 deferred" in text
+    assert "taken by the broker (lmdb): everything it held" in text
+    assert ("left out (ephemeral): jobs/tmp#ephemeral (2 queued, 1 in flight, 0 deferred)"
+            in text)
+    lines = text.splitlines()
+    header = next(x for x in lines if x.startswith("queue "))
+    assert header.split()[:10] == ["queue", "kind", "backlog", "queued", "in", "flight", "deferred",
+                                   "in", "flight", "%"]
+    assert "oldest in flight" in header and "scheduled" in header
+    work = next(x for x in lines if x.startswith("jobs/work "))
+    cells = work.split()
+    assert cells[:7] == ["jobs/work", "channel", "12", "7", "3", "2", "25.0%"]
+    work_row = queue(states_result, "jobs", "work")
+    assert format_age(work_row["oldest_in_flight_age_s"]) == "10m 0s" and "10m 0s" in work
+
+
+def test_html_report_shows_the_states(states_result, tmp_path):
+    page = render_html(states_result)
+    assert "<th>queued</th><th>in flight</th><th>deferred</th><th>in flight %</th>" in page
+    assert "<th>oldest in flight</th>" in page
+    assert "<h2>Queues by state</h2>" in page
+    assert ("<tr><td>jobs/work</td><td>in flight</td><td>3</td><td>1.2 KB</td>" in page)
+    assert ('<p class="left-out">left out (ephemeral): jobs/tmp#ephemeral (2 queued, 1 in flight, '
+            '0 deferred)</p>') in page
+    titles = re.findall(r'<img alt="([^"]+)"', page)
+    assert titles[:2] == ["Backlog per queue by state", "Oldest message age"]
+
+
+def test_report_without_left_out_queues_has_no_such_line(states_result):
+    quiet = dataclasses.replace(states_result,
+                                manifest=dataclasses.replace(states_result.manifest, left_out=[]))
+    assert "left out" not in render_text(quiet) and "left-out" not in render_html(quiet)
+
+
+def test_the_states_show_in_a_browser(browser, states_result, tmp_path):
+    page = tmp_path / "states.html"
+    write_html(states_result, str(page))
+    browser.get(page.as_uri())
+    chart = browser.find_element(By.CSS_SELECTOR, 'img[alt="Backlog per queue by state"]')
+    assert chart.is_displayed()
+    assert browser.execute_script(
+        "const i = arguments[0];"
+        "return i.complete && i.naturalWidth > 300 && i.naturalHeight > 100", chart)
+    left_out = browser.find_element(By.CLASS_NAME, "left-out")
+    assert left_out.is_displayed() and "jobs/tmp#ephemeral" in left_out.text
+    tables = browser.find_elements(By.TAG_NAME, "table")
+    queues_rows = [r.text for r in tables[0].find_elements(By.TAG_NAME, "tr")]
+    assert any(r.startswith("jobs/work channel 12 7 3 2 25.0% ") for r in queues_rows)
+    state_rows = [r.text for r in tables[1].find_elements(By.TAG_NAME, "tr")]
+    assert tables[1].is_displayed()
+    assert [r.split()[:3] for r in state_rows[1:]] == [
+        ["jobs", "queued", "2"], ["jobs/work", "queued", "7"], ["jobs/work", "in", "flight"],
+        ["jobs/work", "deferred", "2"]]
 
 
 def test_export_parquet_gives_the_data_source_rows(snap, now_ns, tmp_path, capsys):
