@@ -14,4 +14,5 @@ from tests.unit.conftest import (  # noqa: F401
     http,
     make_broker,
     publish,
+    sync_threads,
 )

@@ -27,7 +27,6 @@ from urllib.parse import quote
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet import defer
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
@@ -82,18 +81,8 @@ CONTROL_TOPIC, CONTROL_CHANNEL = "zz_control", "zz_control_c"
 
 
 @pytest.fixture(autouse=True)
-def snapshots_in_line(monkeypatch):
-    """POST /snapshot writes in the request's call, not a thread of the real reactor.
-
-    The in-process brokers run on a Clock in a temporary directory: a
-    snapshot thread outliving its test would write into a directory being
-    removed. (Every backend can be snapshotted since issue #12, so the
-    sweep's POST /snapshot on the memory backend now writes one.)
-    """
-    import mqd.http.snapshot as endpoint
-
-    monkeypatch.setattr(endpoint.threads, "deferToThread",
-                        lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
+def _snapshots_in_line(sync_threads):
+    """The in-process brokers here run on a Clock in temporary directories (see sync_threads)."""
 
 
 class Harness:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import lmdb
 import pytest
+from twisted.internet import defer
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
@@ -324,7 +325,20 @@ def failing_once(store, error="No space left on device"):
 
 
 @pytest.fixture
-def http(broker):
+def sync_threads(monkeypatch):
+    """POST /snapshot writes in the request's call, not in a thread of the real reactor.
+
+    The answer is then there when the request returns, and no snapshot
+    thread outlives its test writing into a directory being removed.
+    """
+    import mqd.http.snapshot as endpoint
+
+    monkeypatch.setattr(endpoint.threads, "deferToThread",
+                        lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
+
+
+@pytest.fixture
+def http(broker, sync_threads):
     """An in-process HTTP client of the default broker's API."""
     from ._http import HTTPClient
 

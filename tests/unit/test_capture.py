@@ -12,7 +12,6 @@ The copy runs synchronously (deferToThread replaced), as in test_snapshot.
 from __future__ import annotations
 
 import pytest
-from twisted.internet import defer
 
 from spark_bridge.records import open_snapshot, read_ranges, snapshot_ranges
 from spark_bridge.snapshot import HELD_BIT, read_manifest
@@ -27,12 +26,6 @@ MODES = {
 }
 
 
-@pytest.fixture
-def sync_threads(monkeypatch):
-    import mqd.http.snapshot as endpoint
-
-    monkeypatch.setattr(endpoint.threads, "deferToThread",
-                        lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
 
 
 def rows_of(path) -> list[dict]:

@@ -12,7 +12,6 @@ import os
 
 import lmdb
 import pytest
-from twisted.internet import defer
 
 from backends.lmdb import FORMAT, KEY, _decode
 from mqd.message import Message
@@ -244,13 +243,6 @@ def test_cli_failure_is_reported(tmp_path, capsys):
 # -- POST /snapshot ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def sync_threads(monkeypatch):
-    """Run the copy in the test's thread, so the answer is there when the request returns."""
-    import mqd.http.snapshot as endpoint
-
-    monkeypatch.setattr(endpoint.threads, "deferToThread",
-                        lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
 
 
 def test_http_snapshot(tmp_path, clock, sync_threads):
