@@ -113,9 +113,8 @@ def _where(topic: str, channel: str | None) -> str:
 def _snapshot(args: argparse.Namespace) -> int:
     if args.broker is not None:
         return _snapshot_from_broker(args)
-    for flag, value in (("--timeout", args.timeout),):
-        if value is not None:
-            args.usage_error(f"{flag} goes with --broker")
+    if args.timeout is not None:
+        args.usage_error("--timeout goes with --broker")
     running = data_path_in_use(args.data_path)
     if running and not args.lmdb_only:
         print(f"snapshot refused: a broker is running on {args.data_path} (it holds the data path's "
