@@ -41,6 +41,7 @@ from .snapshot import (
     QUEUED,
     Manifest,
     QueueInfo,
+    SnapshotError,
     copy_store,
     new_snapshot_dir,
     publish_snapshot,
@@ -192,8 +193,11 @@ def write_live_snapshot(state: LiveState, out_dir: str | os.PathLike, *, env: lm
             capture_seconds=state.capture_seconds,
         )
         return publish_snapshot(tmp, out_dir, manifest)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, lmdb.Error | OSError):
+            # A full disk, say: one line for the operator, not a traceback.
+            raise SnapshotError(f"{out_dir}: cannot write the snapshot ({e})") from None
         raise
 
 

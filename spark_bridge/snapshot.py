@@ -284,10 +284,13 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
             copy_seconds=seconds,
         )
         return publish_snapshot(tmp, out_dir, manifest)
-    except BaseException:
+    except BaseException as e:
         if opened is not None:
             opened.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, lmdb.Error | OSError):
+            # A full disk, say: one line for the operator, not a traceback.
+            raise SnapshotError(f"{out_dir}: cannot write the snapshot ({e})") from None
         raise
 
 

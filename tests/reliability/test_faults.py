@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import time
@@ -164,6 +165,65 @@ def test_full_disk_fails_publishes_then_recovers_by_itself(small_disk, start_bro
         check_body(b)
     missing = set(acked) - set(bodies) - while_full
     assert not missing, f"{len(missing)} of {len(acked)} acknowledged bodies lost"
+    assert not log_problems(broker), broker.describe()
+    broker.stop_cleanly()
+
+
+def _queue_stats(broker) -> dict[str, tuple[int, int, int]]:
+    status, body = raw_http(broker, "GET", "/stats?format=json", None)
+    assert status == 200, (status, body)
+    out = {}
+    for t in json.loads(body)["topics"]:
+        for c in t["channels"]:
+            out[f"{t['topic_name']}:{c['channel_name']}"] = (
+                c["depth"], c["in_flight_count"], c["deferred_count"])
+    return out
+
+
+def test_snapshot_on_a_full_disk_answers_an_error_and_changes_nothing(small_disk, start_broker):
+    """Issue #12: a snapshot that cannot be written, or of a failing store, is an error; nothing moves."""
+    data = small_disk / "data"
+    broker = start_broker(f"--data-path={data}", "--lmdb-map-size=2097152", "--mem-queue-size=10",
+                          "--sync-timeout=50ms", *FAST_SCAN, data_path=False)
+    assert raw_http(broker, "POST", "/topic/create?topic=full", None)[0] == 200
+    assert raw_http(broker, "POST", "/channel/create?topic=full&channel=c", None)[0] == 200
+    acked = []
+    for i in range(40):
+        body = make_body(b"s", i)
+        if _publish(broker, "full", body) == b"OK":
+            acked.append(body)
+    assert len(acked) == 40
+    before = _queue_stats(broker)
+    assert before == {"full:c": (40, 0, 0)}
+    filler = _fill(small_disk)
+
+    # The copy cannot be written: an error, no snapshot (nor half of one), the broker as it was.
+    status, body = raw_http(broker, "POST", "/snapshot?out=on-full-disk", None)
+    assert (status, json.loads(body)) == (500, {"message": "SNAPSHOT_FAILED"}), (status, body)
+    snapshots = data / "snapshots"
+    assert not snapshots.exists() or list(snapshots.iterdir()) == []
+    assert _queue_stats(broker) == before
+
+    # The store itself fails (publishes do): no consistent cut, 503, nothing changes.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and _publish(broker, "full", b"more") == b"OK":
+        acked.append(b"more")
+    status, body = raw_http(broker, "POST", "/snapshot?out=store-failing", None)
+    assert (status, json.loads(body)) == (503, {"message": "STORE_FAILED"}), (status, body)
+    stats = _queue_stats(broker)
+    status, body = raw_http(broker, "POST", "/snapshot?out=store-failing", None)
+    assert status == 503 and _queue_stats(broker) == stats
+
+    # Room again: the snapshot works, holds every acknowledged message, and they are all delivered.
+    filler.unlink()
+    wait_for(lambda: raw_http(broker, "GET", "/ping", None) == (200, b"OK"), timeout=15,
+             what=f"/ping to say OK again\n{broker.describe()}")
+    status, body = raw_http(broker, "POST", "/snapshot?out=after", None)
+    assert status == 200, (status, body)
+    queue = next(q for q in json.loads(body)["manifest"]["queues"] if q["name"] == "full:c")
+    assert queue["queued"] == queue["stats"]["depth"] == len(acked)
+    got = [d.body for d in drain(broker, "full", "c", expect=len(acked), silence=1.0)]
+    assert sorted(got) == sorted(acked)
     assert not log_problems(broker), broker.describe()
     broker.stop_cleanly()
 
