@@ -12,7 +12,7 @@ a known path lists the methods, and anything else is
 The endpoints themselves live in one module per concept: status.py
 (/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
 admin.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
-(/snapshot, the Spark bridge's copy of the LMDB store), peek.py
+(/snapshot, the broker's whole queue state for the Spark bridge), peek.py
 (/channel/peek, /topic/peek: mqd's look at messages without consuming them).
 """
 
