@@ -16,12 +16,8 @@ running: every snapshot must add up, and the traffic must lose nothing.
 from __future__ import annotations
 
 import json
-import socket
-import struct
-import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
@@ -30,16 +26,8 @@ import pytest
 from spark_bridge.records import ARROW_SCHEMA, open_snapshot, read_ranges, snapshot_ranges
 from spark_bridge.snapshot import Manifest, read_manifest
 
-from ._support import (
-    FAST_SCAN,
-    FRAME_MESSAGE,
-    FRAME_RESPONSE,
-    MAGIC_V2,
-    RawConn,
-    command,
-    mpub_body,
-    wait_for,
-)
+from ._support import FAST_SCAN, FRAME_RESPONSE, RawConn, command, wait_for
+from ._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
 from .test_snapshot import call, create, queue_stats
 
 MODES = {
@@ -305,134 +293,6 @@ REQ_EVERY = 5  # the consumer REQs (100 ms) every fifth body on its first delive
 HOLD = 0.05  # and FINs the others this long after receiving them, so some are in flight
 
 
-class Traffic:
-    """Publisher and consumer threads with a shared stop flag; what they saw, under a lock."""
-
-    def __init__(self) -> None:
-        self.stop_publishing = threading.Event()
-        self.stop_consuming = threading.Event()
-        self.lock = threading.Lock()
-        self.published: list[bytes] = []
-        self.deliveries: list[tuple[bytes, str, int]] = []  # (body, id, attempts)
-        self.errors: list[str] = []
-        self.threads: list[threading.Thread] = []
-
-    def start(self, target: Callable[..., None], *args: object) -> threading.Thread:
-        def run() -> None:
-            try:
-                target(self, *args)
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                with self.lock:
-                    self.errors.append(f"{target.__name__}: {e!r}")
-
-        thread = threading.Thread(target=run, daemon=True)
-        self.threads.append(thread)
-        thread.start()
-        return thread
-
-    def join(self, threads: list[threading.Thread] | None = None) -> None:
-        """Stop and wait for `threads` (publishers, say), or everything."""
-        if threads is None:
-            self.stop_consuming.set()
-            threads = self.threads
-        self.stop_publishing.set()
-        for thread in threads:
-            thread.join(30)
-            assert not thread.is_alive(), "a traffic thread did not stop"
-
-
-def number(body: bytes) -> int:
-    return int(body.split(b"-")[1])
-
-
-def http_publisher(traffic: Traffic, broker) -> None:
-    i = 0
-    while not traffic.stop_publishing.is_set():
-        bodies = [b"h-%d" % (i + k) for k in range(10)]
-        status, text = call(broker, "POST", f"/mpub?topic={TOPIC}", b"\n".join(bodies))
-        assert status == 200, text
-        with traffic.lock:
-            traffic.published += bodies
-        i += 10
-        time.sleep(0.02)
-
-
-def tcp_publisher(traffic: Traffic, broker) -> None:
-    with RawConn(broker, timeout=30) as conn:
-        i = 0
-        while not traffic.stop_publishing.is_set():
-            body = b"s-%d" % i
-            if i % 4 == 3:  # an MPUB now and then
-                bodies = [body, b"s-%d" % (i + 1)]
-                conn.send(command(f"MPUB {TOPIC}", mpub_body(bodies)))
-            else:
-                bodies = [body]
-                conn.send(command(f"PUB {TOPIC}", body))
-            assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
-            with traffic.lock:
-                traffic.published += bodies
-            i += len(bodies)
-            time.sleep(0.004)
-
-
-def consumer(traffic: Traffic, broker) -> None:
-    """FIN each message HOLD seconds after it came, but REQ (100 ms) every REQ_EVERY-th once.
-
-    At the stop, CLS: the broker answers CLOSE_WAIT after every FIN sent
-    before it, so all of them are processed when this returns.
-    """
-    sock = socket.create_connection((broker.tcp_host, broker.tcp_port), timeout=30)
-    sock.settimeout(0.01)
-    buf = b""
-    pending: list[tuple[float, bytes]] = []
-    closing = False
-    deadline = None
-    try:
-        sock.sendall(MAGIC_V2 + command(f"SUB {TOPIC} c") + command("RDY 100"))
-        while True:
-            if traffic.stop_consuming.is_set() and not closing and not pending:
-                sock.sendall(command("CLS"))
-                closing, deadline = True, time.monotonic() + 30
-            if deadline is not None and time.monotonic() > deadline:
-                raise AssertionError("no CLOSE_WAIT")
-            now = time.monotonic()
-            due = [msg_id for at, msg_id in pending if at <= now]
-            if due:
-                pending = pending[len(due):]
-                sock.sendall(b"".join(command(b"FIN " + msg_id) for msg_id in due))
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                continue
-            if not chunk:
-                raise AssertionError("the broker closed the consumer's connection")
-            buf += chunk
-            while len(buf) >= 8:
-                size, kind = struct.unpack_from(">ii", buf)
-                if len(buf) < 4 + size:
-                    break
-                payload, buf = buf[8:4 + size], buf[4 + size:]
-                if kind == FRAME_RESPONSE:
-                    if payload == b"CLOSE_WAIT":
-                        return
-                    if payload == b"_heartbeat_":
-                        sock.sendall(command("NOP"))
-                    else:
-                        assert payload == b"OK", payload
-                    continue
-                assert kind == FRAME_MESSAGE, (kind, payload)
-                attempts = struct.unpack_from(">H", payload, 8)[0]
-                msg_id, body = payload[10:26], payload[26:]
-                with traffic.lock:
-                    traffic.deliveries.append((body, msg_id.decode(), attempts))
-                if attempts == 1 and number(body) % REQ_EVERY == 0:
-                    sock.sendall(command(b"REQ " + msg_id + b" 100"))
-                else:
-                    pending.append((time.monotonic() + HOLD, msg_id))
-    finally:
-        sock.close()
-
-
 def check_snapshot(path: str, manifest: Manifest, ids: dict[bytes, str]) -> dict[str, int]:
     """Every queue of the snapshot adds up; its rows say the same. Returns t:c's state counts."""
     for q in manifest.queues:
@@ -469,12 +329,14 @@ def test_twenty_snapshots_under_traffic(start_broker, mode):
     create(broker, TOPIC, "c")
     create(broker, TOPIC, "idle")  # nobody reads it: a growing backlog over memory and the store
     traffic = Traffic()
-    traffic.start(consumer, broker)
-    publishers = [traffic.start(http_publisher, broker), traffic.start(tcp_publisher, broker)]
+    traffic.start(consumer, broker, TOPIC, "c", rdy=100, fin_delay=HOLD, req_every=REQ_EVERY,
+                  req_delay_ms=100)
+    publishers = [traffic.start(http_publisher, broker, TOPIC, batch=10, pause=0.02),
+                  traffic.start(tcp_publisher, broker, TOPIC, batches=(1, 1, 1, 2), pause=0.004)]
     ids: dict[bytes, str] = {}
     states = []
     try:
-        wait_for(lambda: len(traffic.published) >= 200 or traffic.errors, timeout=10,
+        wait_for(lambda: traffic.count(TOPIC) >= 200 or traffic.errors, timeout=10,
                  what="traffic to start")
         for i in range(20):
             assert not traffic.errors, traffic.errors
@@ -482,8 +344,8 @@ def test_twenty_snapshots_under_traffic(start_broker, mode):
             states.append(check_snapshot(path, manifest, ids))
             time.sleep(0.1)
         traffic.join(publishers)
-        total = len(traffic.published)
-        reqs = sum(1 for b in traffic.published if number(b) % REQ_EVERY == 0)
+        total = traffic.count(TOPIC)
+        reqs = sum(1 for b in traffic.published[TOPIC] if number(b) % REQ_EVERY == 0)
         wait_for(lambda: (len(traffic.deliveries) >= total + reqs
                           and counts(broker)[f"{TOPIC}:c"] == {"depth": 0, "in_flight_count": 0,
                                                                "deferred_count": 0})
@@ -491,7 +353,7 @@ def test_twenty_snapshots_under_traffic(start_broker, mode):
     finally:
         traffic.join()
     assert not traffic.errors, traffic.errors
-    published = traffic.published
+    published = traffic.published[TOPIC]
     assert len(set(published)) == len(published)
     # Snapshots saw the consumer at work (messages in flight and deferred).
     assert sum(s["in_flight"] for s in states) > 0 and sum(s["deferred"] for s in states) > 0, states

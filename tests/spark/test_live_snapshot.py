@@ -14,147 +14,15 @@ traffic stops (so Spark does not compete with the broker for the cores).
 from __future__ import annotations
 
 import json
-import socket
-import struct
-import threading
-import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 
 from spark_bridge.snapshot import read_manifest
-from tests.integration._support import (
-    FAST_SCAN,
-    FRAME_MESSAGE,
-    FRAME_RESPONSE,
-    MAGIC_V2,
-    RawConn,
-    command,
-    mpub_body,
-    wait_for,
-)
+from tests.integration._support import FAST_SCAN, wait_for
+from tests.integration._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
 from tests.integration.test_snapshot import call, create, queue_stats
 
 TOPIC, SOLO = "live", "solo"
 BATCH = 20
-
-
-def number(body: bytes) -> int:
-    return int(body.split(b"-")[1])
-
-
-class Traffic:
-    """Publisher and consumer threads sharing a stop flag; everything they saw, under a lock."""
-
-    def __init__(self) -> None:
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.published: dict[str, list[bytes]] = defaultdict(list)  # topic -> acknowledged bodies
-        self.finished: dict[bytes, bytes] = {}  # body -> id, FIN sent (channel c1)
-        self.delivered: dict[bytes, bytes] = {}  # body -> id, every delivery on c1
-        self.errors: list[str] = []
-        self.threads: list[threading.Thread] = []
-
-    def start(self, target: Callable[..., None], *args: object) -> None:
-        def run() -> None:
-            try:
-                target(*args)
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                with self.lock:
-                    self.errors.append(f"{target.__name__}{args[1:]}: {e!r}")
-
-        thread = threading.Thread(target=run, daemon=True)
-        self.threads.append(thread)
-        thread.start()
-
-    def count(self, topic: str) -> int:
-        with self.lock:
-            return len(self.published[topic])
-
-    def join(self) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(30)
-            assert not thread.is_alive(), "a traffic thread did not stop"
-
-
-def http_publisher(traffic: Traffic, broker, tag: int) -> None:
-    i = 0
-    while not traffic.stop.is_set():
-        bodies = [b"h%d-%d-" % (tag, i + k) + b"x" * ((i + k) % 97) for k in range(BATCH)]
-        status, text = call(broker, "POST", f"/mpub?topic={TOPIC}", b"\n".join(bodies))
-        assert status == 200, text
-        with traffic.lock:
-            traffic.published[TOPIC].extend(bodies)
-        i += BATCH
-
-
-def tcp_publisher(traffic: Traffic, broker) -> None:
-    with RawConn(broker, timeout=30) as conn:
-        i = 0
-        while not traffic.stop.is_set():
-            bodies = [b"s-%d-" % (i + k) + b"y" * (i % 13) for k in range(BATCH)]
-            conn.send(command(f"MPUB {SOLO}", mpub_body(bodies)))
-            assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
-            with traffic.lock:
-                traffic.published[SOLO].extend(bodies)
-            i += BATCH
-
-
-def consumer(traffic: Traffic, broker, channel: str) -> None:
-    """FIN every message whose number is not a multiple of 3; keep the others in flight.
-
-    At the stop, CLS: the broker answers CLOSE_WAIT after every FIN sent
-    before it, so all of them are processed when this returns.
-    """
-    sock = socket.create_connection((broker.tcp_host, broker.tcp_port), timeout=30)
-    sock.settimeout(0.05)
-    buf = b""
-    closing = False
-
-    def frames():
-        nonlocal buf
-        while len(buf) >= 8:
-            size, kind = struct.unpack_from(">ii", buf)
-            if len(buf) < 4 + size:
-                return
-            payload, buf = buf[8:4 + size], buf[4 + size:]
-            yield kind, payload
-
-    try:
-        sock.sendall(MAGIC_V2 + command(f"SUB {TOPIC} {channel}") + command("RDY 2500"))
-        deadline = None
-        while True:
-            if traffic.stop.is_set() and not closing:
-                sock.sendall(command("CLS"))
-                closing, deadline = True, time.monotonic() + 30
-            if deadline is not None and time.monotonic() > deadline:
-                raise AssertionError("no CLOSE_WAIT")
-            try:
-                chunk = sock.recv(65536)
-            except TimeoutError:
-                continue
-            if not chunk:
-                raise AssertionError("the broker closed the consumer's connection")
-            buf += chunk
-            for kind, payload in frames():
-                if kind == FRAME_RESPONSE:
-                    if payload == b"CLOSE_WAIT":
-                        return
-                    if payload == b"_heartbeat_":
-                        sock.sendall(command("NOP"))
-                    else:
-                        assert payload == b"OK", payload
-                    continue
-                assert kind == FRAME_MESSAGE, (kind, payload)
-                msg_id, body = payload[10:26], payload[26:]
-                with traffic.lock:
-                    assert traffic.delivered.setdefault(body, msg_id) == msg_id
-                if number(body) % 3 and not closing:
-                    sock.sendall(command(b"FIN " + msg_id))
-                    with traffic.lock:
-                        traffic.finished[body] = msg_id
-    finally:
-        sock.close()
 
 
 def snapshot(broker, name: str) -> str:
@@ -181,10 +49,12 @@ def test_snapshots_of_a_busy_durable_broker(start_broker, spark):
     assert call(broker, "POST", f"/topic/create?topic={SOLO}")[0] == 200
 
     traffic = Traffic()
-    traffic.start(consumer, traffic, broker, "c1")
+    # c1's consumer FINishes every message whose number is not a multiple of 3
+    # and keeps the others in flight.
+    traffic.start(consumer, broker, TOPIC, "c1", rdy=2500, keep_every=3)
     for tag in (1, 2):
-        traffic.start(http_publisher, traffic, broker, tag)
-    traffic.start(tcp_publisher, traffic, broker)
+        traffic.start(http_publisher, broker, TOPIC, prefix=b"h%d" % tag, batch=BATCH, padding=97)
+    traffic.start(tcp_publisher, broker, SOLO, batches=(BATCH,), padding=13)
     paths = []
     try:
         for i in range(4):
@@ -237,6 +107,6 @@ def test_snapshots_of_a_busy_durable_broker(start_broker, spark):
     assert bodies[SOLO] == published[SOLO]
     assert TOPIC not in bodies  # the topic's own queue is drained into its channels
     assert finished and all(number(b) % 3 for b in finished)
-    # The consumer saw the same ids as the snapshots hold.
-    for body, msg_id in traffic.delivered.items():
-        assert ids[body] == msg_id.decode()
+    # The consumer saw the same ids as the snapshots hold (a body's every delivery).
+    for body, msg_id, _ in traffic.deliveries:
+        assert ids[body] == msg_id, body
