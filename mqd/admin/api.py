@@ -1,0 +1,207 @@
+"""nsqadmin's GET API (`/api/topics`, `/api/nodes`, `/api/counter`, ...) plus mqd's `/api/health` and `/api/lookup`.
+
+Same paths, field names and conventions as nsqadmin (`nsqadmin/http.go`),
+so scripts written against it work here: every answer carries `message`,
+empty or `WARNING: <what failed>` when some lookupd or broker did not
+answer (the rest still count), and `502 UPSTREAM_ERROR: ...` when none
+did. The numbers come from `aggregate`, the queries from `cluster`.
+
+Where nsqadmin answers oddly this answers plainly: a topic no broker and
+no lookupd knows is `404 TOPIC_NOT_FOUND` (nsqadmin: 502 "failed to query
+any nsqd" with no producers), a channel nobody has `404 CHANNEL_NOT_FOUND`
+(nsqadmin: `{"message": ""}`), and a lookupd's 404 for an unknown topic is
+"no producer there", not a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from twisted.internet import defer
+from twisted.web.server import Request
+
+from ..http.args import query_of
+from .aggregate import (
+    channel_stats,
+    counter_stats,
+    node_id,
+    node_topics,
+    topic_stats,
+    warning,
+)
+from .endpoint import Admin, AdminEndpoint, ApiError
+
+__all__ = ["routes"]
+
+
+def _upstream_error(errors: list[str]) -> ApiError:
+    return ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
+
+
+def _check(result: Any, errors: list[str], messages: list[str]) -> Any:
+    """nsqadmin's handling of a clusterinfo answer: total failure → 502, partial → a warning line."""
+    if result is None:
+        raise _upstream_error(errors)
+    messages.extend(errors)
+    return result
+
+
+class _Endpoint(AdminEndpoint):
+    @property
+    def cluster(self):
+        return self.admin.cluster
+
+    def now(self) -> float:
+        return self.admin.reactor.seconds()
+
+
+class Topics(_Endpoint):
+    """`GET /api/topics`: `{"topics": [names]}`; `?inactive=true`: `{"topics": {topic: [channels]}}` of unproduced topics."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        messages: list[str] = []
+        inactive = query_of(request).first("inactive") == "true"
+        if inactive:
+            found, errors = yield self.cluster.inactive_topics()
+            return {"topics": _check(found, errors, messages), "message": warning(messages)}
+        names, errors = yield self.cluster.topics()
+        return {"topics": _check(names, errors, messages), "message": warning(messages)}
+
+
+class Topic(_Endpoint):
+    """`GET /api/topics/:topic`: the topic summed across its producers (nsqadmin's TopicStats)."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        topic = params["topic"]
+        messages: list[str] = []
+        producers, errors = yield self.cluster.topic_producers(topic)
+        producers = _check(producers, errors, messages)
+        per_node, errors = yield self.cluster.stats(producers, topic, include_clients=False)
+        per_node = _check(per_node, errors, messages)
+        if not any(t.get("topic_name") == topic for ns in per_node for t in ns.stats.get("topics") or ()):
+            yield self._known_or_404(topic, messages)
+        body = topic_stats(per_node, topic, self.now())
+        body["message"] = warning(messages)
+        return body
+
+    @defer.inlineCallbacks
+    def _known_or_404(self, topic: str, messages: list[str]):
+        """No broker has the topic: still a page when a lookupd knows it (created, not yet produced)."""
+        names, errors = yield self.cluster.topics()
+        if names is None or topic not in names:
+            raise ApiError(404, "TOPIC_NOT_FOUND")
+
+
+class Channel(_Endpoint):
+    """`GET /api/topics/:topic/:channel`: the channel summed across producers, with every client."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        topic, channel = params["topic"], params["channel"]
+        messages: list[str] = []
+        producers, errors = yield self.cluster.topic_producers(topic)
+        producers = _check(producers, errors, messages)
+        per_node, errors = yield self.cluster.stats(producers, topic, channel, include_clients=True)
+        per_node = _check(per_node, errors, messages)
+        body = channel_stats(per_node, topic, channel, self.now())
+        if body is None:
+            declared = []
+            if self.cluster.lookupds:
+                declared, _ = yield self.cluster.topic_channels(topic)
+            if channel not in (declared or ()):
+                raise ApiError(404, "CHANNEL_NOT_FOUND")
+            body = _empty_channel(topic, channel)
+        body["message"] = warning(messages)
+        return body
+
+
+def _empty_channel(topic: str, channel: str) -> dict[str, Any]:
+    """A channel declared on the lookupds that no broker has yet: all zeros."""
+    return {"node": "*", "hostname": "", "topic_name": topic, "channel_name": channel, "depth": 0,
+            "memory_depth": 0, "backend_depth": 0, "in_flight_count": 0, "deferred_count": 0,
+            "requeue_count": 0, "timeout_count": 0, "message_count": 0, "client_count": 0,
+            "nodes": [], "clients": [], "paused": False, "e2e_processing_latency": None}
+
+
+class Nodes(_Endpoint):
+    """`GET /api/nodes`: `{"nodes": [Producer]}`."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        messages: list[str] = []
+        producers, errors = yield self.cluster.producers()
+        return {"nodes": _check(producers, errors, messages), "message": warning(messages)}
+
+
+class Node(_Endpoint):
+    """`GET /api/nodes/:node`: one broker's topics (per node), total messages and clients."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        node = params["node"]
+        messages: list[str] = []
+        producers, errors = yield self.cluster.producers()
+        producers = _check(producers, errors, messages)
+        producer = next((p for p in producers if node_id(p) == node), None)
+        if producer is None:
+            raise ApiError(404, "NODE_NOT_FOUND")
+        per_node, errors = yield self.cluster.stats([producer], include_clients=True)
+        if per_node is None:
+            # nsqadmin: the one broker asked failing is not partial.
+            raise _upstream_error(errors)
+        body = node_topics(per_node[0], self.now())
+        body["message"] = warning(messages)
+        return body
+
+
+class Counter(_Endpoint):
+    """`GET /api/counter`: `{"stats": {"topic:channel:node": {node, topic_name, channel_name, message_count}}}`."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        messages: list[str] = []
+        producers, errors = yield self.cluster.producers()
+        producers = _check(producers, errors, messages)
+        per_node, errors = yield self.cluster.stats(producers, include_clients=False)
+        per_node = _check(per_node, errors, messages)
+        return {"stats": counter_stats(per_node, self.now()), "message": warning(messages)}
+
+
+class Health(_Endpoint):
+    """`GET /api/health` (mqd): per broker up/down, /ping text, durable mode, backend, version."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        messages: list[str] = []
+        rows, errors = yield self.cluster.health_all()
+        return {"nodes": _check(rows, errors, messages), "message": warning(messages)}
+
+
+class Lookup(_Endpoint):
+    """`GET /api/lookup` (mqd): what each lookupd holds, channels with no producer included."""
+
+    @defer.inlineCallbacks
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        messages: list[str] = []
+        rows, errors = yield self.cluster.lookupd_data()
+        if rows and not any(r["up"] for r in rows):
+            raise _upstream_error(errors)
+        messages.extend(errors)
+        return {"lookupds": rows, "message": warning(messages)}
+
+
+def routes(admin: Admin) -> dict[str, AdminEndpoint]:
+    """The GET API's route table (web.py merges it with the actions' and the history's)."""
+    return {
+        "/api/topics": Topics(admin),
+        "/api/topics/:topic": Topic(admin),
+        "/api/topics/:topic/:channel": Channel(admin),
+        "/api/nodes": Nodes(admin),
+        "/api/nodes/:node": Node(admin),
+        "/api/counter": Counter(admin),
+        "/api/health": Health(admin),
+        "/api/lookup": Lookup(admin),
+    }
