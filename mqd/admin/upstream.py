@@ -230,22 +230,27 @@ class Upstream:
             raise UpstreamError(url, f"invalid JSON in response {body[:_QUOTE]!r}", code, body) from None
 
     @defer.inlineCallbacks
-    def post(self, url: str, body: bytes = b"", content_type: bytes = b"application/json"):
+    def post(self, url: str, body: bytes = b"", content_type: bytes = b"application/json",
+             timeout: float | None = None):
         """`(status, body)` of a 2xx answer to a POST (nsqd's and lookupd's actions); else UpstreamError.
 
         A body (mqadmin only sends JSON: notifications) goes with `content_type`.
+        `timeout` replaces --http-client-request-timeout for a request known
+        to take long (a broker's snapshot copies its whole store).
         """
-        code, answer = yield self._request(b"POST", url, body, content_type if body else None)
+        code, answer = yield self._request(b"POST", url, body, content_type if body else None, timeout)
         if not 200 <= code < 300:
             raise UpstreamError(url, f"got response {code} {answer[:_QUOTE]!r}", code, answer)
         return code, answer
 
     # -- machinery ----------------------------------------------------------------------
 
-    def _request(self, method: bytes, url: str, body: bytes, content_type: bytes | None = None) -> defer.Deferred:
+    def _request(self, method: bytes, url: str, body: bytes, content_type: bytes | None = None,
+                 timeout: float | None = None) -> defer.Deferred:
         d = self._exchange(method, url, body, content_type)
         # The whole exchange (connect, headers, body, an HTTPS retry) within the request timeout.
-        d.addTimeout(self.request_timeout, self.reactor, onTimeoutCancel=_timed_out(url))
+        d.addTimeout(self.request_timeout if timeout is None else timeout, self.reactor,
+                     onTimeoutCancel=_timed_out(url))
         d.addErrback(self._as_upstream_error, url)
         return d
 

@@ -37,7 +37,7 @@ from .response import ApiError
 if TYPE_CHECKING:
     from ..message import Message
 
-__all__ = ["ChannelPeek", "DEFAULT_PEEK", "MAX_PEEK", "STATES", "TopicPeek", "peek_message"]
+__all__ = ["ChannelPeek", "DEFAULT_PEEK", "MAX_PEEK", "STATES", "TopicPeek", "count_arg", "peek_message", "state_arg"]
 
 DEFAULT_PEEK = 20
 MAX_PEEK = 1000
@@ -46,7 +46,7 @@ STATES = ("queued", "in_flight", "deferred")
 _DIGITS = re.compile(r"[0-9]+")
 
 
-def _count(query: Query) -> int:
+def count_arg(query: Query) -> int:
     """`n`: how many to answer, at most MAX_PEEK; 400 INVALID_N unless a positive integer."""
     raw = query.first("n")
     if raw is None:
@@ -56,7 +56,7 @@ def _count(query: Query) -> int:
     return min(int(raw), MAX_PEEK)
 
 
-def _state(query: Query, allowed: tuple[str, ...]) -> str:
+def state_arg(query: Query, allowed: tuple[str, ...]) -> str:
     state = query.first("state")
     if state is None:
         return "queued"
@@ -102,8 +102,8 @@ class ChannelPeek(ChannelEndpoint):
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> dict[str, Any]:
         channel = self.existing_channel(request)
         query = query_of(request)
-        count = _count(query)
-        state = _state(query, STATES)
+        count = count_arg(query)
+        state = state_arg(query, STATES)
         rows = channel.peek(state, count)
         if state == "queued":
             total = channel.depth()
@@ -124,7 +124,7 @@ class TopicPeek(TopicEndpoint):
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> dict[str, Any]:
         query = query_of(request)
         topic = self.existing_topic(topic_arg(query, "INVALID_ARG_TOPIC"))
-        count = _count(query)
-        state = _state(query, ("queued",))
+        count = count_arg(query)
+        state = state_arg(query, ("queued",))
         return {"topic": topic.name, "channel": None, "state": state, "total": topic.depth(),
                 "messages": [peek_message(msg) for msg in topic.peek(count)]}

@@ -1,0 +1,712 @@
+"""mqadmin's writes: nsqadmin's actions fanned out to lookupds and brokers, and /config/:opt.
+
+The actions are nsqadmin's (`nsqadmin/http.go`, `internal/clusterinfo/data.go`),
+with the same paths, bodies, error texts and fan-out:
+
+* `POST /api/topics {"topic", "channel"?}`: `/topic/create` on every lookupd,
+  then `/channel/create` on every lookupd and on every broker producing the
+  topic. nsqadmin only declares on lookupds, which does nothing in a cluster
+  without one; there mqadmin creates the topic (and channel) on every
+  `--nsqd-http-address` instead.
+* `POST /api/topics/:topic[/:channel] {"action": pause|unpause|empty}`: the
+  broker endpoint on every producer of the topic.
+* `DELETE /api/topics/:topic[/:channel]`: the producers are found *first*
+  (once lookupds forget the topic they can no longer say who has it), then
+  every lookupd forgets it, then every producer deletes it. Lookupds go first
+  so a broker does not re-register it in between (nsq#1009).
+* `DELETE /api/nodes/:node {"topic"}`: tombstone on every lookupd, then
+  `/topic/delete` on that broker.
+
+A target that fails does not stop the others: every answer carries
+nsqadmin's `"message"` (empty, or `WARNING: ...` naming each failure) and,
+an mqd addition, `"results"`: one `{"target", "address", "path", "ok",
+"error"}` per request made, so one broker down does not hide that the
+others did what was asked. Only when nothing succeeded and something failed
+is the answer `502 UPSTREAM_ERROR: ...`, as nsqadmin answers a total failure.
+
+Writes are privileged as nsqadmin's: with any `--admin-user` set, the user
+a reverse proxy names in `--acl-http-header` must be one of them, else
+`403 FORBIDDEN`. Each action done is POSTed as nsqadmin's JSON event to
+`--notification-http-endpoint` (`Notifier`), in order, never holding up or
+failing the action.
+
+mqd additions: `GET /api/peek/:topic/:channel` (every producer's
+`/channel/peek`, per node; reads nothing away) and `POST /api/snapshot/:node`
+(the broker's `/snapshot`, whose answer or error is passed on).
+`GET/PUT /config/:opt` are nsqadmin's, for clients in
+`--allow-config-from-cidr` only.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succeed
+from twisted.web.server import Request
+
+from ..http.args import query_of
+from ..http.config import config_name
+from ..http.peek import STATES, count_arg, state_arg
+from ..http.response import dumps
+from ..http.status import nanoseconds
+from ..logs import LEVELS, get_logger, set_log_level
+from ..names import is_valid_name
+from ..options import MQADMIN_OPTIONS
+from .aggregate import node_id
+from .endpoint import Admin, AdminEndpoint, ApiError
+from .upstream import UpstreamError, base_url
+
+__all__ = ["Notifier", "decode_go_object", "routes"]
+
+log = get_logger(__name__)
+
+ACTIONS = ("pause", "unpause", "empty")
+
+# nsqadmin reads at most this much of a PUT /config body (1 MiB, plus one byte to tell "more").
+_CONFIG_READ_MAX = 1024 * 1024 + 1
+
+# Events waiting for the notification endpoint; beyond this they are dropped (and counted).
+MAX_PENDING_NOTIFICATIONS = 1000
+# How long a snapshot proxy waits for the broker (its own CLI's default):
+# the copy of a store of many GB takes far longer than an admin action.
+SNAPSHOT_TIMEOUT = 600.0
+
+
+def routes(admin: Admin) -> dict[str, AdminEndpoint]:
+    """The write routes, merged with api.py's reads on the same patterns by web.merge_routes."""
+    return {
+        "/api/topics": CreateTopicChannel(admin),
+        "/api/topics/:topic": TopicActions(admin),
+        "/api/topics/:topic/:channel": ChannelActions(admin),
+        "/api/nodes/:node": TombstoneNode(admin),
+        "/api/peek/:topic/:channel": Peek(admin),
+        "/api/snapshot/:node": SnapshotNode(admin),
+        "/config/:opt": AdminConfig(admin),
+    }
+
+
+# -- addresses, requests -------------------------------------------------------------------
+
+
+# A target of a fan-out: its name in the answer (a lookupd's address, a broker's
+# node name) and the base URL it is reached at.
+Target = tuple[str, str]
+
+
+def _url(base: str, path: str, params: Mapping[str, str] | None = None) -> str:
+    """`BASE/path?query`, the query escaped as Go's QueryEscape does."""
+    return base + path + ("?" + urlencode(params) if params else "")
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong with one upstream request, in a line: `404 TOPIC_NOT_FOUND`, `connection refused`."""
+    code = getattr(error, "code", None)
+    if code is not None:
+        return _error_text(code, getattr(error, "body", b"") or b"")
+    reason = getattr(error, "reason", None)
+    return str(reason if reason is not None else error) or type(error).__name__
+
+
+def _error_text(status: int, body: bytes) -> str:
+    """`404 TOPIC_NOT_FOUND`: the status and the V1 error text of a broker's or lookupd's answer."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("message"), str):
+        text = data["message"]
+    return f"{status} {text[:200]}".rstrip()
+
+
+def _failure_text(failure, url: str) -> str:
+    """A failed request's line; anything but an UpstreamError is a bug here, logged in full."""
+    if not failure.check(UpstreamError):
+        log.failure("request to {url} failed unexpectedly", failure, url=url)
+    return _reason(failure.value)
+
+
+def _result(target: str, address: str, path: str, error: str | None) -> dict[str, Any]:
+    return {"target": target, "address": address, "path": path, "ok": error is None, "error": error}
+
+
+def _post_one(admin: Admin, target: str, address: str, base: str, path: str,
+              params: Mapping[str, str]) -> Deferred[dict[str, Any]]:
+    """POST one admin endpoint; fires with its result, never fails."""
+    url = _url(base, path, params)
+    log.debug("querying {target} {url}", target=target, url=url)
+    d = maybeDeferred(admin.upstream.post, url)
+
+    def answered(answer: tuple[int, bytes]) -> dict[str, Any]:
+        status, body = answer
+        return _result(target, address, path, None if status == 200 else _error_text(status, body))
+
+    d.addCallbacks(answered, lambda f: _result(target, address, path, _failure_text(f, url)))
+    return d
+
+
+async def _post_all(admin: Admin, target: str, targets: Iterable[Target], path: str,
+                    params: Mapping[str, str]) -> list[dict[str, Any]]:
+    """POST `path` to every target at once; their results in the targets' order."""
+    return list(await gatherResults([_post_one(admin, target, name, base, path, params)
+                                     for name, base in targets]))
+
+
+def _warning(problems: Sequence[str]) -> str:
+    """nsqadmin's `message`: empty, or every failure after `WARNING: `."""
+    return "WARNING: " + "; ".join(problems) if problems else ""
+
+
+class _Run:
+    """One action's outcome: every request's result, and the failures to report."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.results: list[dict[str, Any]] = []
+        self.problems: list[str] = []
+
+    def note(self, errors: Iterable[str]) -> None:
+        """Failures met while finding the targets (a lookupd that did not answer)."""
+        self.problems.extend(errors)
+
+    def add(self, results: Iterable[dict[str, Any]]) -> None:
+        for r in results:
+            self.results.append(r)
+            if not r["ok"]:
+                self.problems.append(f"{r['target']} {r['address']} {r['path']}: {r['error']}")
+
+    def answer(self) -> dict[str, Any]:
+        """The JSON answer; 502 when something failed and nothing succeeded."""
+        if self.problems and not any(r["ok"] for r in self.results):
+            log.error("failed to {what} - {errors}", what=self.what, errors="; ".join(self.problems))
+            raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(self.problems))
+        if self.problems:
+            log.warn("{what}: {errors}", what=self.what, errors="; ".join(self.problems))
+        return {"message": _warning(self.problems), "results": self.results}
+
+
+def _body(request: Request) -> bytes:
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return content.read()
+
+
+# -- Go's json.Decoder, as nsqadmin's handlers use it ----------------------------------------
+
+
+class GoJSONError(ValueError):
+    """A body Go's json.Decoder refuses; str() is Go's error text, which nsqadmin answers."""
+
+
+_GO_SPACE = " \t\r\n"
+_CONTEXTS = {
+    "Expecting value": "looking for beginning of value",
+    "Expecting property name enclosed in double quotes": "looking for beginning of object key string",
+    "Expecting ':' delimiter": "after object key",
+    "Expecting ',' delimiter": "after object key:value pair",
+    "Invalid control character at": "in string literal",
+    "Invalid \\escape": "in string escape code",
+}
+
+
+def _go_char(c: str) -> str:
+    """Go's quoteChar: how a json syntax error names the character."""
+    if c == "'":
+        return "'\\''"
+    if c == '"':
+        return "'\"'"
+    return "'" + json.dumps(c)[1:-1] + "'"
+
+
+def _go_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _reject_constant(name: str) -> Any:
+    raise GoJSONError(f"invalid character {_go_char(name[0])} looking for beginning of value")
+
+
+def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
+    """`fields` (all Go strings) of the first JSON value in `raw`, read as Go's json.Decoder reads a struct.
+
+    Keys match exactly or, failing that, case-insensitively; unknown keys and
+    what follows the first value are ignored; a missing field or a null is
+    "". Raises GoJSONError with Go's text (`EOF`, `unexpected EOF`,
+    `invalid character 'x' looking for beginning of value`, `json: cannot
+    unmarshal number into Go struct field .topic of type string`) otherwise.
+    """
+    text = raw.decode("utf-8", "replace").lstrip(_GO_SPACE)
+    if not text:
+        raise GoJSONError("EOF")
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
+    try:
+        value, _ = decoder.raw_decode(text)
+    except json.JSONDecodeError as e:
+        if e.pos >= len(text) or e.msg.startswith("Unterminated"):
+            raise GoJSONError("unexpected EOF") from None
+        context = next((c for m, c in _CONTEXTS.items() if e.msg.startswith(m)), _CONTEXTS["Expecting value"])
+        raise GoJSONError(f"invalid character {_go_char(text[e.pos])} {context}") from None
+    out = dict.fromkeys(fields, "")
+    if value is None:
+        return out
+    if not isinstance(value, dict):
+        struct = "; ".join(f'{f.capitalize()} string "json:\\"{f}\\""' for f in fields)
+        raise GoJSONError(f"json: cannot unmarshal {_go_kind(value)} into Go value of type struct {{ {struct} }}")
+    first_error = None
+    for key, item in value.items():
+        name = key if key in out else next((f for f in fields if f.lower() == key.lower()), None)
+        if name is None or item is None:
+            continue
+        if not isinstance(item, str):
+            first_error = first_error or GoJSONError(
+                f"json: cannot unmarshal {_go_kind(item)} into Go struct field .{name} of type string")
+            continue
+        out[name] = item
+    if first_error is not None:
+        raise first_error
+    return out
+
+
+# -- the endpoints -------------------------------------------------------------------------
+
+
+class ActionEndpoint(AdminEndpoint):
+    """An endpoint that changes the cluster: admin users only, and each action notified."""
+
+    def authorize(self, request: Request) -> None:
+        """nsqadmin's isAuthorizedAdminRequest: 403 FORBIDDEN unless the proxy's user is an admin user."""
+        settings = self.admin.settings
+        users = settings.admin_user
+        if not users:
+            return
+        values = request.requestHeaders.getRawHeaders(settings.acl_http_header) or [""]
+        if values[0] not in users:
+            log.info("{method} {uri} refused: user {user!r} is not an admin user",
+                     method=request.method.decode("ascii", "replace"),
+                     uri=request.uri.decode("ascii", "replace"), user=values[0])
+            raise ApiError(403, "FORBIDDEN")
+
+    def notify(self, request: Request, action: str, topic: str, channel: str = "", node: str = "") -> None:
+        notifier = self.admin.notifier
+        if notifier is not None:
+            notifier.notify(request, action, topic, channel, node)
+
+    def lookupds(self) -> list[Target]:
+        return [(a, base_url(a)) for a in self.admin.settings.lookupd_http_address]
+
+    def node(self, node: str) -> Target:
+        """A broker by node name, reached where the cluster reaches it (its configured address, if any)."""
+        return node, self.admin.cluster.node_url(node)
+
+    async def producers_of(self, run: _Run, topic: str) -> list[Target]:
+        """The topic's producers (lookupds' /lookup, or each broker's /stats)."""
+        producers, errors = await self.admin.cluster.topic_producers(topic)
+        run.note(errors)
+        return [self.node(node_id(p)) for p in producers or ()]
+
+
+class CreateTopicChannel(ActionEndpoint):
+    """`POST /api/topics {"topic", "channel"?}`: declare on every lookupd (see the module doc)."""
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        self.authorize(request)
+        try:
+            body = decode_go_object(_body(request), ("topic", "channel"))
+        except GoJSONError as e:
+            raise ApiError(400, str(e)) from None
+        topic, channel = body["topic"], body["channel"]
+        if not is_valid_name(topic):
+            raise ApiError(400, "INVALID_TOPIC")
+        if channel and not is_valid_name(channel):
+            raise ApiError(400, "INVALID_CHANNEL")
+        return Deferred.fromCoroutine(self.create(request, topic, channel))
+
+    async def create(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
+        run = _Run("create topic/channel")
+        lookupds = self.lookupds()
+        both = {"topic": topic, "channel": channel}
+        if lookupds:
+            run.add(await _post_all(self.admin, "lookupd", lookupds, "/topic/create", {"topic": topic}))
+            if channel:
+                run.add(await _post_all(self.admin, "lookupd", lookupds, "/channel/create", both))
+                producers = await self.producers_of(run, topic)
+                run.add(await _post_all(self.admin, "nsqd", producers, "/channel/create", both))
+        else:
+            brokers = [(a, base_url(a)) for a in self.admin.settings.nsqd_http_address]
+            run.add(await _post_all(self.admin, "nsqd", brokers, "/topic/create", {"topic": topic}))
+            if channel:
+                run.add(await _post_all(self.admin, "nsqd", brokers, "/channel/create", both))
+        answer = run.answer()
+        self.notify(request, "create_topic", topic)
+        if channel:
+            self.notify(request, "create_channel", topic, channel)
+        return answer
+
+
+class _TopicChannelActions(ActionEndpoint):
+    """POST {"action"} and DELETE on a topic or one of its channels."""
+
+    def names(self, params: Mapping[str, str]) -> tuple[str, str]:
+        return params["topic"], params.get("channel", "")
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        self.authorize(request)
+        try:
+            action = decode_go_object(_body(request), ("action",))["action"]
+        except GoJSONError as e:
+            raise ApiError(400, str(e)) from None
+        if action not in ACTIONS:
+            raise ApiError(400, "INVALID_ACTION")
+        return Deferred.fromCoroutine(self.act(request, action, *self.names(params)))
+
+    def handle_DELETE(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        self.authorize(request)
+        return Deferred.fromCoroutine(self.delete(request, *self.names(params)))
+
+    async def act(self, request: Request, action: str, topic: str, channel: str) -> dict[str, Any]:
+        kind = "channel" if channel else "topic"
+        run = _Run(f"{action} {kind}")
+        producers = await self.producers_of(run, topic)
+        query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
+        run.add(await _post_all(self.admin, "nsqd", producers, f"/{kind}/{action}", query))
+        answer = run.answer()
+        self.notify(request, f"{action}_{kind}", topic, channel)
+        return answer
+
+    async def delete(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
+        kind = "channel" if channel else "topic"
+        run = _Run(f"delete {kind}")
+        # Found before the lookupds forget the topic, after which they could not say.
+        producers = await self.producers_of(run, topic)
+        query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
+        run.add(await _post_all(self.admin, "lookupd", self.lookupds(), f"/{kind}/delete", query))
+        run.add(await _post_all(self.admin, "nsqd", producers, f"/{kind}/delete", query))
+        answer = run.answer()
+        self.notify(request, f"delete_{kind}", topic, channel)
+        return answer
+
+
+class TopicActions(_TopicChannelActions):
+    """`POST /api/topics/:topic {"action"}` and `DELETE /api/topics/:topic`."""
+
+
+class ChannelActions(_TopicChannelActions):
+    """`POST /api/topics/:topic/:channel {"action"}` and `DELETE /api/topics/:topic/:channel`."""
+
+
+class TombstoneNode(ActionEndpoint):
+    """`DELETE /api/nodes/:node {"topic"}`: tombstone the node's topic on every lookupd, then delete it there."""
+
+    def handle_DELETE(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        self.authorize(request)
+        try:
+            topic = decode_go_object(_body(request), ("topic",))["topic"]
+        except GoJSONError:
+            raise ApiError(400, "INVALID_BODY") from None
+        if not is_valid_name(topic):
+            raise ApiError(400, "INVALID_TOPIC")
+        return Deferred.fromCoroutine(self.tombstone(request, topic, params["node"]))
+
+    async def tombstone(self, request: Request, topic: str, node: str) -> dict[str, Any]:
+        run = _Run("tombstone node for topic")
+        run.add(await _post_all(self.admin, "lookupd", self.lookupds(), "/topic/tombstone",
+                                {"topic": topic, "node": node}))
+        run.add(await _post_all(self.admin, "nsqd", [self.node(node)], "/topic/delete", {"topic": topic}))
+        answer = run.answer()
+        self.notify(request, "tombstone_topic_producer", topic, node=node)
+        return answer
+
+
+class Peek(AdminEndpoint):
+    """`GET /api/peek/:topic/:channel[?state=S][&n=N]`: each producer's first messages, nothing consumed.
+
+    `state` and `n` are checked as the brokers check them (400 INVALID_STATE,
+    INVALID_N) and passed on; each node answers its own `total` and
+    `messages` (mqd's /channel/peek), or an `error` (a broker that is down,
+    or a real nsqd, which has no peek: `404 NOT_FOUND`).
+    """
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        query = query_of(request)
+        count = count_arg(query)
+        state = state_arg(query, STATES)
+        return Deferred.fromCoroutine(self.peek(params["topic"], params["channel"], state, count))
+
+    async def peek(self, topic: str, channel: str, state: str, count: int) -> dict[str, Any]:
+        producers, errors = await self.admin.cluster.topic_producers(topic)
+        problems = list(errors)
+        if not producers and problems:
+            raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(problems))
+        nodes = [node_id(p) for p in producers or ()]
+        query = {"topic": topic, "channel": channel, "state": state, "n": str(count)}
+        answers = await gatherResults([self._peek_one(node, query) for node in nodes])
+        for entry in answers:
+            if entry["error"] is not None:
+                problems.append(f"nsqd {entry['node']}: {entry['error']}")
+        if answers and all(entry["error"] is not None for entry in answers):
+            raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(problems))
+        return {"topic": topic, "channel": channel, "state": state, "nodes": answers,
+                "message": _warning(problems)}
+
+    def _peek_one(self, node: str, query: Mapping[str, str]) -> Deferred[dict[str, Any]]:
+        url = _url(self.admin.cluster.node_url(node), "/channel/peek", query)
+        d = maybeDeferred(self.admin.upstream.get_json, url)
+
+        def answered(data: Any) -> dict[str, Any]:
+            if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+                return {"node": node, "total": None, "messages": [], "error": "not a peek answer"}
+            return {"node": node, "total": data.get("total"), "messages": data["messages"], "error": None}
+
+        d.addCallbacks(answered, lambda f: {"node": node, "total": None, "messages": [],
+                                            "error": _failure_text(f, url)})
+        return d
+
+
+class SnapshotNode(ActionEndpoint):
+    """`POST /api/snapshot/:node`: the broker's POST /snapshot; its path and manifest, or its error.
+
+    Only a node of the cluster (404 NODE_NOT_FOUND otherwise, as
+    /api/nodes/:node), so the route cannot be used to make mqadmin POST
+    to any address. The broker's own error (507 SNAPSHOT_LIMIT, 503
+    STORE_FAILED, 404 NOT_FOUND from a real nsqd) is answered as it is.
+    """
+
+    def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        self.authorize(request)
+        return Deferred.fromCoroutine(self.snapshot(request, params["node"]))
+
+    async def snapshot(self, request: Request, node: str) -> dict[str, Any]:
+        producers, errors = await self.admin.cluster.producers()
+        if node not in {node_id(p) for p in producers or ()}:
+            if errors and not producers:
+                raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
+            raise ApiError(404, "NODE_NOT_FOUND")
+        url = _url(self.admin.cluster.node_url(node), "/snapshot")
+        try:
+            status, body = await maybeDeferred(self.admin.upstream.post, url, timeout=SNAPSHOT_TIMEOUT)
+        except Exception as e:
+            code = getattr(e, "code", None)
+            if code is not None and code >= 400:
+                # The broker's own refusal (507 SNAPSHOT_LIMIT, 503 STORE_FAILED), passed on as it is.
+                message = _reason(e).partition(" ")[2]
+                log.warn("snapshot of {node} refused: {code} {message}", node=node, code=code, message=message)
+                raise ApiError(code, message) from None
+            log.error("snapshot of {node} failed: {error}", node=node, error=_reason(e))
+            raise ApiError(502, f"UPSTREAM_ERROR: {_reason(e)}") from None
+        if status != 200:
+            raise ApiError(502, f"UPSTREAM_ERROR: {_error_text(status, body)}")
+        try:
+            data = json.loads(body)
+            answer = {"node": node, "path": data["path"], "manifest": data["manifest"]}
+        except (ValueError, TypeError, KeyError):
+            raise ApiError(502, "UPSTREAM_ERROR: not a snapshot answer") from None
+        self.notify(request, "create_snapshot", "", node=node)
+        return answer
+
+
+# -- /config/:opt --------------------------------------------------------------------------
+
+_OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS}
+_LOG_LEVEL_NUMBERS = {name: i for i, name in enumerate(LEVELS, start=1)}
+
+
+def _client_ip(request: Request) -> str | None:
+    address = request.getClientAddress()
+    return getattr(address, "host", None)
+
+
+class AdminConfig(AdminEndpoint):
+    """nsqadmin's `GET/PUT /config/:opt`, for clients in --allow-config-from-cidr only.
+
+    GET answers any option by its config-file name, as nsqd's /config does
+    (durations in nanoseconds, lists as arrays, log_level as a number);
+    PUT changes `nsqlookupd_http_addresses` (a JSON array: the lookupds
+    asked from the next request on) or `log_level` (a level name).
+    """
+
+    def allowed(self, request: Request) -> None:
+        cidr = self.admin.settings.allow_config_from_cidr
+        if not cidr:
+            return
+        host = _client_ip(request)
+        try:
+            ip = ipaddress.ip_address(host or "")
+        except ValueError:
+            log.error("failed to parse RemoteAddr {addr}", addr=request.getClientAddress())
+            raise ApiError(400, "INVALID_REMOTE_ADDR") from None
+        network = ipaddress.ip_network(cidr, strict=False)
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and network.version == 4:
+            ip = ip.ipv4_mapped
+        if ip not in network:
+            raise ApiError(403, "FORBIDDEN")
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
+        self.allowed(request)
+        return self.value(params["opt"])
+
+    def handle_PUT(self, request: Request, params: Mapping[str, str]) -> Any:
+        self.allowed(request)
+        name = params["opt"]
+        body = _body(request)[:_CONFIG_READ_MAX]
+        declared = request.getHeader(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) >= _CONFIG_READ_MAX
+        if not body or too_big or len(body) >= _CONFIG_READ_MAX:
+            raise ApiError(413, "INVALID_VALUE")
+        admin = self.admin
+        if name == "nsqlookupd_http_addresses":
+            try:
+                addresses = json.loads(body)
+            except (ValueError, RecursionError):
+                raise ApiError(400, "INVALID_VALUE") from None
+            if addresses is None:
+                addresses = []
+            if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+                raise ApiError(400, "INVALID_VALUE")
+            try:
+                addresses = _OPTIONS[name].parse(addresses)
+            except ValueError:
+                raise ApiError(400, "INVALID_VALUE") from None
+            admin.settings = admin.settings.replace(lookupd_http_address=addresses)
+            if admin.cluster is not None:
+                admin.cluster.lookupds = list(addresses)
+            log.info("lookupd HTTP addresses now {addresses}", addresses=addresses)
+        elif name == "log_level":
+            level = body.decode("utf-8", "replace").lower()
+            if level not in LEVELS:
+                raise ApiError(400, "INVALID_VALUE")
+            set_log_level(level)
+            admin.settings = admin.settings.replace(log_level=level)
+        else:
+            raise ApiError(400, "INVALID_OPTION")
+        return self.value(name)
+
+    def value(self, name: str) -> Any:
+        opt = _OPTIONS.get(name)
+        if opt is None:
+            raise ApiError(400, "INVALID_OPTION")
+        value = getattr(self.admin.settings, opt.attr)
+        if opt.attr == "log_level":
+            return _LOG_LEVEL_NUMBERS[value]
+        if opt.kind == "duration":
+            return nanoseconds(value)
+        if opt.kind == "list":
+            return list(value)
+        return value
+
+
+# -- notifications -------------------------------------------------------------------------
+
+
+def _remote_addr(request: Request) -> str:
+    """Go's req.RemoteAddr: `ip:port` (`[ip]:port` for IPv6)."""
+    address = request.getClientAddress()
+    host, port = getattr(address, "host", None), getattr(address, "port", None)
+    if host is None:
+        return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _header(request: Request, name: str) -> str:
+    values = request.requestHeaders.getRawHeaders(name)
+    return values[0] if values else ""
+
+
+class Notifier:
+    """Posts nsqadmin's AdminAction JSON (nsqadmin/notify.go) to --notification-http-endpoint.
+
+    Events go one at a time, in the order the actions were done, as
+    nsqadmin's single sender does; the action never waits for them. A
+    failing endpoint is logged once, not per event, until one gets through
+    again (then how many were lost is logged); if it stays down, at most
+    MAX_PENDING_NOTIFICATIONS events wait and later ones are dropped.
+    """
+
+    def __init__(self, upstream: Any, settings: Any, clock: Any = None, hostname: str | None = None) -> None:
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.upstream = upstream
+        self.endpoint: str = settings.notification_http_endpoint
+        self.acl_header: str = settings.acl_http_header
+        self.clock = clock
+        self.via = hostname if hostname is not None else socket.gethostname()
+        self.pending = 0
+        self.failed = 0  # failures since the last event that got through
+        self.dropped = 0
+        self._tail: Deferred = succeed(None)
+
+    def event(self, request: Request, action: str, topic: str, channel: str = "",
+              node: str = "") -> dict[str, Any]:
+        """The JSON nsqadmin posts for one action (`channel`, `node`, `user` left out when empty)."""
+        secure = request.isSecure() or _header(request, "X-Scheme") == "https"
+        host = _header(request, "Host")
+        event: dict[str, Any] = {"action": action, "topic": topic}
+        if channel:
+            event["channel"] = channel
+        if node:
+            event["node"] = node
+        event["timestamp"] = int(self.clock.seconds())
+        # nsqadmin's is the basic-auth user; behind a proxy that names the user in
+        # --acl-http-header instead, that one (an mqd addition).
+        user = request.getUser().decode("utf-8", "replace") or _header(request, self.acl_header)
+        if user:
+            event["user"] = user
+        event["remote_ip"] = _remote_addr(request)
+        event["user_agent"] = _header(request, "User-Agent")
+        event["url"] = f"{'https' if secure else 'http'}://{host}{request.uri.decode('utf-8', 'replace')}"
+        event["via"] = self.via
+        return event
+
+    def notify(self, request: Request, action: str, topic: str, channel: str = "", node: str = "") -> None:
+        """Queue the event for one action done; returns at once."""
+        if not self.endpoint:
+            return
+        if self.pending >= MAX_PENDING_NOTIFICATIONS:
+            if not self.dropped:
+                log.warn("notifications to {url} are backing up: dropping events", url=self.endpoint)
+            self.dropped += 1
+            return
+        body = dumps(self.event(request, action, topic, channel, node))
+        self.pending += 1
+        self._tail.addCallback(lambda _: self._send(body))
+
+    def _send(self, body: bytes) -> Deferred:
+        d = maybeDeferred(self.upstream.post, self.endpoint, body)
+        d.addCallbacks(self._answered, lambda f: self._failed(_reason(f.value)))
+        d.addBoth(self._settled)
+        return d
+
+    def _answered(self, answer: tuple[int, bytes]) -> None:
+        status, body = answer
+        if not 200 <= status < 300:
+            self._failed(_error_text(status, body))
+            return
+        if self.failed:
+            log.info("notifications to {url} get through again ({n} lost)", url=self.endpoint, n=self.failed)
+        self.failed = 0
+
+    def _failed(self, reason: str) -> None:
+        if not self.failed:
+            log.warn("failed to POST notification to {url} - {reason} (not logged again until one succeeds)",
+                     url=self.endpoint, reason=reason)
+        self.failed += 1
+
+    def _settled(self, _: Any) -> None:
+        self.pending -= 1
+        if not self.pending and self.dropped:
+            log.warn("{n} notifications were dropped while {url} was slow", n=self.dropped, url=self.endpoint)
+            self.dropped = 0
