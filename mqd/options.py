@@ -9,6 +9,8 @@ from (the flag, or the file and key) and what is wrong.
 
 from __future__ import annotations
 
+import ipaddress
+import posixpath
 import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +31,7 @@ __all__ = [
     "to_endpoint",
     "MQD_OPTIONS",
     "LOOKUPD_OPTIONS",
+    "MQADMIN_OPTIONS",
 ]
 
 
@@ -353,6 +356,94 @@ LOOKUPD_OPTIONS: tuple[Option, ...] = (
            _positive_duration),
     Option("tombstone-lifetime", "duration", 45.0,
            "how long a tombstoned producer of a topic is left out of /lookup", _at_least(0)),
+)
+
+
+def _http_address_check(value: list[str]) -> str | None:
+    """nsqadmin resolves each address at start-up; the form alone is checked here (no DNS)."""
+    for address in value:
+        if address.startswith(("http://", "https://")):
+            continue
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return f"expected HOST:PORT or an http(s):// URL, got {address!r}"
+    return None
+
+
+def _cidr_check(value: str) -> str | None:
+    if not value:
+        return None
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as e:
+        return f"expected a CIDR like 127.0.0.1/8, got {value!r} ({e})"
+    return None
+
+
+def _url_check(value: str) -> str | None:
+    if value and not value.startswith(("http://", "https://")):
+        return f"expected an http:// or https:// URL, got {value!r}"
+    return None
+
+
+# Characters a base path may hold: it is written into the pages' HTML and
+# script, so anything that could end an attribute or a string is refused,
+# and it is matched against decoded request paths, so no %-escapes either.
+_BASE_PATH = re.compile(r"/[A-Za-z0-9._~:@!$()*+,;=/-]*")
+
+
+def _parse_base_path(value: Any) -> str:
+    """nsqadmin's normalizeBasePath: '/' when empty, a leading '/', then Go's path.Clean."""
+    text = _parse_str(value).strip()
+    if not text:
+        return "/"
+    cleaned = posixpath.normpath("/" + text.lstrip("/"))
+    if cleaned.startswith("//"):
+        cleaned = "/" + cleaned.lstrip("/")
+    if not _BASE_PATH.fullmatch(cleaned):
+        raise ValueError(f"expected a URL path like /nsqadmin, got {value!r}")
+    return cleaned
+
+
+# nsqadmin's (`apps/nsqadmin/main.go`), less graphite and statsd (mqadmin
+# draws its own charts from the brokers' /stats), plus how often it polls
+# them and how much history the charts keep. Whether lookupds or brokers
+# are given (one kind, not both) is checked once everything is resolved
+# (mqd.admin.tap.check_settings), as nsqadmin checks it.
+MQADMIN_OPTIONS: tuple[Option, ...] = (
+    _LOG_LEVEL,
+    Option("http-address", "address", "0.0.0.0:4171",
+           "HTTP address of the pages and the API: HOST:PORT or a Twisted endpoint string", _required),
+    _LISTEN_BACKLOG,
+    Option("base-path", "str", "/", "URL path everything is served under (behind a reverse proxy)",
+           parser=_parse_base_path),
+    Option("lookupd-http-address", "list", [], "lookupd HTTP address", _http_address_check,
+           aliases=("nsqlookupd_http_addresses",)),
+    Option("nsqd-http-address", "list", [],
+           "broker HTTP address, for a cluster without lookupd", _http_address_check,
+           aliases=("nsqd_http_addresses",)),
+    Option("notification-http-endpoint", "str", "",
+           "URL every admin action is POSTed to as a JSON event; empty: none", _url_check),
+    Option("allow-config-from-cidr", "str", "127.0.0.1/8",
+           "clients allowed to use /config/:opt (a CIDR)", _cidr_check),
+    Option("http-client-connect-timeout", "duration", 2.0,
+           "connect timeout of requests to lookupds and brokers", _positive_duration),
+    Option("http-client-request-timeout", "duration", 5.0,
+           "whole-request timeout of requests to lookupds and brokers", _positive_duration),
+    Option("http-client-tls-insecure-skip-verify", "bool", False,
+           "do not verify the certificates of HTTPS lookupds and brokers"),
+    Option("http-client-tls-root-ca-file", "str", "", "CA bundle (PEM) HTTPS lookupds and brokers are verified against"),
+    Option("http-client-tls-cert", "str", "", "client certificate (PEM) for HTTPS lookupds and brokers"),
+    Option("http-client-tls-key", "str", "", "key (PEM) of --http-client-tls-cert"),
+    Option("acl-http-header", "str", "X-Forwarded-User",
+           "HTTP header naming the user a reverse proxy authenticated"),
+    Option("admin-user", "list", [],
+           "user allowed to take actions (none given: anyone), as named by --acl-http-header",
+           aliases=("admin_users",)),
+    Option("stats-interval", "duration", 5.0, "how often the brokers' /stats are polled for the charts",
+           _positive_duration),
+    Option("stats-history", "duration", 900.0, "how much time the charts cover (kept in memory)",
+           _positive_duration),
 )
 
 

@@ -1,0 +1,96 @@
+"""`twistd mqadmin`: command-line options and the service tree of the cluster's web admin.
+
+The options come from the same machinery as the other daemons' (mqd.tap):
+nsqadmin's flag names, the YAML file, flag > file > default; only the
+table differs (MQADMIN_OPTIONS). What no single option can say (lookupds
+or brokers, not both; a client certificate with its key) is checked once
+everything is resolved, with nsqadmin's words.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from twisted.application import service
+from twisted.python import usage
+
+from ..logs import set_log_level
+from ..options import MQADMIN_OPTIONS, ConfigError, Settings
+from ..service import ListeningService, listen_endpoint
+from ..tap import make_options_class, settings_from
+from .actions import Notifier
+from .cluster import Cluster
+from .endpoint import Admin
+from .history import History, sampler
+from .upstream import Upstream
+from .web import AdminSite
+
+__all__ = ["Options", "UpstreamService", "build_service", "check_settings", "makeService"]
+
+Options = make_options_class(MQADMIN_OPTIONS, "mqadmin")
+
+
+def check_settings(settings: Settings) -> None:
+    """nsqadmin's start-up checks across options (`nsqadmin.New`), raising ConfigError with its text."""
+    lookupds, nsqds = settings.lookupd_http_address, settings.nsqd_http_address
+    if not lookupds and not nsqds:
+        raise ConfigError("--nsqd-http-address or --lookupd-http-address required")
+    if lookupds and nsqds:
+        raise ConfigError("use --nsqd-http-address or --lookupd-http-address not both")
+    if settings.http_client_tls_cert and not settings.http_client_tls_key:
+        raise ConfigError("--http-client-tls-key must be specified with --http-client-tls-cert")
+    if settings.http_client_tls_key and not settings.http_client_tls_cert:
+        raise ConfigError("--http-client-tls-cert must be specified with --http-client-tls-key")
+    if settings.stats_history < settings.stats_interval:
+        raise ConfigError(f"--stats-history ({settings.stats_history:g}s) must be at least "
+                          f"--stats-interval ({settings.stats_interval:g}s)")
+
+
+class UpstreamService(service.Service):
+    """Closes the kept-alive connections to lookupds and brokers when mqadmin stops."""
+
+    name = "upstream"
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    def stopService(self):
+        super().stopService()
+        return self.upstream.close()
+
+
+def build_service(settings: Settings, reactor=None) -> service.MultiService:
+    """The upstream client, the history sampler, then the HTTP listener (so it stops first), over one `Admin`.
+
+    The context is reachable as `.admin` and the bound port in
+    `.ports["HTTP"]` once listening, for tests.
+    """
+    if reactor is None:
+        from twisted.internet import reactor
+    try:
+        check_settings(settings)
+        # Reads the TLS client files: a bad one stops start-up here.
+        upstream = Upstream(reactor, settings)
+    except ConfigError as e:
+        print(f"mqadmin: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    set_log_level(settings.log_level)
+    cluster = Cluster(upstream, settings.lookupd_http_address, settings.nsqd_http_address)
+    history = History(reactor, settings.stats_interval, settings.stats_history, sampler(cluster))
+    admin = Admin(settings, reactor, upstream=upstream, cluster=cluster, history=history,
+                  notifier=Notifier(upstream, settings, clock=reactor))
+    ports: dict[str, int] = {}
+    top = service.MultiService()
+    top.admin = admin
+    top.ports = ports
+    # First, so it stops last: the cached upstream connections close once nothing uses them.
+    UpstreamService(upstream).setServiceParent(top)
+    history.setServiceParent(top)
+    http = listen_endpoint(reactor, settings.http_address, settings.listen_backlog)
+    ListeningService("HTTP", http, AdminSite(admin), ports, reactor,
+                     settings.http_address).setServiceParent(top)
+    return top
+
+
+def makeService(options: usage.Options) -> service.MultiService:
+    return build_service(settings_from(options, MQADMIN_OPTIONS, "mqadmin"))
