@@ -405,9 +405,10 @@ def _parse_base_path(value: Any) -> str:
     return cleaned
 
 
-# nsqadmin's (`apps/nsqadmin/main.go`), less graphite and statsd (mqadmin
-# draws its own charts from the brokers' /stats), plus how often it polls
-# them and how much history the charts keep. Whether lookupds or brokers
+# nsqadmin's (`apps/nsqadmin/main.go`), plus how often mqadmin polls the
+# brokers' /stats and how much history the charts keep. nsqadmin's graphite,
+# statsd and dev flags are accepted, so its command lines keep working, and
+# change nothing: mqadmin draws its charts from its own polling. Whether lookupds or brokers
 # are given (one kind, not both) is checked once everything is resolved
 # (mqd.admin.tap.check_settings), as nsqadmin checks it.
 MQADMIN_OPTIONS: tuple[Option, ...] = (
@@ -444,6 +445,17 @@ MQADMIN_OPTIONS: tuple[Option, ...] = (
            _positive_duration),
     Option("stats-history", "duration", 900.0, "how much time the charts cover (kept in memory)",
            _positive_duration),
+    *(Option(name, kind, default, f"accepted for nsqadmin's command lines; {why}")
+      for name, kind, default, why in (
+          ("graphite-url", "str", "", "charts come from mqadmin's own polling"),
+          ("proxy-graphite", "bool", False, "charts come from mqadmin's own polling"),
+          ("statsd-prefix", "str", "nsq.%s", "no graphite is read"),
+          ("statsd-counter-format", "str", "stats.counters.%s.count", "no graphite is read"),
+          ("statsd-gauge-format", "str", "stats.gauges.%s", "no graphite is read"),
+          ("statsd-interval", "duration", 60.0, "no graphite is read"),
+          ("log-prefix", "str", "[nsqadmin] ", "twisted.logger formats the lines"),
+          ("dev-static-dir", "str", "", "the pages are served from the package"),
+      )),
 )
 
 

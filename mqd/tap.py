@@ -40,7 +40,7 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
     bare_values = {o.name: o.bare for o in table if o.bare is not None}
 
     class _Options(usage.Options):
-        synopsis = f"[options]  (nsqd's flags; see config/{program}.yaml)"
+        synopsis = f"[options]  (the flags of the NSQ program it replaces; see config/{program}.yaml)"
         optParameters = [["config", "c", None, "YAML config file (flags override it)"], *params]
         optFlags = flags
 

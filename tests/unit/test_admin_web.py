@@ -209,7 +209,7 @@ def test_base_path_normalized_as_nsqadmin(value, expected):
     ("nsqd_http_addresses: [10.0.0.1:99999]\n", "nsqd_http_addresses"),
     ("notification-http-endpoint: example.com/hook\n", "notification-http-endpoint"),
     ("http-client-tls-insecure-skip-verify: maybe\n", "http-client-tls-insecure-skip-verify"),
-    ("graphite-url: http://g\n", None),
+    ("graphite-address: http://g\n", None),
 ])
 def test_bad_yaml_values_name_the_key(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -217,7 +217,7 @@ def test_bad_yaml_values_name_the_key(tmp_path, text, key):
         resolve(MQADMIN_OPTIONS, {}, path)
     message = str(e.value)
     assert message.startswith(f"{path}: ")
-    assert (f": {key}: " in message) if key else "unknown option 'graphite-url'" in message
+    assert (f": {key}: " in message) if key else "unknown option 'graphite-address'" in message
 
 
 def test_bad_flag_value_names_the_flag():
@@ -270,7 +270,11 @@ def test_twistd_mqadmin_help_lists_the_flags(capsys):
         assert f"--{opt.name}" in usage_text, opt.name
     assert "--config" in usage_text
     with pytest.raises(usage.UsageError):
-        maker.options().parseOptions(["--graphite-url=http://g"])
+        maker.options().parseOptions(["--graphite-address=http://g"])
+    # nsqadmin's graphite and statsd flags are accepted (its command lines keep working), to no effect.
+    options = maker.options()
+    options.parseOptions(["--lookupd-http-address=127.0.0.1:4161", "--graphite-url=http://g",
+                          "--proxy-graphite", "--statsd-prefix=nsq.%s", "--log-prefix=[nsqadmin] "])
 
 
 def test_twistd_mqadmin_makes_the_service(tmp_path):
