@@ -50,11 +50,10 @@ from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succe
 from twisted.web.server import Request
 
 from ..http.args import query_of
-from ..http.config import config_name
+from ..http.config import config_name, log_level_of, option_value
 from ..http.peek import STATES, count_arg, state_arg
 from ..http.response import dumps
-from ..http.status import nanoseconds
-from ..logs import LEVELS, get_logger, set_log_level
+from ..logs import get_logger, set_log_level
 from ..names import is_valid_name
 from ..options import MQADMIN_OPTIONS
 from .aggregate import node_id
@@ -522,7 +521,6 @@ class SnapshotNode(ActionEndpoint):
 # -- /config/:opt --------------------------------------------------------------------------
 
 _OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS}
-_LOG_LEVEL_NUMBERS = {name: i for i, name in enumerate(LEVELS, start=1)}
 
 
 def _client_ip(request: Request) -> str | None:
@@ -586,9 +584,7 @@ class AdminConfig(AdminEndpoint):
                 admin.cluster.lookupds = list(addresses)
             log.info("lookupd HTTP addresses now {addresses}", addresses=addresses)
         elif name == "log_level":
-            level = body.decode("utf-8", "replace").lower()
-            if level not in LEVELS:
-                raise ApiError(400, "INVALID_VALUE")
+            level = log_level_of(body)
             set_log_level(level)
             admin.settings = admin.settings.replace(log_level=level)
         else:
@@ -599,14 +595,7 @@ class AdminConfig(AdminEndpoint):
         opt = _OPTIONS.get(name)
         if opt is None:
             raise ApiError(400, "INVALID_OPTION")
-        value = getattr(self.admin.settings, opt.attr)
-        if opt.attr == "log_level":
-            return _LOG_LEVEL_NUMBERS[value]
-        if opt.kind == "duration":
-            return nanoseconds(value)
-        if opt.kind == "list":
-            return list(value)
-        return value
+        return option_value(opt, self.admin.settings)
 
 
 # -- notifications -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .endpoint import Endpoint, read_body
 from .response import ApiError
 from .status import nanoseconds
 
-__all__ = ["Config", "config_name"]
+__all__ = ["Config", "config_name", "log_level_of", "option_value"]
 
 # nsqd's lg.LogLevel numbers, which /config/log_level reports.
 _LOG_LEVEL_NUMBERS = {name: i for i, name in enumerate(LEVELS, start=1)}
@@ -67,11 +67,7 @@ class Config(Endpoint):
                 raise ApiError(400, "INVALID_VALUE")
             changes = {"lookupd_tcp_address": addresses}
         elif name == "log_level":
-            # nsqd's ParseLogLevel is case-insensitive and trims nothing.
-            level = body.decode("utf-8", "replace").lower()
-            if level not in LEVELS:
-                raise ApiError(400, "INVALID_VALUE")
-            changes = {"log_level": level}
+            changes = {"log_level": log_level_of(body)}
         else:
             raise ApiError(400, "INVALID_OPTION")
         try:
@@ -85,11 +81,28 @@ class Config(Endpoint):
         opt = _BY_CONFIG_NAME.get(name)
         if opt is None:
             raise ApiError(400, "INVALID_OPTION")
-        value = getattr(self.broker.options, opt.attr)
-        if opt.attr == "log_level":
-            return _LOG_LEVEL_NUMBERS[value]
-        if opt.kind == "duration":
-            return nanoseconds(value)
-        if opt.kind == "list":
-            return list(value)
-        return value
+        return option_value(opt, self.broker.options)
+
+
+def option_value(opt: Option, settings) -> Any:
+    """An option's value as nsqd's (and nsqadmin's) /config JSON shows it.
+
+    Durations in nanoseconds, lists as arrays, the log level as Go's
+    number (1 debug .. 5 fatal).
+    """
+    value = getattr(settings, opt.attr)
+    if opt.attr == "log_level":
+        return _LOG_LEVEL_NUMBERS[value]
+    if opt.kind == "duration":
+        return nanoseconds(value)
+    if opt.kind == "list":
+        return list(value)
+    return value
+
+
+def log_level_of(body: bytes) -> str:
+    """A PUT /config/log_level body: Go's ParseLogLevel is case-insensitive and trims nothing."""
+    level = body.decode("utf-8", "replace").lower()
+    if level not in LEVELS:
+        raise ApiError(400, "INVALID_VALUE")
+    return level

@@ -2,7 +2,8 @@
 
 An endpoint is one route. Its `handle_<METHOD>(request, params)` methods
 return what nsqd's handler would (a string, None, a JSON-able structure,
-or `LATER` when the answer comes later) or raise `ApiError`; the
+a Deferred of one, or `LATER` when the handler answers later itself) or
+raise `ApiError`; the
 base turns that into a V1 response, so every endpoint gets the same
 headers and error bodies without writing any. The methods an endpoint
 defines are the ones its route allows (others get 405 from the router).
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from twisted.internet.defer import Deferred
 from twisted.web.server import NOT_DONE_YET, Request
 
 from ..logs import get_logger
@@ -58,7 +60,20 @@ class Endpoint:
             return respond_v1(request, 500, "INTERNAL_ERROR")
         if result is LATER:
             return NOT_DONE_YET
+        if isinstance(result, Deferred):
+            result.addCallbacks(lambda value: finish_v1(request, 200, value),
+                                lambda failure: _failed(request, failure))
+            return NOT_DONE_YET
         return respond_v1(request, 200, result)
+
+
+def _failed(request: Request, failure) -> None:
+    """A handler's Deferred failed: its ApiError is the answer, anything else nsqd's 500."""
+    if failure.check(ApiError):
+        finish_v1(request, failure.value.code, failure.value.message)
+        return
+    log.failure("{method} {uri} failed", failure, method=request.method, uri=request.uri)
+    finish_v1(request, 500, "INTERNAL_ERROR")
 
 
 class PlainTextEndpoint(Endpoint):
