@@ -50,7 +50,7 @@ from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succe
 from twisted.web.server import Request
 
 from ..http.args import query_of
-from ..http.config import config_name, log_level_of, option_value
+from ..http.config import addresses_of, config_name, log_level_of, option_value
 from ..http.peek import STATES, count_arg, state_arg
 from ..http.response import dumps
 from ..logs import get_logger, set_log_level
@@ -568,15 +568,7 @@ class AdminConfig(AdminEndpoint):
         admin = self.admin
         if name == "nsqlookupd_http_addresses":
             try:
-                addresses = json.loads(body)
-            except (ValueError, RecursionError):
-                raise ApiError(400, "INVALID_VALUE") from None
-            if addresses is None:
-                addresses = []
-            if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-                raise ApiError(400, "INVALID_VALUE")
-            try:
-                addresses = _OPTIONS[name].parse(addresses)
+                addresses = _OPTIONS[name].parse(addresses_of(body))
             except ValueError:
                 raise ApiError(400, "INVALID_VALUE") from None
             admin.settings = admin.settings.replace(lookupd_http_address=addresses)

@@ -28,7 +28,7 @@ from .endpoint import Endpoint, read_body
 from .response import ApiError
 from .status import nanoseconds
 
-__all__ = ["Config", "config_name", "log_level_of", "option_value"]
+__all__ = ["Config", "addresses_of", "config_name", "log_level_of", "option_value"]
 
 # nsqd's lg.LogLevel numbers, which /config/log_level reports.
 _LOG_LEVEL_NUMBERS = {name: i for i, name in enumerate(LEVELS, start=1)}
@@ -56,16 +56,7 @@ class Config(Endpoint):
         if not body or len(body) == limit:
             raise ApiError(413, "INVALID_VALUE")
         if name == "nsqlookupd_tcp_addresses":
-            try:
-                addresses = json.loads(body)
-            except (ValueError, RecursionError):
-                # Go's decoder stops at 10000 levels, Python's before: either way not a []string.
-                raise ApiError(400, "INVALID_VALUE") from None
-            if addresses is None:
-                addresses = []
-            if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
-                raise ApiError(400, "INVALID_VALUE")
-            changes = {"lookupd_tcp_address": addresses}
+            changes = {"lookupd_tcp_address": addresses_of(body)}
         elif name == "log_level":
             changes = {"log_level": log_level_of(body)}
         else:
@@ -98,6 +89,20 @@ def option_value(opt: Option, settings) -> Any:
     if opt.kind == "list":
         return list(value)
     return value
+
+
+def addresses_of(body: bytes) -> list[str]:
+    """A PUT of an address list: a JSON []string (null is empty), else 400 INVALID_VALUE."""
+    try:
+        addresses = json.loads(body)
+    except (ValueError, RecursionError):
+        # Go's decoder stops at 10000 levels, Python's before: either way not a []string.
+        raise ApiError(400, "INVALID_VALUE") from None
+    if addresses is None:
+        return []
+    if not isinstance(addresses, list) or not all(isinstance(a, str) for a in addresses):
+        raise ApiError(400, "INVALID_VALUE")
+    return addresses
 
 
 def log_level_of(body: bytes) -> str:
