@@ -26,6 +26,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 import lmdb
@@ -48,7 +49,7 @@ from .snapshot import (
     utc_stamp,
 )
 
-__all__ = ["FIELDS", "LiveQueue", "LiveState", "held_bytes", "write_live_snapshot"]
+__all__ = ["FIELDS", "LiveQueue", "LiveState", "write_live_snapshot"]
 
 # The attributes of a message a capture takes, in this order (one
 # attrgetter call per message): everything of its record, and its store key.
@@ -107,6 +108,17 @@ class LiveState:
     clients: list[dict[str, str]]
     left_out: list[dict[str, Any]]
     capture_seconds: float
+
+    @cached_property
+    def held_bytes(self) -> int:
+        """About what the held rows add to a snapshot (keys, headers, bodies): counted once."""
+        overhead = KEY.size + HELD.size + RECORD.size
+        total = 0
+        for q in self.queues:
+            total += sum(overhead + len(m.body) for m in q.queued)
+            total += sum(overhead + len(e[1][-1]) for e in q.deferred)
+            total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
+        return total
 
 
 def _held_rows(queue: LiveQueue) -> list[tuple[bytes, bytes]]:
@@ -209,7 +221,7 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
     """
     data_file = os.path.join(tmp, "data.mdb")
     size = os.path.getsize(data_file) if os.path.exists(data_file) else 0
-    map_size = size + 2 * held_bytes(state) + _SLACK
+    map_size = size + 2 * state.held_bytes + _SLACK
     removed: dict[int, int] = {}
     env = lmdb.open(tmp, map_size=map_size, max_dbs=8, subdir=True, sync=False, metasync=False,
                     readahead=False)
@@ -237,17 +249,6 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
     finally:
         env.close()
     return removed
-
-
-def held_bytes(state: LiveState) -> int:
-    """About what the held rows of `state` add to a snapshot (keys, headers, bodies)."""
-    overhead = KEY.size + HELD.size + RECORD.size
-    total = 0
-    for q in state.queues:
-        total += sum(overhead + len(m.body) for m in q.queued)
-        total += sum(overhead + len(e[1][-1]) for e in q.deferred)
-        total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
-    return total
 
 
 def _queue_info(stored: QueueInfo | None, live: LiveQueue | None, removed: int) -> QueueInfo:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from twisted.web.server import Request
 
+from spark_bridge.snapshot import STATES
+
 from .admin import ChannelEndpoint, TopicEndpoint
 from .args import Query, query_of, topic_arg
 from .response import ApiError
@@ -41,7 +43,6 @@ __all__ = ["ChannelPeek", "DEFAULT_PEEK", "MAX_PEEK", "STATES", "TopicPeek", "co
 
 DEFAULT_PEEK = 20
 MAX_PEEK = 1000
-STATES = ("queued", "in_flight", "deferred")
 
 _DIGITS = re.compile(r"[0-9]+")
 

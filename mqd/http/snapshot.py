@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from twisted.internet import threads
 from twisted.web.server import Request
 
-from spark_bridge.live import LiveState, held_bytes, write_live_snapshot
+from spark_bridge.live import LiveState, write_live_snapshot
 from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists
 
 from ..capture import StoreNotReady, capture
@@ -108,7 +108,7 @@ def snapshot_into(state: LiveState, env, txn, base: str, name: str, max_bytes: i
             raise SnapshotExists(f"{out}: already exists")
         if max_bytes:
             # A compact copy is never larger than the pages the store uses.
-            estimate = held_bytes(state)
+            estimate = state.held_bytes
             if env is not None:
                 estimate += (env.info()["last_pgno"] + 1) * env.stat()["psize"]
             used = disk_use(base)
