@@ -428,26 +428,6 @@ def test_defect18_new_store_on_full_disk_is_one_clear_error(tmp_path, clock, mon
 # -- the same on a real broker and a real full disk (a tmpfs, root only) ---------------------
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """tmpfs(size_mb) -> the mount point of a tmpfs of that size, unmounted at teardown."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (run as root to test a full disk)")
-    mounts: list[Path] = []
-
-    def mount(size_mb: int) -> Path:
-        mnt = tmp_path / f"tmpfs{len(mounts)}"
-        mnt.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-        mounts.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounts:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 class _Broker(BrokerProcess):

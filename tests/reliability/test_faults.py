@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -61,20 +60,9 @@ def test_kill_9_in_a_loop_loses_no_acknowledged_message(start_broker):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 16 MB tmpfs of its own, so the broker's data path can really fill up."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (run as root to test a full disk)")
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs(16)
 
 
 def _fill(path: Path) -> Path:
