@@ -201,14 +201,19 @@ class _PeerFactory(Factory):
         return proto
 
 
-def client_endpoint(reactor, address: str):
-    """`host:port` or `[v6]:port` as a client endpoint with nsqd's 1 s dial timeout."""
+def client_endpoint(reactor, address: str, timeout: float = COMMAND_TIMEOUT, bind_address=None):
+    """`host:port` or `[v6]:port` as a client endpoint with nsqd's 1 s dial timeout.
+
+    Also the NSQ client's (mqd.client), with its dial_timeout and local_addr.
+    """
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"bad lookupd address {address!r}")
     if host.startswith("[") and host.endswith("]"):
-        return endpoints.TCP6ClientEndpoint(reactor, host[1:-1], int(port), timeout=COMMAND_TIMEOUT)
-    return endpoints.HostnameEndpoint(reactor, host, int(port), timeout=COMMAND_TIMEOUT)
+        return endpoints.TCP6ClientEndpoint(reactor, host[1:-1], int(port), timeout=timeout,
+                                            bindAddress=bind_address)
+    return endpoints.HostnameEndpoint(reactor, host, int(port), timeout=timeout,
+                                      bindAddress=bind_address)
 
 
 class LookupPeer:

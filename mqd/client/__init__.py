@@ -1,0 +1,33 @@
+"""txnsq: a Twisted-native NSQ client (go-nsq's model), shipped with mqd.
+
+It lives inside the `mqd` package rather than as a top-level `txnsq`
+because it shares the broker's codecs (snappy, deflate), frame constants
+and name rules: one implementation of each, checked against the broker's
+own tests. It speaks only NSQ's protocol and works against any nsqd.
+"""
+
+from .config import Config
+from .consumer import Consumer
+from .errors import (
+    ClientConfigError,
+    ConnectionClosed,
+    HeartbeatTimeout,
+    NSQError,
+    ProducerFullError,
+    StoppedError,
+)
+from .message import Message
+from .producer import Producer
+
+__all__ = [
+    "ClientConfigError",
+    "Config",
+    "ConnectionClosed",
+    "Consumer",
+    "HeartbeatTimeout",
+    "Message",
+    "NSQError",
+    "Producer",
+    "ProducerFullError",
+    "StoppedError",
+]

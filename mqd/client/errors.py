@@ -1,0 +1,207 @@
+"""What the client raises: nsqd's error frames as exceptions, and the client's own failures.
+
+An error frame is `CODE description`; each code nsqd sends has its own
+class so callers can catch the one they care about (`BadTopicError`)
+while `NSQError` catches them all. `.fatal` says whether nsqd closes the
+connection after sending it: only FIN/REQ/TOUCH failures leave it open
+(nsq-protocol.md §5), which is what lets the connection tell a command's
+answer from a complaint about an earlier fire-and-forget FIN.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NSQError",
+    "BadProtocolError",
+    "InvalidError",
+    "BadBodyError",
+    "BadTopicError",
+    "BadChannelError",
+    "BadMessageError",
+    "PubFailedError",
+    "MPubFailedError",
+    "DPubFailedError",
+    "SubFailedError",
+    "IdentifyFailedError",
+    "AuthFirstError",
+    "AuthFailedError",
+    "AuthDisabledError",
+    "UnauthorizedError",
+    "AuthError",
+    "FinFailedError",
+    "ReqFailedError",
+    "TouchFailedError",
+    "ERROR_CLASSES",
+    "error_from_frame",
+    "ConnectionClosed",
+    "HeartbeatTimeout",
+    "ClientConfigError",
+    "ProducerFullError",
+    "StoppedError",
+]
+
+
+class NSQError(Exception):
+    """An error frame from nsqd (or one the client makes up in its terms).
+
+    A code nsqd does not document (a newer server's) still arrives as a
+    plain NSQError carrying it, fatal unless the code says otherwise,
+    since unknown trouble is safer treated as closing the connection.
+    """
+
+    code: str = ""
+    fatal: bool = True
+
+    def __init__(self, code: str | None = None, detail: str = "", fatal: bool | None = None) -> None:
+        if code is None:
+            code = type(self).code
+        super().__init__(code, detail)
+        self.code = code
+        self.detail = detail
+        if fatal is not None:
+            self.fatal = fatal
+
+    def __str__(self) -> str:
+        return f"{self.code} {self.detail}" if self.detail else self.code
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self)!r})"
+
+
+class BadProtocolError(NSQError):
+    code = "E_BAD_PROTOCOL"
+
+
+class InvalidError(NSQError):
+    code = "E_INVALID"
+
+
+class BadBodyError(NSQError):
+    code = "E_BAD_BODY"
+
+
+class BadTopicError(NSQError):
+    code = "E_BAD_TOPIC"
+
+
+class BadChannelError(NSQError):
+    code = "E_BAD_CHANNEL"
+
+
+class BadMessageError(NSQError):
+    code = "E_BAD_MESSAGE"
+
+
+class PubFailedError(NSQError):
+    code = "E_PUB_FAILED"
+
+
+class MPubFailedError(NSQError):
+    code = "E_MPUB_FAILED"
+
+
+class DPubFailedError(NSQError):
+    code = "E_DPUB_FAILED"
+
+
+class SubFailedError(NSQError):
+    code = "E_SUB_FAILED"
+
+
+class IdentifyFailedError(NSQError):
+    code = "E_IDENTIFY_FAILED"
+
+
+class AuthFirstError(NSQError):
+    code = "E_AUTH_FIRST"
+
+
+class AuthFailedError(NSQError):
+    code = "E_AUTH_FAILED"
+
+
+class AuthDisabledError(NSQError):
+    code = "E_AUTH_DISABLED"
+
+
+class UnauthorizedError(NSQError):
+    code = "E_UNAUTHORIZED"
+
+
+class AuthError(NSQError):
+    code = "E_AUTH_ERROR"
+
+
+class FinFailedError(NSQError):
+    code = "E_FIN_FAILED"
+    fatal = False
+
+
+class ReqFailedError(NSQError):
+    code = "E_REQ_FAILED"
+    fatal = False
+
+
+class TouchFailedError(NSQError):
+    code = "E_TOUCH_FAILED"
+    fatal = False
+
+
+ERROR_CLASSES: dict[str, type[NSQError]] = {
+    cls.code: cls
+    for cls in (
+        BadProtocolError, InvalidError, BadBodyError, BadTopicError, BadChannelError,
+        BadMessageError, PubFailedError, MPubFailedError, DPubFailedError, SubFailedError,
+        IdentifyFailedError, AuthFirstError, AuthFailedError, AuthDisabledError,
+        UnauthorizedError, AuthError, FinFailedError, ReqFailedError, TouchFailedError,
+    )
+}
+
+
+def error_from_frame(payload: bytes) -> NSQError:
+    """The exception for an error frame's payload (`CODE description`)."""
+    text = bytes(payload).decode("utf-8", "replace")
+    code, _, detail = text.partition(" ")
+    cls = ERROR_CLASSES.get(code)
+    if cls is None:
+        return NSQError(code, detail)
+    return cls(code, detail)
+
+
+class ConnectionClosed(Exception):
+    """A command's connection ended before its answer came.
+
+    `.reason` is what ended it (a Failure or an exception), so a caller
+    can tell a server that closed from a network that failed.
+    """
+
+    def __init__(self, reason=None, message: str = "connection closed") -> None:
+        super().__init__(message, reason)
+        self.reason = reason
+        self.message = message
+
+    def __str__(self) -> str:
+        reason = self.reason
+        if reason is None:
+            return self.message
+        value = getattr(reason, "value", reason)  # a Failure's exception
+        return f"{self.message}: {value}"
+
+
+class HeartbeatTimeout(ConnectionClosed):
+    """Nothing was read for `read_timeout`: the server or the network is gone."""
+
+    def __init__(self, reason=None, message: str = "no data read within read_timeout") -> None:
+        super().__init__(reason, message)
+
+
+class ClientConfigError(ValueError):
+    """A client option is unknown, of the wrong type or out of its range."""
+
+
+class ProducerFullError(Exception):
+    """Too many publishes are waiting: the caller must slow down (backpressure)."""
+
+
+class StoppedError(Exception):
+    """The producer or consumer is stopping or stopped and takes no new work."""

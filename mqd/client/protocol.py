@@ -1,0 +1,565 @@
+"""One NSQ V2 client connection: handshake, pipelined commands, messages, heartbeats.
+
+The handshake is go-nsq's (conn.go): magic, IDENTIFY with feature
+negotiation, then the upgrades the server agreed to in nsqd's order (TLS,
+whose OK comes encrypted; then snappy or deflate, whose OK comes
+compressed), then AUTH when the server requires it. `ready` fires once
+all of that is done.
+
+After it, commands that get an answer (PUB, MPUB, DPUB, SUB, CLS) return
+a Deferred and may be pipelined: nsqd answers in order, so answers are
+matched first-in first-out, as go-nsq's producer does. The exceptions are
+the heartbeat (answered with NOP, pops nothing) and the non-fatal errors
+about fire-and-forget FIN/REQ/TOUCH (reported to the delegate, pop
+nothing). RDY, FIN, REQ, TOUCH and NOP are plain writes of bytes.
+
+Frames are parsed in one loop over the bytes read with `unpack_from`, no
+per-frame allocation beyond the payload; a frame split across reads is
+kept as chunks until its size has arrived (not re-joined per read).
+Compressed input is decoded in bounded steps with the broker's codecs
+(mqd/protocol/compression.py), each step parsed before the next.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import deque
+from typing import Any
+
+from twisted.internet import defer, protocol
+from twisted.protocols.policies import TimeoutMixin
+from twisted.python.failure import Failure
+
+from ..logs import get_logger
+from ..lookup.peer import client_endpoint as _endpoint
+from ..protocol.compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
+from ..protocol.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE
+from .config import Config
+from .errors import ConnectionClosed, HeartbeatTimeout, NSQError, error_from_frame
+from .message import Message
+
+__all__ = [
+    "MAGIC_V2",
+    "ConnectionDelegate",
+    "NSQClientProtocol",
+    "ConnectionFactory",
+    "client_endpoint",
+    "connect",
+]
+
+log = get_logger("mqd.client")
+
+MAGIC_V2 = b"  V2"
+DEFAULT_MAX_RDY_COUNT = 2500
+# Compressed input is inflated at most this much at a time, each step
+# parsed before the next, so a small input that inflates to gigabytes does
+# not become one buffer (the broker's INFLATE_STEP, for the same reason).
+INFLATE_STEP = 64 * 1024
+
+_HEADER = struct.Struct(">ii")
+_unpack_header = _HEADER.unpack_from
+_MSG = struct.Struct(">qH16s")
+_unpack_msg = _MSG.unpack_from
+_MSG_BODY = 8 + _MSG.size  # a message frame's body offset from its size field
+_pack_size = struct.Struct(">I").pack
+_HEARTBEAT = b"_heartbeat_"
+_OK = b"OK"
+
+# Handshake steps: the answer each waits for.
+_IDENTIFY = "identify"
+_TLS = "tls"
+_COMPRESSION = "compression"
+_AUTH = "auth"
+
+
+class ConnectionDelegate:
+    """What a connection tells its owner (the producer or consumer); every method optional."""
+
+    def message_received(self, conn: NSQClientProtocol, msg: Message) -> None:
+        """A message arrived; the owner hands it to its handler."""
+
+    def message_finished(self, conn: NSQClientProtocol, msg: Message) -> None:
+        """FIN was sent for `msg` (the owner's success count for backoff)."""
+
+    def message_requeued(self, conn: NSQClientProtocol, msg: Message, backoff: bool) -> None:
+        """REQ was sent for `msg`; `backoff` says whether it counts as a failure."""
+
+    def connection_ready(self, conn: NSQClientProtocol) -> None:
+        """The handshake is done: commands may be sent."""
+
+    def connection_error(self, conn: NSQClientProtocol, err: NSQError) -> None:
+        """An error frame that answers no command (FIN/REQ/TOUCH failed, or a fatal one unasked)."""
+
+    def heartbeat(self, conn: NSQClientProtocol) -> None:
+        """nsqd sent a heartbeat (already answered with NOP)."""
+
+    def connection_closed(self, conn: NSQClientProtocol, reason: Failure) -> None:
+        """The connection is gone: the fatal NSQError, HeartbeatTimeout, or the transport's reason."""
+
+
+_NO_DELEGATE = ConnectionDelegate()
+
+
+class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
+    """One connection to one nsqd, speaking V2 (see the module docstring)."""
+
+    def __init__(self, config: Config, delegate: ConnectionDelegate | None, address: str,
+                 clock=None) -> None:
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self.config = config
+        self.delegate = delegate if delegate is not None else _NO_DELEGATE
+        self.address = address
+        self.clock = clock
+        self.callLater = clock.callLater  # TimeoutMixin's timer on our clock
+        self.ready: defer.Deferred = defer.Deferred()
+        self.server: dict[str, Any] = {}
+        self.auth: dict[str, Any] | None = None
+        # State the consumer reads.
+        self.rdy_count = 0
+        self.last_rdy_count = 0
+        self.last_rdy_at = 0.0
+        self.last_message_at = 0.0
+        self.in_flight = 0
+        self.max_rdy_count = DEFAULT_MAX_RDY_COUNT
+        self.closing = False
+        self.connected = False
+        self.tls = False
+        self.compression: str | None = None
+        # Internals.
+        self._step: str | None = _IDENTIFY
+        self._waiting: deque[defer.Deferred] = deque()  # commands' answers, in order
+        self._held: list[bytes] = []  # commands written before the handshake ended
+        self._chunks: list[bytes] = []  # an incomplete frame, as read
+        self._chunks_len = 0
+        self._need = 0
+        self._codec = None
+        self._closed = False  # lost, or we are closing it: nothing more is parsed or sent
+        self._error: BaseException | None = None  # why it closed, when we know better than the transport
+        self._closed_error: ConnectionClosed | None = None  # what commands fail with once it is lost
+
+    def __repr__(self) -> str:
+        return f"<NSQClientProtocol {self.address}>"
+
+    # -- connection ----------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        # BaseProtocol.makeConnection set it to 1; here it means "handshake done".
+        self.connected = False
+        self.setTimeout(self.config.read_timeout)
+        body = self.config.identify_body()
+        self.transport.write(MAGIC_V2 + b"IDENTIFY\n" + _pack_size(len(body)) + body)
+
+    def timeoutConnection(self) -> None:
+        log.warn("{address}: nothing read for {timeout} s; closing", address=self.address,
+                 timeout=self.config.read_timeout)
+        self._abort(HeartbeatTimeout(), hard=True)
+
+    def close(self) -> None:
+        """Close the connection now (the consumer uses CLS first to drain in-flight messages)."""
+        self.connected = False
+        if not self._closed:
+            self._closed = True
+            self.transport.loseConnection()
+
+    def _abort(self, error: BaseException, hard: bool = False) -> None:
+        """Close for a reason of ours (bad frame, timeout, failed handshake): it becomes the report.
+
+        `hard` (a silent peer) aborts: a clean close would wait for unsent
+        bytes to drain, which a dead peer never lets happen.
+        """
+        if self._error is None:
+            self._error = error
+        self.connected = False
+        if not self.ready.called:
+            self.ready.errback(Failure(error))
+        if not self._closed:
+            self._closed = True
+            if hard:
+                self.transport.abortConnection()
+            else:
+                self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        """Fail `ready` (if the handshake had not ended), tell the delegate, then fail the commands.
+
+        The delegate hears first, so that the commands' errbacks (a
+        producer's, say) already see the connection as gone and do not
+        send anything more on it.
+        """
+        self.setTimeout(None)
+        self._closed = True
+        self.connected = False
+        self._chunks = []
+        error = self._error
+        if error is None:
+            report = reason
+            closed = ConnectionClosed(reason)
+        else:
+            report = Failure(error)
+            closed = error if isinstance(error, ConnectionClosed) else ConnectionClosed(error)
+        self._closed_error = closed
+        waiting, self._waiting = self._waiting, deque()
+        self._held = []
+        if not self.ready.called:
+            self.ready.errback(Failure(error if error is not None else closed))
+        self.delegate.connection_closed(self, report)
+        for d in waiting:
+            d.errback(Failure(closed))
+
+    # -- reading -------------------------------------------------------------
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self.resetTimeout()
+        if self._codec is not None:
+            self._inflate(data)
+        else:
+            self._parse(data, False)
+
+    def _inflate(self, data: bytes) -> None:
+        """Decode compressed input a bounded step at a time, parsing each step."""
+        codec = self._codec
+        try:
+            out = codec.decompress(data, INFLATE_STEP)
+            while True:
+                if out:
+                    self._parse(out, True)
+                if self._closed or not codec.has_more:
+                    return
+                out = codec.decompress(b"", INFLATE_STEP)
+        except CompressionError as e:
+            log.warn("{address}: bad compressed data ({error}); closing", address=self.address,
+                     error=str(e))
+            self._abort(ConnectionClosed(e, "bad compressed data"))
+
+    def _parse(self, data: bytes, compressed: bool) -> None:
+        """Handle every complete frame in `data`, keeping an incomplete one for the next read."""
+        if self._chunks:
+            self._chunks.append(data)
+            self._chunks_len += len(data)
+            if self._chunks_len < self._need:
+                return
+            data = b"".join(self._chunks)
+            self._chunks = []
+        pos = 0
+        end = len(data)
+        while pos < end:
+            if end - pos < 8:
+                self._keep(data[pos:], 8)
+                return
+            size, frame_type = _unpack_header(data, pos)
+            frame_end = pos + 4 + size
+            if size < 4:
+                self._bad_frame(f"frame size {size}")
+                return
+            if frame_end > end:
+                self._keep(data[pos:], frame_end - pos)
+                return
+            if frame_type == FRAME_TYPE_MESSAGE:
+                if size < _MSG_BODY - 4:
+                    self._bad_frame(f"message frame of {size} bytes")
+                    return
+                if self._step is not None:
+                    self._bad_frame("message before the handshake ended")
+                    return
+                timestamp, attempts, msg_id = _unpack_msg(data, pos + 8)
+                msg = Message(msg_id, data[pos + _MSG_BODY:frame_end], timestamp, attempts,
+                              self.address, self)
+                self.in_flight += 1
+                self.last_message_at = self.clock.seconds()
+                self.delegate.message_received(self, msg)
+            elif frame_type == FRAME_TYPE_RESPONSE:
+                payload = data[pos + 8:frame_end]
+                if payload == _HEARTBEAT:
+                    self.nop()
+                    self.delegate.heartbeat(self)
+                elif self._step is not None:
+                    self._handshake_answer(payload)
+                    if self._codec is not None and not compressed:
+                        # The rest of this read is the compressed stream.
+                        rest = data[frame_end:]
+                        if rest and not self._closed:
+                            self._inflate(rest)
+                        return
+                elif self._waiting:
+                    self._waiting.popleft().callback(payload)
+                else:
+                    log.warn("{address}: unexpected response {payload!r}", address=self.address,
+                             payload=payload[:64])
+            elif frame_type == FRAME_TYPE_ERROR:
+                self._error_frame(error_from_frame(data[pos + 8:frame_end]))
+            else:
+                self._bad_frame(f"frame type {frame_type}")
+                return
+            if self._closed:
+                return
+            pos = frame_end
+
+    def _keep(self, rest: bytes, need: int) -> None:
+        self._chunks = [rest]
+        self._chunks_len = len(rest)
+        self._need = need
+
+    def _bad_frame(self, what: str) -> None:
+        log.warn("{address}: bad {what}; closing", address=self.address, what=what)
+        self._abort(ConnectionClosed(None, f"protocol error: bad {what}"))
+
+    def _error_frame(self, err: NSQError) -> None:
+        """Non-fatal: about an earlier FIN/REQ/TOUCH, no command waits for it. Fatal: the
+        head command's answer (or the handshake's), and nsqd closes the connection."""
+        if not err.fatal:
+            log.debug("{address}: {error}", address=self.address, error=str(err))
+            self.delegate.connection_error(self, err)
+            return
+        log.warn("{address}: {error}", address=self.address, error=str(err))
+        if self._step is not None:
+            self._fail_handshake(err)
+            return
+        if self._waiting:
+            self._waiting.popleft().errback(Failure(err))
+        else:
+            self.delegate.connection_error(self, err)
+        self._abort(err)
+
+    # -- handshake -----------------------------------------------------------
+
+    def _handshake_answer(self, payload: bytes) -> None:
+        step = self._step
+        if step == _IDENTIFY:
+            if payload == _OK:
+                # A server without feature negotiation: no upgrades, no auth.
+                self.server = {}
+            else:
+                try:
+                    server = json.loads(payload)
+                except ValueError:
+                    server = None
+                if not isinstance(server, dict):
+                    self._fail_handshake(ConnectionClosed(None, "IDENTIFY answer is not a JSON object"))
+                    return
+                self.server = server
+                max_rdy = server.get("max_rdy_count")
+                if isinstance(max_rdy, int) and max_rdy > 0:
+                    self.max_rdy_count = max_rdy
+            if self.config.tls_v1 and not self.server.get("tls_v1"):
+                # go-nsq goes on in plaintext; a client that asked for TLS should not.
+                self._fail_handshake(ConnectionClosed(None, "server did not agree to tls_v1"))
+                return
+            self._upgrade_tls()
+        elif payload != _OK and step != _AUTH:
+            self._fail_handshake(ConnectionClosed(None, f"unexpected {step} answer {payload[:64]!r}"))
+        elif step == _TLS:
+            self._upgrade_compression()
+        elif step == _COMPRESSION:
+            self._authenticate()
+        else:
+            try:
+                auth = json.loads(payload)
+            except ValueError:
+                auth = None
+            if not isinstance(auth, dict):
+                self._fail_handshake(ConnectionClosed(None, "AUTH answer is not a JSON object"))
+                return
+            self.auth = auth
+            log.info("{address}: authenticated as {identity!r} ({count} permissions)",
+                     address=self.address, identity=auth.get("identity", ""),
+                     count=auth.get("permission_count", 0))
+            self._handshake_done()
+
+    def _upgrade_tls(self) -> None:
+        if not self.server.get("tls_v1"):
+            self._upgrade_compression()
+            return
+        start_tls = getattr(self.transport, "startTLS", None)
+        if start_tls is None:
+            self._fail_handshake(ConnectionClosed(None, "transport cannot start TLS"))
+            return
+        host = self.address.rpartition(":")[0] or self.address
+        try:
+            creator = self.config.tls_creator(host)
+        except Exception as e:  # noqa: BLE001 - a bad file, reported as the handshake's failure
+            self._fail_handshake(e)
+            return
+        start_tls(creator)
+        self.tls = True
+        self._step = _TLS  # nsqd's OK comes over TLS
+
+    def _upgrade_compression(self) -> None:
+        server = self.server
+        if server.get("snappy"):
+            codec = SnappyCodec()
+            self.compression = "snappy"
+        elif server.get("deflate"):
+            level = server.get("deflate_level")
+            if not isinstance(level, int) or not 1 <= level <= 9:
+                level = self.config.deflate_level
+            codec = DeflateCodec(level)
+            self.compression = "deflate"
+        else:
+            self._authenticate()
+            return
+        self.transport = CompressedTransport(self.transport, codec)
+        self._codec = codec  # _parse hands the rest of this read to it
+        self._step = _COMPRESSION  # nsqd's OK comes compressed
+
+    def _authenticate(self) -> None:
+        if not self.server.get("auth_required"):
+            self._handshake_done()
+            return
+        secret = self.config.auth_secret
+        if not secret:
+            self._fail_handshake(NSQError("E_AUTH_REQUIRED", "auth required but no auth_secret"))
+            return
+        body = secret.encode()
+        self._step = _AUTH
+        self.transport.write(b"AUTH\n" + _pack_size(len(body)) + body)
+
+    def _handshake_done(self) -> None:
+        self._step = None
+        self.connected = True
+        held, self._held = self._held, []
+        if held:
+            self.transport.writeSequence(held)
+        self.delegate.connection_ready(self)
+        if not self.ready.called:
+            self.ready.callback(self)
+
+    def _fail_handshake(self, error: BaseException) -> None:
+        log.warn("{address}: handshake failed: {error}", address=self.address, error=str(error))
+        self._abort(error)
+
+    # -- commands with an answer ------------------------------------------------
+
+    def command(self, line: bytes, body: bytes | None = None) -> defer.Deferred:
+        """Send a command whose answer comes back (PUB, MPUB, DPUB, SUB, CLS, ...).
+
+        `line` ends with a newline; `body`, when given, is sent with its
+        size. The Deferred fires with the response payload (b"OK"), or
+        fails with the NSQError of the error frame, or ConnectionClosed.
+        Before the handshake ends the bytes wait and go out after it.
+        """
+        if self._closed:
+            closed = self._closed_error
+            if closed is None:  # closing: the server has not closed yet
+                closed = ConnectionClosed(self._error, "connection closing")
+            return defer.fail(closed)
+        d = defer.Deferred()
+        self._waiting.append(d)
+        if body is None:
+            data = line
+        else:
+            data = b"".join((line, _pack_size(len(body)), body))
+        if self._step is None:
+            self.transport.write(data)
+        else:
+            self._held.append(data)
+        return d
+
+    def pub(self, topic: str, body: bytes) -> defer.Deferred:
+        return self.command(b"PUB %s\n" % topic.encode(), body)
+
+    def mpub(self, topic: str, bodies) -> defer.Deferred:
+        parts = [_pack_size(len(bodies))]
+        for body in bodies:
+            parts.append(_pack_size(len(body)))
+            parts.append(body)
+        return self.command(b"MPUB %s\n" % topic.encode(), b"".join(parts))
+
+    def dpub(self, topic: str, delay_ms: int, body: bytes) -> defer.Deferred:
+        return self.command(b"DPUB %s %d\n" % (topic.encode(), delay_ms), body)
+
+    def sub(self, topic: str, channel: str) -> defer.Deferred:
+        return self.command(b"SUB %s %s\n" % (topic.encode(), channel.encode()))
+
+    def cls(self) -> defer.Deferred:
+        """CLS: nsqd stops sending and answers CLOSE_WAIT; in-flight messages may still be answered."""
+        self.closing = True
+        return self.command(b"CLS\n")
+
+    # -- fire and forget -----------------------------------------------------
+
+    def rdy(self, count: int) -> None:
+        self.transport.write(b"RDY %d\n" % count)
+        self.rdy_count = count
+        self.last_rdy_count = count
+        if count > 0:
+            self.last_rdy_at = self.clock.seconds()
+
+    def fin(self, msg_id: bytes) -> None:
+        self.transport.write(b"FIN " + msg_id + b"\n")
+
+    def req(self, msg_id: bytes, delay_ms: int) -> None:
+        self.transport.write(b"REQ %s %d\n" % (msg_id, delay_ms))
+
+    def touch(self, msg_id: bytes) -> None:
+        self.transport.write(b"TOUCH " + msg_id + b"\n")
+
+    def nop(self) -> None:
+        self.transport.write(b"NOP\n")
+
+    # -- a message's responses (Message's delegate) -------------------------------
+
+    def finish_message(self, msg: Message) -> None:
+        self.transport.write(b"FIN " + msg.id + b"\n")
+        self.in_flight -= 1
+        self.delegate.message_finished(self, msg)
+
+    def requeue_message(self, msg: Message, delay: float | None, backoff: bool) -> None:
+        """REQ; without a delay, default_requeue_delay × attempts capped by max_requeue_delay (go-nsq)."""
+        config = self.config
+        if delay is None or delay < 0:
+            delay = min(config.default_requeue_delay * msg.attempts, config.max_requeue_delay)
+        self.transport.write(b"REQ %s %d\n" % (msg.id, int(delay * 1000)))
+        self.in_flight -= 1
+        self.delegate.message_requeued(self, msg, backoff)
+
+    def touch_message(self, msg: Message) -> None:
+        self.transport.write(b"TOUCH " + msg.id + b"\n")
+
+
+class ConnectionFactory(protocol.Factory):
+    """Builds the one NSQClientProtocol of a connection attempt."""
+
+    noisy = False
+
+    def __init__(self, config: Config, delegate: ConnectionDelegate | None, address: str,
+                 clock=None) -> None:
+        self.config = config
+        self.delegate = delegate
+        self.address = address
+        self.clock = clock
+
+    def buildProtocol(self, addr) -> NSQClientProtocol:
+        proto = NSQClientProtocol(self.config, self.delegate, self.address, self.clock)
+        proto.factory = self
+        return proto
+
+
+def _bind_address(local_addr: str | None):
+    """config.local_addr ("host", "host:port", "[v6]:port") as an endpoint's bindAddress."""
+    if not local_addr:
+        return None
+    host, sep, port = local_addr.rpartition(":")
+    if sep and port.isdigit() and (not host.count(":") or host.startswith("[")):
+        return (host.strip("[]"), int(port))
+    return (local_addr.strip("[]"), 0)
+
+
+def client_endpoint(reactor, address: str, timeout: float, local_addr: str | None = None):
+    """`host:port` or `[v6]:port` of an nsqd as a client endpoint; ValueError if malformed."""
+    try:
+        return _endpoint(reactor, address, timeout=timeout, bind_address=_bind_address(local_addr))
+    except ValueError:
+        raise ValueError(f"bad nsqd address {address!r}") from None
+
+
+def connect(reactor, address: str, config: Config,
+            delegate: ConnectionDelegate | None = None) -> defer.Deferred:
+    """Connect to the nsqd at `address`: fires with the protocol once its handshake is done."""
+    endpoint = client_endpoint(reactor, address, config.dial_timeout, config.local_addr)
+    d = endpoint.connect(ConnectionFactory(config, delegate, address, clock=reactor))
+    d.addCallback(lambda proto: proto.ready)
+    return d

@@ -1,0 +1,602 @@
+"""mqd.client.consumer: the real NSQClientProtocol over StringTransports, on a task.Clock.
+
+Each test plays nsqd: it answers the handshake and SUB, sends message
+frames and reads back what the consumer wrote (SUB, RDY, FIN, REQ, CLS).
+Connections come from a fake endpoint (Consumer's `endpoint_factory`),
+so the consumer's ClientServices, backoff and redistribution all run on
+the test's clock.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from treq.testing import StubTreq
+from twisted.internet import defer
+from twisted.internet.error import ConnectionDone, ConnectionRefusedError
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.web.resource import Resource
+from zope.interface import implementer
+
+from mqd.client.consumer import STOP_TIMEOUT, Consumer
+from mqd.client.errors import ClientConfigError
+
+RESPONSE, ERROR, MESSAGE = 0, 1, 2
+
+
+def frame(ftype: int, payload: bytes) -> bytes:
+    return struct.pack(">ii", len(payload) + 4, ftype) + payload
+
+
+def msg_id(n: int) -> bytes:
+    return b"%016x" % n
+
+
+class ServerTransport(StringTransport):
+    """Closing ends the connection on the next clock tick, as a reactor would."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.proto = None
+
+    def loseConnection(self) -> None:
+        if self.disconnecting:
+            return
+        self.disconnecting = True
+        self.clock.callLater(0, self.proto.connectionLost, Failure(ConnectionDone()))
+
+    abortConnection = loseConnection
+
+
+class Nsqd:
+    """The server end of one connection."""
+
+    def __init__(self, address: str, proto, transport: ServerTransport) -> None:
+        self.address = address
+        self.proto = proto
+        self.transport = transport
+        self._seen = 0
+
+    def send(self, ftype: int, payload: bytes) -> None:
+        self.proto.dataReceived(frame(ftype, payload))
+
+    def handshake(self, **server) -> None:
+        """Answer IDENTIFY (feature negotiation) and then SUB."""
+        assert self.transport.value().startswith(b"  V2IDENTIFY\n")
+        answer = {"max_rdy_count": 2500, "version": "1.3.0", "max_msg_timeout": 900000,
+                  "msg_timeout": 60000, "tls_v1": False, "deflate": False, "snappy": False,
+                  "auth_required": False, "output_buffer_size": 16384,
+                  "output_buffer_timeout": 250, "sample_rate": 0}
+        answer.update(server)
+        self.send(RESPONSE, json.dumps(answer).encode())
+        self.commands()  # the handshake's bytes
+        assert self.commands() == []
+        # (SUB went out when the handshake ended)
+
+    def subscribe(self, **server) -> list[bytes]:
+        before = len(self.transport.value())
+        self.handshake(**server)
+        self._seen = before
+        sub = self.commands()
+        assert sub == [b"SUB t c"], sub
+        self.send(RESPONSE, b"OK")
+        return self.commands()
+
+    def message(self, n: int, body: bytes = b"body", attempts: int = 1) -> None:
+        self.send(MESSAGE, struct.pack(">qH", 1_700_000_000_000_000_000, attempts) + msg_id(n) + body)
+
+    def commands(self) -> list[bytes]:
+        """Command lines written since the last call (skipping the handshake's bodies)."""
+        data = self.transport.value()
+        new, self._seen = data[self._seen:], len(data)
+        if new.startswith(b"  V2IDENTIFY\n"):
+            return []
+        return [line for line in new.split(b"\n") if line]
+
+    def rdy(self) -> list[int]:
+        return [int(c.split()[1]) for c in self.commands() if c.startswith(b"RDY ")]
+
+    def close(self) -> None:
+        self.transport.loseConnection()
+
+
+class Network:
+    """Endpoints for the consumer; every connection made is an Nsqd in `servers`."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.servers: dict[str, list[Nsqd]] = {}
+        self.refused: set[str] = set()
+        self.attempts: list[tuple[float, str]] = []
+
+    def endpoint(self, address: str):
+        network = self
+
+        @implementer(IStreamClientEndpoint)
+        class Endpoint:
+            def connect(self, factory):
+                network.attempts.append((network.clock.seconds(), address))
+                if address in network.refused:
+                    return defer.fail(ConnectionRefusedError(address))
+                proto = factory.buildProtocol(None)
+                transport = ServerTransport(network.clock)
+                transport.proto = proto
+                proto.makeConnection(transport)
+                network.servers.setdefault(address, []).append(
+                    Nsqd(address, proto._protocol if hasattr(proto, "_protocol") else proto,
+                         transport))
+                return defer.succeed(proto)
+
+        return Endpoint()
+
+    def last(self, address: str) -> Nsqd:
+        return self.servers[address][-1]
+
+
+@pytest.fixture
+def clock() -> Clock:
+    clock = Clock()
+    clock.advance(1000)
+    return clock
+
+
+@pytest.fixture
+def net(clock) -> Network:
+    return Network(clock)
+
+
+class PickLast:
+    """The random choice among connections is always the last one."""
+
+    def randrange(self, n: int) -> int:
+        return n - 1
+
+    def random(self) -> float:
+        return 0.5
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.messages = []
+        self.result = None
+
+    def __call__(self, msg):
+        self.messages.append(msg)
+        result = self.result
+        if isinstance(result, Exception):
+            raise result
+        if callable(result):
+            return result(msg)
+        return result
+
+
+def make(net, clock, handler=None, addresses=("a:4150",), **options) -> Consumer:
+    consumer = Consumer("t", "c", handler or Recorder(), nsqd_tcp_addresses=addresses,
+                        reactor=clock, endpoint_factory=net.endpoint, **options)
+    consumer.startService()
+    return consumer
+
+
+def test_subscribes_then_sends_rdy(net, clock):
+    consumer = make(net, clock, max_in_flight=2500)
+    server = net.last("a:4150")
+    assert server.subscribe() == [b"RDY 2500"]
+    assert consumer.stats.connections == 1
+    assert set(consumer.connections) == {"a:4150"}
+
+
+def test_rdy_capped_by_the_servers_max_rdy_count(net, clock):
+    make(net, clock, max_in_flight=2500)
+    assert net.last("a:4150").subscribe(max_rdy_count=100) == [b"RDY 100"]
+
+
+def test_rdy_spread_over_three_connections(net, clock):
+    make(net, clock, addresses=("a:1", "b:1", "c:1"), max_in_flight=10)
+    a, b, c = (net.last(x) for x in ("a:1", "b:1", "c:1"))
+    assert a.subscribe() == [b"RDY 10"]
+    b.subscribe()
+    assert a.rdy() == [5]
+    c.subscribe()
+    assert a.rdy() == [3]
+    assert b.rdy() == [3]
+    assert c.rdy() == []  # (already read by subscribe)
+    assert [x.proto.rdy_count for x in (a, b, c)] == [3, 3, 3]
+
+
+def test_max_in_flight_one_over_two_connections(net, clock):
+    consumer = make(net, clock, addresses=("a:1", "b:1"), max_in_flight=1)
+    a, b = net.last("a:1"), net.last("b:1")
+    assert a.subscribe() == [b"RDY 1"]
+    assert b.subscribe() == []  # nothing left for b
+    assert consumer.ready.total_rdy == 1
+
+
+def test_redistribution_moves_rdy_to_the_connection_with_work(net, clock):
+    consumer = make(net, clock, addresses=("a:1", "b:1"), max_in_flight=1,
+                    low_rdy_idle_timeout="10s", rdy_redistribute_interval="5s", rng=PickLast())
+    a, b = net.last("a:1"), net.last("b:1")
+    a.subscribe()
+    b.subscribe()
+    # b's starved RDY retry (5 s) finds no budget; a stays idle
+    clock.advance(10)
+    assert (a.proto.rdy_count, b.proto.rdy_count) == (1, 0)
+    clock.advance(5)  # a idle 15 s > 10 s: its RDY goes to b
+    assert a.rdy() == [0]
+    assert b.rdy() == [1]
+    assert a.proto.rdy_count == 0
+    assert consumer.ready.total_rdy == 1
+    # b has work: a message arrives, is handled and FINed
+    b.commands()
+    b.message(1)
+    assert b.commands() == [b"FIN " + msg_id(1)]
+
+
+def test_handler_success_fins(net, clock):
+    handler = Recorder()
+    consumer = make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1, b"hello")
+    assert [m.body for m in handler.messages] == [b"hello"]
+    assert server.commands() == [b"FIN " + msg_id(1)]
+    assert server.proto.in_flight == 0
+    assert consumer.stats[:3] == (1, 1, 0)
+
+
+def test_handler_failure_requeues_with_delay_and_backs_off(net, clock):
+    handler = Recorder()
+    consumer = make(net, clock, handler, max_in_flight=10, default_requeue_delay="90s",
+                    max_requeue_delay="15m", backoff_multiplier="1s")
+    server = net.last("a:4150")
+    server.subscribe()
+    handler.result = ValueError("boom")
+    server.message(1, attempts=2)
+    # the REQ with 90 s × 2 attempts, then RDY 0 (backoff)
+    assert server.commands() == [b"REQ " + msg_id(1) + b" 180000", b"RDY 0"]
+    assert consumer.stats.messages_requeued == 1
+    clock.advance(1.9)
+    assert server.commands() == []
+    clock.advance(0.1)
+    assert server.commands() == [b"RDY 1"]  # test the waters
+    handler.result = None
+    server.message(2)
+    # success at level 1 → level 0: full RDY again
+    assert server.commands() == [b"FIN " + msg_id(2), b"RDY 10"]
+
+
+def test_requeue_delay_is_capped(net, clock):
+    handler = Recorder()
+    handler.result = ValueError("boom")
+    make(net, clock, handler, max_attempts=0, default_requeue_delay="90s",
+         max_requeue_delay="15m")
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1, attempts=20)
+    assert b"REQ " + msg_id(1) + b" 900000" in server.commands()
+
+
+def test_requeue_without_backoff(net, clock):
+    handler = Recorder()
+    handler.result = lambda msg: msg.requeue(5, backoff=False)
+    consumer = make(net, clock, handler, max_in_flight=10)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    assert server.commands() == [b"REQ " + msg_id(1) + b" 5000"]
+    assert consumer.ready.backoff.level == 0
+    assert not consumer.ready.in_backoff_timeout()
+    assert consumer.stats.messages_requeued == 1
+
+
+def test_deferred_handler_fins_when_it_fires(net, clock):
+    pending: list[defer.Deferred] = []
+    handler = Recorder()
+    handler.result = lambda msg: pending.append(defer.Deferred()) or pending[-1]
+    make(net, clock, handler, max_in_flight=10)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    server.message(2)
+    assert server.commands() == []
+    assert server.proto.in_flight == 2
+    pending[1].callback("done")
+    assert server.commands() == [b"FIN " + msg_id(2)]
+    pending[0].errback(Failure(RuntimeError("later")))
+    assert server.commands() == [b"REQ " + msg_id(1) + b" 90000", b"RDY 0"]
+    assert server.proto.in_flight == 0
+
+
+def test_coroutine_handler(net, clock):
+    async def handler(msg):
+        return None
+
+    make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    assert server.commands() == [b"FIN " + msg_id(1)]
+
+
+def test_auto_response_disabled(net, clock):
+    kept = []
+    handler = Recorder()
+    handler.result = lambda msg: (msg.disable_auto_response(), kept.append(msg))[0]
+    make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    assert server.commands() == []
+    kept[0].touch()
+    kept[0].finish()
+    assert server.commands() == [b"TOUCH " + msg_id(1), b"FIN " + msg_id(1)]
+    # a failing handler with auto-response off does not REQ either
+    handler.result = lambda msg: (msg.disable_auto_response(), 1 / 0)
+    server.message(2)
+    assert server.commands() == []
+
+
+def test_handler_that_responded_itself_is_not_answered_twice(net, clock):
+    handler = Recorder()
+    handler.result = lambda msg: msg.finish()
+    make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    assert server.commands() == [b"FIN " + msg_id(1)]
+
+
+def test_max_attempts_gives_up_then_fins(net, clock):
+    given_up = []
+    handler = Recorder()
+    consumer = Consumer("t", "c", handler, nsqd_tcp_addresses=["a:4150"], reactor=clock,
+                        endpoint_factory=net.endpoint, max_attempts=5, giving_up=given_up.append)
+    consumer.startService()
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1, attempts=5)
+    server.message(2, attempts=6)
+    assert [m.id for m in handler.messages] == [msg_id(1)]
+    assert [m.id for m in given_up] == [msg_id(2)]
+    assert server.commands() == [b"FIN " + msg_id(1), b"FIN " + msg_id(2)]
+
+
+def test_giving_up_from_the_handler_object(net, clock):
+    class Handler:
+        def __init__(self):
+            self.handled, self.failed = [], []
+
+        def handle_message(self, msg):
+            self.handled.append(msg)
+
+        def giving_up(self, msg):
+            self.failed.append(msg)
+
+    handler = Handler()
+    make(net, clock, handler, max_attempts=1)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1, attempts=2)
+    assert handler.handled == [] and len(handler.failed) == 1
+    assert server.commands() == [b"FIN " + msg_id(1)]
+
+
+def test_change_max_in_flight(net, clock):
+    consumer = make(net, clock, addresses=("a:1", "b:1"), max_in_flight=10)
+    a, b = net.last("a:1"), net.last("b:1")
+    a.subscribe()
+    b.subscribe()
+    a.commands()
+    consumer.change_max_in_flight(0)
+    assert a.rdy() == [0] and b.rdy() == [0]
+    consumer.change_max_in_flight(4)
+    assert a.rdy() == [2] and b.rdy() == [2]
+
+
+def test_stop_waits_for_a_running_handler(net, clock):
+    pending: list[defer.Deferred] = []
+    handler = Recorder()
+    handler.result = lambda msg: pending.append(defer.Deferred()) or pending[-1]
+    consumer = make(net, clock, handler, max_in_flight=10)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    stopped = consumer.stop()
+    assert server.commands() == [b"CLS"]
+    server.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(1)
+    assert not server.transport.disconnecting  # a message is still in flight
+    assert not stopped.called
+    pending[0].callback(None)
+    assert server.commands() == [b"FIN " + msg_id(1)]
+    assert server.transport.disconnecting
+    clock.advance(0)
+    assert stopped.called
+    assert consumer.stats.connections == 0
+    # no reconnection
+    clock.advance(60)
+    assert len(net.servers["a:4150"]) == 1
+    assert clock.getDelayedCalls() == []
+
+
+def test_stop_waits_for_close_wait(net, clock):
+    consumer = make(net, clock)
+    server = net.last("a:4150")
+    server.subscribe()
+    stopped = consumer.stop()
+    assert server.commands() == [b"CLS"]
+    clock.advance(1)
+    assert not stopped.called and not server.transport.disconnecting
+    server.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(0)
+    assert server.transport.disconnecting and stopped.called
+
+
+def test_stop_gives_up_after_30_seconds(net, clock):
+    handler = Recorder()
+    handler.result = lambda msg: defer.Deferred()  # never fires
+    consumer = make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    stopped = consumer.stop()
+    server.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(STOP_TIMEOUT - 1)
+    assert not stopped.called
+    clock.advance(1)
+    assert stopped.called
+    assert server.transport.disconnecting
+
+
+def test_stop_while_not_connected(net, clock):
+    net.refused.add("a:4150")
+    consumer = make(net, clock)
+    stopped = consumer.stop()
+    assert stopped.called
+    clock.advance(120)
+    assert len(net.attempts) == 1
+
+
+def test_reconnects_after_the_server_closes(net, clock):
+    consumer = make(net, clock, max_in_flight=10)
+    first = net.last("a:4150")
+    first.subscribe()
+    first.close()
+    clock.advance(0)
+    assert consumer.stats.connections == 0
+    assert consumer.ready.total_rdy == 0
+    clock.advance(1)
+    second = net.last("a:4150")
+    assert second is not first
+    assert second.subscribe() == [b"RDY 10"]
+    assert consumer.connections["a:4150"] is second.proto
+
+
+def test_connect_to_nsqd_fires_when_subscribed(net, clock):
+    consumer = make(net, clock, addresses=())
+    d = consumer.connect_to_nsqd("x:1")
+    assert not d.called
+    net.last("x:1").subscribe()
+    assert d.result is net.last("x:1").proto
+
+
+def test_sub_error_closes_and_retries(net, clock):
+    consumer = make(net, clock)
+    server = net.last("a:4150")
+    server.handshake()
+    server.send(ERROR, b"E_BAD_TOPIC SUB topic name \"t\" is not valid")
+    clock.advance(0)
+    assert server.transport.disconnecting
+    assert consumer.stats.connections == 0
+    clock.advance(1)
+    assert len(net.servers["a:4150"]) == 2
+
+
+def test_disconnect_from_nsqd(net, clock):
+    consumer = make(net, clock, addresses=("a:1", "b:1"), max_in_flight=10)
+    a, b = net.last("a:1"), net.last("b:1")
+    a.subscribe()
+    b.subscribe()
+    d = consumer.disconnect_from_nsqd("b:1")
+    assert b.commands() == [b"CLS"]
+    b.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(0)
+    assert d.called
+    assert set(consumer.connections) == {"a:1"}
+    clock.advance(60)
+    assert len(net.servers["b:1"]) == 1
+
+
+def test_disconnect_gives_up_on_an_unanswered_message(net, clock):
+    handler = Recorder()
+    handler.result = lambda msg: msg.disable_auto_response()
+    consumer = make(net, clock, handler)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    d = consumer.disconnect_from_nsqd("a:4150")
+    server.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(STOP_TIMEOUT - 1)
+    assert not d.called
+    clock.advance(1)
+    assert d.called and server.transport.disconnecting
+
+
+def test_address_added_again_while_its_old_connection_drains(net, clock):
+    consumer = make(net, clock, max_in_flight=10)
+    old = net.last("a:4150")
+    old.subscribe()
+    consumer.disconnect_from_nsqd("a:4150")  # CLS sent, no CLOSE_WAIT yet
+    consumer.connect_to_nsqd("a:4150")
+    new = net.last("a:4150")
+    assert new is not old
+    assert new.subscribe() == [b"RDY 10"]
+    assert consumer.ready.total_rdy == 10
+    old.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(0)
+    assert consumer.connections == {"a:4150": new.proto}
+    assert consumer.ready.total_rdy == 10
+
+
+class Lookupd(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producers: list[tuple[str, int]] = []
+
+    def render_GET(self, request):
+        producers = [{"broadcast_address": h, "tcp_port": p, "http_port": 4151, "hostname": h,
+                      "remote_address": f"{h}:1", "version": "1.3.0"} for h, p in self.producers]
+        return json.dumps({"channels": ["c"], "producers": producers}).encode()
+
+
+def test_lookupd_discovery_connects_and_drops(net, clock):
+    lookupd = Lookupd()
+    lookupd.producers = [("n1", 4150)]
+    consumer = Consumer("t", "c", Recorder(), lookupd_http_addresses=["lk:4161"], reactor=clock,
+                        endpoint_factory=net.endpoint, lookupd_http=StubTreq(lookupd),
+                        max_in_flight=10)
+    consumer.startService()
+    n1 = net.last("n1:4150")
+    n1.subscribe()
+    lookupd.producers = [("n1", 4150), ("n2", 4150)]
+    consumer._poller.poll()
+    n2 = net.last("n2:4150")
+    n2.subscribe()
+    assert set(consumer.connections) == {"n1:4150", "n2:4150"}
+    assert n1.rdy() == [5]
+    lookupd.producers = [("n2", 4150)]
+    consumer._poller.poll()
+    assert n1.commands() == [b"CLS"]
+    n1.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(0)
+    assert set(consumer.connections) == {"n2:4150"}
+    stopped = consumer.stop()
+    n2.send(RESPONSE, b"CLOSE_WAIT")
+    clock.advance(0)
+    assert stopped.called
+
+
+def test_bad_names_and_options():
+    with pytest.raises(ClientConfigError):
+        Consumer("bad topic", "c", print)
+    with pytest.raises(ClientConfigError):
+        Consumer("t", "c!", print)
+    with pytest.raises(ClientConfigError):
+        Consumer("t", "c", print, max_in_flight=-1)
+
+
+def test_is_starved(net, clock):
+    handler = Recorder()
+    handler.result = lambda msg: defer.Deferred()
+    consumer = make(net, clock, handler, max_in_flight=2)
+    server = net.last("a:4150")
+    server.subscribe()
+    server.message(1)
+    assert consumer.is_starved()  # 1 in flight ≥ 85 % of RDY 2 → int(1.7) = 1

@@ -1,0 +1,934 @@
+"""mqd.client.protocol on StringTransports: the bytes it writes, the frames it reads.
+
+Server frames are built with the broker's framing (and, compressed, the
+broker's codecs); what the client wrote compressed is decoded with the
+independent test codecs of tests/_codec_clients.py. The last tests pair
+the client with a real broker protocol, byte for byte, on a task.Clock.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from twisted.internet import ssl
+from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+
+from mqd.client import errors
+from mqd.client.config import Config
+from mqd.client.errors import ConnectionClosed, HeartbeatTimeout, NSQError
+from mqd.client.message import Message, decode_message
+from mqd.client.protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol
+from mqd.message import MESSAGE_HEADER, frame_message
+from mqd.message import Message as BrokerMessage
+from mqd.protocol.compression import DeflateCodec, SnappyCodec
+from mqd.protocol.framing import CLOSE_WAIT, HEARTBEAT, OK, frame
+from tests._codec_clients import DeflateClient, SnappyClient
+
+ADDRESS = "127.0.0.1:4150"
+MSG_ID = b"0123456789abcdef"
+
+
+class Recorder(ConnectionDelegate):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def message_received(self, conn, msg):
+        self.events.append(("message", msg))
+
+    def message_finished(self, conn, msg):
+        self.events.append(("finished", msg))
+
+    def message_requeued(self, conn, msg, backoff):
+        self.events.append(("requeued", msg, backoff))
+
+    def connection_ready(self, conn):
+        self.events.append(("ready",))
+
+    def connection_error(self, conn, err):
+        self.events.append(("error", err))
+
+    def heartbeat(self, conn):
+        self.events.append(("heartbeat",))
+
+    def connection_closed(self, conn, reason):
+        self.events.append(("closed", reason))
+
+    def kinds(self) -> list[str]:
+        return [e[0] for e in self.events]
+
+
+class TLSTransport(StringTransport):
+    """StringTransport has no startTLS: record the call (the bytes stay plain here)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.tls_started: list = []
+
+    def startTLS(self, creator, normal: bool = True) -> None:
+        self.tls_started.append(creator)
+
+
+def response(payload: bytes) -> bytes:
+    return frame(0, payload)
+
+
+def error(text: bytes) -> bytes:
+    return frame(1, text)
+
+
+def server_json(**fields) -> bytes:
+    """nsqd's IDENTIFY answer (feature negotiation on)."""
+    body = {
+        "max_rdy_count": 2500, "version": "1.3.0", "max_msg_timeout": 900000,
+        "msg_timeout": 60000, "tls_v1": False, "deflate": False, "deflate_level": 6,
+        "max_deflate_level": 6, "snappy": False, "sample_rate": 0, "auth_required": False,
+        "output_buffer_size": 16384, "output_buffer_timeout": 250,
+    }
+    body.update(fields)
+    return response(json.dumps(body).encode())
+
+
+def message_frame(body: bytes = b"hello", attempts: int = 1, msg_id: bytes = MSG_ID,
+                  timestamp: int = 1_700_000_000_000_000_000) -> bytes:
+    return frame_message(BrokerMessage(msg_id, body, timestamp, attempts))
+
+
+def sized(data: bytes) -> bytes:
+    return struct.pack(">i", len(data)) + data
+
+
+class Conn:
+    """A client protocol on a StringTransport, its delegate and clock."""
+
+    def __init__(self, transport_cls=StringTransport, **options) -> None:
+        options.setdefault("client_id", "cid")
+        options.setdefault("hostname", "host.example")
+        self.config = Config(**options)
+        self.clock = Clock()
+        self.clock.advance(1000)
+        self.delegate = Recorder()
+        self.proto = NSQClientProtocol(self.config, self.delegate, ADDRESS, clock=self.clock)
+        self.transport = transport_cls()
+        self.proto.makeConnection(self.transport)
+        self.results: list = []
+        self.proto.ready.addBoth(self.results.append)
+
+    def feed(self, data: bytes) -> None:
+        self.proto.dataReceived(data)
+
+    def written(self) -> bytes:
+        data = self.transport.value()
+        self.transport.clear()
+        return data
+
+    def lose(self, reason=None) -> None:
+        self.proto.connectionLost(Failure(reason or ConnectionDone()))
+
+    def handshake(self, **server) -> Conn:
+        self.written()
+        self.feed(server_json(**server))
+        assert self.proto.connected
+        return self
+
+
+def ready(**options) -> Conn:
+    return Conn(**options).handshake()
+
+
+_OUTCOMES: dict = {}
+
+
+def outcome(d):
+    """What a Deferred fired with (a Failure's exception), or "pending"; repeatable."""
+    if d not in _OUTCOMES:
+        box: list = []
+        _OUTCOMES[d] = box
+        d.addBoth(box.append)  # also consumes a failure: no "Unhandled error" at exit
+    box = _OUTCOMES[d]
+    if not box:
+        return "pending"
+    value = box[0]
+    return value.value if isinstance(value, Failure) else value
+
+
+# -- the handshake ------------------------------------------------------------------
+
+
+def test_handshake_bytes():
+    conn = Conn(user_agent="ua/1", heartbeat_interval=20, msg_timeout="45s", sample_rate=5)
+    data = conn.written()
+    assert data.startswith(b"  V2IDENTIFY\n")
+    (size,) = struct.unpack_from(">i", data, 13)
+    body = data[17:]
+    assert size == len(body)
+    assert json.loads(body) == {
+        "client_id": "cid", "hostname": "host.example", "user_agent": "ua/1",
+        "feature_negotiation": True, "heartbeat_interval": 20000, "output_buffer_size": 16384,
+        "output_buffer_timeout": 250, "msg_timeout": 45000, "tls_v1": False, "snappy": False,
+        "deflate": False, "deflate_level": 6, "sample_rate": 5,
+    }
+    assert conn.results == []
+    assert not conn.proto.connected
+
+
+def test_feature_negotiation_answer_parsed():
+    conn = Conn()
+    conn.written()
+    conn.feed(server_json(max_rdy_count=200, msg_timeout=30000))
+    assert conn.results == [conn.proto]
+    assert conn.proto.connected
+    assert conn.proto.server["max_rdy_count"] == 200
+    assert conn.proto.server["msg_timeout"] == 30000
+    assert conn.proto.max_rdy_count == 200
+    assert conn.delegate.kinds() == ["ready"]
+    assert conn.written() == b""
+    assert conn.proto.auth is None
+
+
+def test_answer_split_byte_by_byte():
+    conn = Conn()
+    for i, byte in enumerate(server_json()):
+        assert not conn.proto.connected, i
+        conn.feed(bytes([byte]))
+    assert conn.results == [conn.proto]
+
+
+def test_old_server_ok_accepted():
+    conn = Conn()
+    conn.written()
+    conn.feed(OK)
+    assert conn.results == [conn.proto]
+    assert conn.proto.server == {}
+    assert conn.proto.max_rdy_count == 2500
+
+
+def test_tls_refused_by_server_fails_the_handshake():
+    conn = Conn(TLSTransport, tls_v1=True)
+    conn.feed(server_json(tls_v1=False))
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+    assert "tls_v1" in str(conn.results[0].value)
+    assert conn.transport.disconnecting
+    assert conn.transport.tls_started == []
+
+
+def test_identify_error_fails_the_handshake():
+    conn = Conn()
+    conn.feed(error(b"E_BAD_BODY IDENTIFY heartbeat interval (300001) is invalid"))
+    err = conn.results[0].value
+    assert isinstance(err, errors.BadBodyError)
+    assert err.detail == "IDENTIFY heartbeat interval (300001) is invalid"
+    assert conn.transport.disconnecting
+    conn.lose()
+    assert conn.delegate.kinds() == ["closed"]
+    assert conn.delegate.events[0][1].value is err
+
+
+def test_bad_identify_answer_fails_the_handshake():
+    conn = Conn()
+    conn.feed(response(b"[1, 2]"))
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+    assert conn.transport.disconnecting
+
+
+def test_commands_before_the_handshake_wait_for_it():
+    conn = Conn()
+    conn.written()
+    d1 = conn.proto.pub("t", b"a")
+    d2 = conn.proto.pub("t", b"b")
+    assert conn.written() == b""
+    conn.feed(server_json())
+    assert conn.written() == b"PUB t\n" + sized(b"a") + b"PUB t\n" + sized(b"b")
+    conn.feed(OK + OK)
+    assert (outcome(d1), outcome(d2)) == (b"OK", b"OK")
+
+
+def test_lost_during_handshake_fails_ready_and_held_commands():
+    conn = Conn()
+    d = conn.proto.pub("t", b"a")
+    conn.lose(ConnectionLost())
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+    assert isinstance(conn.results[0].value.reason.value, ConnectionLost)
+    assert isinstance(outcome(d), ConnectionClosed)
+    assert conn.delegate.kinds() == ["closed"]
+
+
+# -- TLS ------------------------------------------------------------------------------
+
+
+def test_tls_upgrade_then_ok_over_tls():
+    conn = Conn(TLSTransport, tls_v1=True, tls_server_name="nsqd.example")
+    conn.written()
+    conn.feed(server_json(tls_v1=True))
+    assert len(conn.transport.tls_started) == 1
+    assert conn.transport.tls_started[0]._hostnameASCII == "nsqd.example"
+    assert conn.proto.tls
+    assert conn.results == [] and not conn.proto.connected
+    conn.feed(OK)  # the TLS layer hands the decrypted OK
+    assert conn.results == [conn.proto]
+    assert conn.written() == b""
+
+
+def test_tls_insecure_creator_used():
+    conn = Conn(TLSTransport, tls_v1=True, tls_insecure_skip_verify=True)
+    conn.feed(server_json(tls_v1=True))
+    (creator,) = conn.transport.tls_started
+    assert isinstance(creator, ssl.CertificateOptions) and creator.verify is False
+
+
+def test_tls_unreadable_ca_fails_the_handshake(tmp_path):
+    conn = Conn(TLSTransport, tls_v1=True, tls_root_ca_file=str(tmp_path / "nope.pem"))
+    conn.feed(server_json(tls_v1=True))
+    assert isinstance(conn.results[0].value, errors.ClientConfigError)
+    assert conn.transport.disconnecting
+    assert conn.transport.tls_started == []
+
+
+def test_tls_on_a_transport_without_start_tls():
+    conn = Conn(tls_v1=True)
+    conn.feed(server_json(tls_v1=True))
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+
+
+def test_tls_wrong_answer_fails():
+    conn = Conn(TLSTransport, tls_v1=True)
+    conn.feed(server_json(tls_v1=True))
+    conn.feed(response(b"NOT OK"))
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+
+
+# -- compression ---------------------------------------------------------------------
+
+
+CODECS = {
+    "snappy": (SnappyCodec, SnappyClient, {"snappy": True}),
+    "deflate": (lambda: DeflateCodec(6), DeflateClient, {"deflate": True}),
+}
+
+
+def compressed_conn(kind: str, leftover: bool = False, **options):
+    """A connection through its compression handshake; returns (conn, server codec, decoder)."""
+    make_codec, client_cls, flags = CODECS[kind]
+    conn = Conn(**flags, **options)
+    conn.written()
+    server = make_codec()
+    answer = server_json(**flags)
+    if leftover:
+        conn.feed(answer + server.compress(OK))  # one read: plain JSON, then compressed OK
+    else:
+        conn.feed(answer)
+        assert conn.results == [] and conn.proto.compression == kind
+        conn.feed(server.compress(OK))
+    assert conn.results == [conn.proto]
+    assert conn.proto.compression == kind
+    return conn, server, client_cls()
+
+
+@pytest.mark.parametrize("kind", sorted(CODECS))
+@pytest.mark.parametrize("leftover", [False, True])
+def test_compression_both_directions(kind, leftover):
+    conn, server, decoder = compressed_conn(kind, leftover)
+    d = conn.proto.pub("t", b"body")
+    conn.proto.rdy(10)
+    assert decoder.decompress(conn.written()) == b"PUB t\n" + sized(b"body") + b"RDY 10\n"
+    conn.feed(server.compress(OK + message_frame(b"m1")))
+    assert outcome(d) == b"OK"
+    msg = conn.delegate.events[-1][1]
+    assert msg.body == b"m1"
+    msg.finish()
+    assert decoder.decompress(conn.written()) == b"FIN " + MSG_ID + b"\n"
+
+
+@pytest.mark.parametrize("kind", sorted(CODECS))
+def test_frames_after_the_upgrade_in_the_same_read(kind):
+    make_codec, _client_cls, flags = CODECS[kind]
+    conn = Conn(**flags)
+    server = make_codec()
+    conn.feed(server_json(**flags) + server.compress(OK + HEARTBEAT + message_frame(b"early")))
+    assert conn.results == [conn.proto]
+    assert conn.delegate.kinds() == ["ready", "heartbeat", "message"]
+    assert conn.delegate.events[-1][1].body == b"early"
+
+
+@pytest.mark.parametrize("kind", sorted(CODECS))
+def test_compressed_stream_split_byte_by_byte(kind):
+    conn, server, _ = compressed_conn(kind)
+    data = server.compress(message_frame(b"x" * 1000) + message_frame(b"y"))
+    for i in range(len(data)):
+        conn.feed(data[i:i + 1])
+    assert [e[1].body for e in conn.delegate.events if e[0] == "message"] == [b"x" * 1000, b"y"]
+
+
+@pytest.mark.parametrize("kind", sorted(CODECS))
+def test_large_compressed_input_is_inflated_in_steps(kind, monkeypatch):
+    conn, server, _ = compressed_conn(kind)
+    calls = []
+    codec = conn.proto._codec
+    original = codec.decompress
+
+    def counting(data, max_length=0):
+        calls.append(max_length)
+        return original(data, max_length)
+
+    monkeypatch.setattr(codec, "decompress", counting)
+    bodies = [bytes([65 + i % 26]) * 100_000 for i in range(8)]
+    conn.feed(server.compress(b"".join(message_frame(b) for b in bodies)))
+    assert [e[1].body for e in conn.delegate.events if e[0] == "message"] == bodies
+    assert len(calls) > 4 and all(n == 64 * 1024 for n in calls)
+
+
+def test_corrupt_compressed_stream_closes():
+    conn, _server, _ = compressed_conn("deflate")
+    d = conn.proto.pub("t", b"x")
+    conn.feed(b"\xff" * 64)
+    assert conn.transport.disconnecting
+    conn.lose()
+    assert isinstance(outcome(d), ConnectionClosed)
+    assert "compressed" in str(conn.delegate.events[-1][1].value)
+
+
+def test_tls_then_snappy_with_both_oks_in_one_read():
+    conn = Conn(TLSTransport, tls_v1=True, snappy=True, tls_insecure_skip_verify=True)
+    server = SnappyCodec()
+    conn.feed(server_json(tls_v1=True, snappy=True))
+    assert conn.transport.tls_started and conn.proto._codec is None
+    conn.feed(OK + server.compress(OK))
+    assert conn.results == [conn.proto]
+    assert conn.proto.tls and conn.proto.compression == "snappy"
+
+
+def test_deflate_level_from_the_server_answer():
+    conn = Conn(deflate=True, deflate_level=9)
+    conn.feed(server_json(deflate=True, deflate_level=3))
+    assert conn.proto._codec._level == 3
+
+
+# -- AUTH ---------------------------------------------------------------------------
+
+
+AUTH_ANSWER = {"identity": "bob", "identity_url": "https://auth.example/bob", "permission_count": 2}
+
+
+def test_auth_sent_when_required_and_its_json_kept():
+    conn = Conn(auth_secret="s3cret")
+    conn.written()
+    conn.feed(server_json(auth_required=True))
+    assert conn.written() == b"AUTH\n" + sized(b"s3cret")
+    assert conn.results == []
+    conn.feed(HEARTBEAT)  # nsqd heartbeats while the auth server thinks
+    assert conn.written() == b"NOP\n" and conn.results == []
+    conn.feed(response(json.dumps(AUTH_ANSWER).encode()))
+    assert conn.results == [conn.proto]
+    assert conn.proto.auth == AUTH_ANSWER
+
+
+def test_auth_not_sent_when_not_required():
+    conn = Conn(auth_secret="s3cret")
+    conn.written()
+    conn.feed(server_json())
+    assert conn.written() == b""
+    assert conn.proto.auth is None and conn.results == [conn.proto]
+
+
+def test_auth_over_snappy_is_compressed():
+    conn = Conn(snappy=True, auth_secret="pw")
+    conn.written()
+    server = SnappyCodec()
+    decoder = SnappyClient()
+    conn.feed(server_json(snappy=True, auth_required=True) + server.compress(OK))
+    assert decoder.decompress(conn.written()) == b"AUTH\n" + sized(b"pw")
+    conn.feed(server.compress(response(json.dumps(AUTH_ANSWER).encode())))
+    assert conn.proto.auth == AUTH_ANSWER and conn.results == [conn.proto]
+
+
+def test_missing_auth_secret_fails_the_handshake():
+    conn = Conn()
+    conn.written()
+    conn.feed(server_json(auth_required=True))
+    err = conn.results[0].value
+    assert type(err) is NSQError and err.code == "E_AUTH_REQUIRED"
+    assert conn.written() == b""
+    assert conn.transport.disconnecting
+
+
+@pytest.mark.parametrize(("text", "cls"), [
+    (b"E_AUTH_FAILED AUTH failed", errors.AuthFailedError),
+    (b"E_UNAUTHORIZED AUTH no authorizations found", errors.UnauthorizedError),
+    (b"E_AUTH_DISABLED AUTH disabled", errors.AuthDisabledError),
+])
+def test_auth_error_fails_the_handshake(text, cls):
+    conn = Conn(auth_secret="x")
+    conn.feed(server_json(auth_required=True))
+    conn.feed(error(text))
+    assert isinstance(conn.results[0].value, cls)
+    assert conn.transport.disconnecting
+
+
+# -- commands and errors -------------------------------------------------------------
+
+
+def test_command_bytes():
+    conn = ready()
+    conn.proto.pub("topic", b"abc")
+    conn.proto.mpub("topic", [b"a", b"bc"])
+    conn.proto.dpub("topic", 1500, b"later")
+    conn.proto.sub("topic", "chan#ephemeral")
+    assert conn.written() == (
+        b"PUB topic\n" + sized(b"abc")
+        + b"MPUB topic\n" + sized(struct.pack(">i", 2) + sized(b"a") + sized(b"bc"))
+        + b"DPUB topic 1500\n" + sized(b"later")
+        + b"SUB topic chan#ephemeral\n"
+    )
+
+
+def test_pipelined_answers_in_order():
+    conn = ready()
+    ds = [conn.proto.pub("t", b"%d" % i) for i in range(3)]
+    assert conn.written() == b"".join(b"PUB t\n" + sized(b"%d" % i) for i in range(3))
+    assert [outcome(d) for d in ds] == ["pending"] * 3
+    conn.feed(OK)
+    assert [outcome(d) for d in ds] == [b"OK", "pending", "pending"]
+    conn.feed(OK + OK)
+    assert [outcome(d) for d in ds] == [b"OK", b"OK", b"OK"]
+
+
+def test_fatal_error_in_the_middle_of_a_pipeline():
+    conn = ready()
+    ds = [conn.proto.pub("t", b"x") for _ in range(3)]
+    conn.feed(OK + error(b"E_BAD_MESSAGE PUB message too big 2000000 > 1048576"))
+    assert outcome(ds[0]) == b"OK"
+    err = outcome(ds[1])
+    assert isinstance(err, errors.BadMessageError) and err.fatal
+    assert outcome(ds[2]) == "pending"
+    assert conn.transport.disconnecting
+    conn.lose()
+    later = outcome(ds[2])
+    assert isinstance(later, ConnectionClosed) and later.reason is err
+    closed = conn.delegate.events[-1]
+    assert closed[0] == "closed" and closed[1].value is err
+    # Nothing more goes out on a closed connection.
+    assert isinstance(outcome(conn.proto.pub("t", b"y")), ConnectionClosed)
+
+
+@pytest.mark.parametrize("text", [b"E_FIN_FAILED FIN 0123456789abcdef failed ID not in flight",
+                                  b"E_REQ_FAILED REQ 0123456789abcdef failed ID not in flight",
+                                  b"E_TOUCH_FAILED TOUCH 0123456789abcdef failed ID not in flight"])
+def test_non_fatal_errors_pop_nothing(text):
+    conn = ready()
+    d = conn.proto.pub("t", b"x")
+    conn.feed(error(text))
+    assert outcome(d) == "pending"
+    kind, err = conn.delegate.events[-1]
+    assert kind == "error" and not err.fatal and str(err) == text.decode()
+    assert not conn.transport.disconnecting
+    conn.feed(OK)
+    assert outcome(d) == b"OK"
+
+
+def test_fatal_error_with_no_command_waiting_goes_to_the_delegate():
+    conn = ready()
+    conn.proto.rdy(100000)
+    conn.feed(error(b"E_INVALID RDY count 100000 out of range 0-2500"))
+    kind, err = conn.delegate.events[-1]
+    assert kind == "error" and isinstance(err, errors.InvalidError)
+    assert conn.transport.disconnecting
+
+
+def test_cls_fires_on_close_wait():
+    conn = ready()
+    d = conn.proto.cls()
+    assert conn.proto.closing
+    assert conn.written() == b"CLS\n"
+    conn.feed(CLOSE_WAIT)
+    assert outcome(d) == b"CLOSE_WAIT"
+
+
+def test_heartbeat_answered_with_nop_pops_nothing():
+    conn = ready()
+    d = conn.proto.pub("t", b"x")
+    conn.written()
+    conn.feed(HEARTBEAT)
+    assert conn.written() == b"NOP\n"
+    assert conn.delegate.kinds()[-1] == "heartbeat"
+    assert outcome(d) == "pending"
+    conn.feed(OK)
+    assert outcome(d) == b"OK"
+
+
+def test_unexpected_response_is_ignored():
+    conn = ready()
+    conn.feed(OK)
+    assert not conn.transport.disconnecting
+
+
+@pytest.mark.parametrize("data", [
+    struct.pack(">ii", 2, 0),  # size below the type's 4 bytes
+    struct.pack(">ii", 5, 7) + b"x",  # unknown frame type
+    struct.pack(">ii", 9, 2) + b"short",  # message frame shorter than its header
+])
+def test_bad_frames_close_the_connection(data):
+    conn = ready()
+    d = conn.proto.pub("t", b"x")
+    conn.feed(data)
+    assert conn.transport.disconnecting
+    conn.lose()
+    err = outcome(d)
+    assert isinstance(err, ConnectionClosed) and "protocol error" in str(err)
+
+
+def test_message_before_the_handshake_ended_closes():
+    conn = Conn()
+    conn.feed(message_frame())
+    assert conn.transport.disconnecting
+    assert isinstance(conn.results[0].value, ConnectionClosed)
+
+
+# -- the read timeout ----------------------------------------------------------------
+
+
+def test_read_timeout_reports_heartbeat_timeout():
+    conn = ready(read_timeout=10, heartbeat_interval=5)
+    d = conn.proto.pub("t", b"x")
+    conn.clock.advance(9.9)
+    conn.feed(HEARTBEAT)  # any read restarts the deadline
+    conn.clock.advance(9.9)
+    assert not conn.transport.disconnecting
+    conn.clock.advance(0.2)
+    assert conn.transport.disconnected  # aborted: a dead peer would never drain a clean close
+    conn.lose()
+    assert isinstance(outcome(d), HeartbeatTimeout)
+    kind, reason = conn.delegate.events[-1]
+    assert kind == "closed" and isinstance(reason.value, HeartbeatTimeout)
+
+
+def test_read_timeout_during_the_handshake():
+    conn = Conn(read_timeout=5, heartbeat_interval=1)
+    conn.clock.advance(5)
+    assert conn.transport.disconnecting
+    conn.lose()
+    assert isinstance(conn.results[0].value, HeartbeatTimeout)
+
+
+def test_no_timer_left_after_loss():
+    conn = ready()
+    conn.lose()
+    assert conn.clock.getDelayedCalls() == []
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+def test_message_frame_to_message():
+    conn = ready()
+    conn.clock.advance(5)
+    conn.feed(message_frame(b"payload", attempts=3, timestamp=123456789))
+    kind, msg = conn.delegate.events[-1]
+    assert kind == "message" and isinstance(msg, Message)
+    assert (msg.id, msg.body, msg.attempts, msg.timestamp, msg.nsqd_address) == \
+        (MSG_ID, b"payload", 3, 123456789, ADDRESS)
+    assert type(msg.body) is bytes
+    assert conn.proto.in_flight == 1
+    assert conn.proto.last_message_at == conn.clock.seconds()
+    assert not msg.has_responded()
+
+
+def test_decode_message_matches_the_broker_layout():
+    data = message_frame(b"abc", attempts=2, timestamp=42)
+    assert len(data) == MESSAGE_HEADER.size + 3
+    msg = decode_message(data[8:], "a:1")
+    assert (msg.id, msg.body, msg.attempts, msg.timestamp, msg.nsqd_address) == (MSG_ID, b"abc", 2, 42, "a:1")
+    with pytest.raises(ValueError):
+        decode_message(b"\x00" * 25, "a:1")
+
+
+def test_many_messages_in_one_read_and_split_reads():
+    conn = ready()
+    frames = b"".join(message_frame(b"m%d" % i, msg_id=b"%016d" % i) for i in range(50))
+    conn.feed(frames[:1000])
+    conn.feed(frames[1000:1001])
+    conn.feed(frames[1001:])
+    msgs = [e[1] for e in conn.delegate.events if e[0] == "message"]
+    assert [m.body for m in msgs] == [b"m%d" % i for i in range(50)]
+    assert conn.proto.in_flight == 50
+
+
+def test_finish_requeue_touch_bytes():
+    conn = ready()
+    conn.feed(message_frame(msg_id=b"a" * 16) + message_frame(msg_id=b"b" * 16, attempts=3)
+              + message_frame(msg_id=b"c" * 16, attempts=20) + message_frame(msg_id=b"d" * 16))
+    a, b, c, d = (e[1] for e in conn.delegate.events if e[0] == "message")
+    conn.written()
+    a.touch()
+    a.finish()
+    b.requeue()  # default_requeue_delay × attempts = 270 s
+    c.requeue(backoff=False)  # 20 × 90 s capped by max_requeue_delay (15 m)
+    d.requeue(2.5)
+    assert conn.written() == (b"TOUCH " + b"a" * 16 + b"\n" + b"FIN " + b"a" * 16 + b"\n"
+                              + b"REQ " + b"b" * 16 + b" 270000\n" + b"REQ " + b"c" * 16 + b" 900000\n"
+                              + b"REQ " + b"d" * 16 + b" 2500\n")
+    assert conn.proto.in_flight == 0
+    assert [(e[0], e[1].id) + e[2:] for e in conn.delegate.events if e[0] in ("finished", "requeued")] == [
+        ("finished", b"a" * 16), ("requeued", b"b" * 16, True), ("requeued", b"c" * 16, False),
+        ("requeued", b"d" * 16, True)]
+    assert all(m.has_responded() for m in (a, b, c, d))
+
+
+def test_responding_twice_is_a_no_op():
+    conn = ready()
+    conn.feed(message_frame())
+    msg = conn.delegate.events[-1][1]
+    conn.written()
+    msg.finish()
+    msg.finish()
+    msg.requeue(1)
+    msg.touch()
+    assert conn.written() == b"FIN " + MSG_ID + b"\n"
+    assert conn.proto.in_flight == 0
+    assert conn.delegate.kinds().count("finished") == 1
+
+
+def test_auto_response_flag():
+    conn = ready()
+    conn.feed(message_frame())
+    msg = conn.delegate.events[-1][1]
+    assert not msg.is_auto_response_disabled()
+    msg.disable_auto_response()
+    assert msg.is_auto_response_disabled()
+
+
+def test_fire_and_forget_bytes_and_rdy_state():
+    conn = ready()
+    conn.clock.advance(3)
+    conn.proto.rdy(25)
+    assert (conn.proto.rdy_count, conn.proto.last_rdy_count, conn.proto.last_rdy_at) == \
+        (25, 25, conn.clock.seconds())
+    at = conn.clock.seconds()
+    conn.clock.advance(1)
+    conn.proto.rdy(0)
+    assert (conn.proto.rdy_count, conn.proto.last_rdy_at) == (0, at)
+    conn.proto.fin(MSG_ID)
+    conn.proto.req(MSG_ID, 1000)
+    conn.proto.touch(MSG_ID)
+    conn.proto.nop()
+    assert conn.written() == (b"RDY 25\nRDY 0\nFIN " + MSG_ID + b"\nREQ " + MSG_ID + b" 1000\nTOUCH "
+                              + MSG_ID + b"\nNOP\n")
+
+
+# -- connection loss ------------------------------------------------------------------
+
+
+def test_connection_loss_fails_everything():
+    conn = ready()
+    ds = [conn.proto.pub("t", b"x"), conn.proto.sub("t", "c"), conn.proto.cls()]
+    conn.lose(ConnectionLost())
+    for d in ds:
+        err = outcome(d)
+        assert isinstance(err, ConnectionClosed) and not isinstance(err, HeartbeatTimeout)
+        assert isinstance(err.reason.value, ConnectionLost)
+    assert not conn.proto.connected
+    kind, reason = conn.delegate.events[-1]
+    assert kind == "closed" and isinstance(reason.value, ConnectionLost)
+    assert isinstance(outcome(conn.proto.pub("t", b"x")), ConnectionClosed)
+
+
+def test_data_after_close_is_ignored():
+    conn = ready()
+    conn.proto.close()
+    assert conn.transport.disconnecting
+    conn.feed(message_frame())
+    assert "message" not in conn.delegate.kinds()
+
+
+def test_factory_builds_the_protocol():
+    config = Config()
+    delegate = Recorder()
+    clock = Clock()
+    factory = ConnectionFactory(config, delegate, ADDRESS, clock=clock)
+    proto = factory.buildProtocol(None)
+    assert isinstance(proto, NSQClientProtocol)
+    assert (proto.config, proto.delegate, proto.address, proto.clock) == (config, delegate, ADDRESS, clock)
+
+
+# -- against the broker's own protocol -------------------------------------------------
+
+
+class Pair:
+    """The client and a broker V2 connection, bytes shuttled between their StringTransports."""
+
+    def __init__(self, broker, clock, **options) -> None:
+        from tests.unit.conftest import Client
+
+        self.server = Client(broker, magic=False)
+        self.clock = clock
+        self.delegate = Recorder()
+        self.client = NSQClientProtocol(Config(**options), self.delegate, ADDRESS, clock=clock)
+        self.transport = TLSTransport()
+        self.client.makeConnection(self.transport)
+        self.results: list = []
+        self.client.ready.addBoth(self.results.append)
+
+    def pump(self, rounds: int = 10) -> None:
+        for _ in range(rounds):
+            up = self.transport.value()
+            self.transport.clear()
+            if up:
+                self.server.send(up)
+            self.clock.advance(0.01)  # the broker's upgrade gap and output buffer
+            self.server.proto.flush_output()
+            down = self.server.transport.value()
+            self.server.transport.clear()
+            if down:
+                self.client.dataReceived(down)
+            if not up and not down:
+                return
+
+
+@pytest.mark.parametrize("options", [{}, {"snappy": True}, {"deflate": True, "deflate_level": 1}],
+                         ids=["plain", "snappy", "deflate"])
+def test_against_the_broker(broker, clock, options):
+    pair = Pair(broker, clock, max_in_flight=10, **options)
+    pair.pump()
+    assert pair.results == [pair.client], pair.results
+    assert pair.client.server["max_rdy_count"] == broker.options.max_rdy_count
+    if options:
+        assert pair.client.compression == next(iter(options))
+    published = [pair.client.pub("t", b"m%d" % i) for i in range(3)]
+    published.append(pair.client.mpub("t", [b"x", b"y"]))
+    subscribed = pair.client.sub("t", "c")
+    pair.pump()
+    assert [outcome(d) for d in published] == [b"OK"] * 4
+    assert outcome(subscribed) == b"OK"
+    pair.client.rdy(10)
+    pair.pump()
+    msgs = [e[1] for e in pair.delegate.events if e[0] == "message"]
+    assert [m.body for m in msgs] == [b"m0", b"m1", b"m2", b"x", b"y"]
+    for m in msgs:
+        m.finish()
+    pair.pump()
+    assert broker.topics["t"].channels["c"].in_flight_count() == 0
+    assert "error" not in pair.delegate.kinds()
+    closed = pair.client.cls()
+    pair.pump()
+    assert outcome(closed) == b"CLOSE_WAIT"
+
+
+def test_against_the_broker_errors(broker, clock):
+    pair = Pair(broker, clock)
+    pair.pump()
+    pair.client.sub("t", "c")
+    pair.client.fin(b"f" * 16)  # not in flight: non-fatal
+    bad = pair.client.pub("bad*topic", b"x")
+    pair.pump()
+    errs = [e[1] for e in pair.delegate.events if e[0] == "error"]
+    assert [type(e) for e in errs] == [errors.FinFailedError]
+    failed = outcome(bad)
+    assert isinstance(failed, errors.BadTopicError)
+    assert str(failed) == 'E_BAD_TOPIC PUB topic name "bad*topic" is not valid'
+    assert pair.server.closed
+
+
+def test_not_connected_once_closing():
+    conn = ready()
+    conn.feed(error(b"E_INVALID cannot SUB in current state"))
+    assert not conn.proto.connected
+    other = ready()
+    other.proto.close()
+    assert not other.proto.connected and other.transport.disconnecting
+
+
+# -- endpoints and connect() ------------------------------------------------------------
+
+
+def test_client_endpoint_address_forms():
+    from twisted.internet import endpoints
+    from twisted.internet.testing import MemoryReactorClock
+
+    from mqd.client.protocol import client_endpoint
+
+    reactor = MemoryReactorClock()
+    ep = client_endpoint(reactor, "nsqd.example:4150", 2.5)
+    assert isinstance(ep, endpoints.HostnameEndpoint)
+    assert ep._timeout == 2.5 and ep._bindAddress is None
+    ep6 = client_endpoint(reactor, "[::1]:4150", 1.0, "[::1]:0")
+    assert isinstance(ep6, endpoints.TCP6ClientEndpoint)
+    assert (ep6._host, ep6._port, ep6._timeout, ep6._bindAddress) == ("::1", 4150, 1.0, ("::1", 0))
+    assert client_endpoint(reactor, "h:1", 1.0, "10.0.0.2")._bindAddress == ("10.0.0.2", 0)
+    assert client_endpoint(reactor, "h:1", 1.0, "10.0.0.2:5000")._bindAddress == ("10.0.0.2", 5000)
+    with pytest.raises(ValueError, match="bad nsqd address 'nsqd'"):
+        client_endpoint(reactor, "nsqd", 1.0)
+
+
+def test_connect_fires_after_the_handshake(monkeypatch):
+    from twisted.internet import defer
+
+    from mqd.client import protocol as client_protocol
+
+    clock = Clock()
+    built = []
+
+    class FakeEndpoint:
+        def __init__(self, reactor, address, timeout, local_addr):
+            built.append((address, timeout, local_addr))
+
+        def connect(self, factory):
+            proto = factory.buildProtocol(None)
+            self.transport = StringTransport()
+            proto.makeConnection(self.transport)
+            built.append(proto)
+            return defer.succeed(proto)
+
+    monkeypatch.setattr(client_protocol, "client_endpoint", FakeEndpoint)
+    config = Config(dial_timeout=3, local_addr="127.0.0.1")
+    d = client_protocol.connect(clock, ADDRESS, config, Recorder())
+    assert built[0] == (ADDRESS, 3.0, "127.0.0.1")
+    proto = built[1]
+    assert outcome(d) == "pending"
+    proto.dataReceived(server_json())
+    assert outcome(d) is proto
+    assert proto.clock is clock
+
+
+def test_connect_fails_with_the_handshake_error(monkeypatch):
+    from twisted.internet import defer
+
+    from mqd.client import protocol as client_protocol
+
+    protos = []
+
+    class FakeEndpoint:
+        def __init__(self, *args):
+            pass
+
+        def connect(self, factory):
+            proto = factory.buildProtocol(None)
+            proto.makeConnection(StringTransport())
+            protos.append(proto)
+            return defer.succeed(proto)
+
+    monkeypatch.setattr(client_protocol, "client_endpoint", FakeEndpoint)
+    d = client_protocol.connect(Clock(), ADDRESS, Config(), None)
+    protos[0].dataReceived(error(b"E_BAD_BODY IDENTIFY failed to decode JSON body"))
+    assert isinstance(outcome(d), errors.BadBodyError)
+
+
+def test_delegate_hears_of_the_loss_before_the_commands_fail():
+    conn = ready()
+    order = []
+    conn.proto.pub("t", b"x").addErrback(lambda f: order.append(("errback", conn.proto.connected)))
+    conn.delegate.connection_closed = lambda c, reason: order.append(("closed", reason.type))
+    conn.lose(ConnectionLost())
+    assert order == [("closed", ConnectionLost), ("errback", False)]
+    late = outcome(conn.proto.pub("t", b"y"))
+    assert isinstance(late, ConnectionClosed) and isinstance(late.reason.value, ConnectionLost)
+
+
+def test_commands_while_closing_fail_at_once():
+    conn = ready()
+    conn.feed(error(b"E_BAD_TOPIC PUB topic name \"x y\" is not valid"))
+    late = outcome(conn.proto.pub("t", b"y"))
+    assert isinstance(late, ConnectionClosed) and isinstance(late.reason, errors.BadTopicError)
+    assert conn.written() == b""
