@@ -41,8 +41,10 @@ class ConfigError(Exception):
 
 # -- value parsers -----------------------------------------------------------
 
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+# Go's units; micro as U+00B5 or U+03BC, both of which Go accepts.
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0,
+                   "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 
 
 def parse_duration(value: Any) -> float:
@@ -55,7 +57,10 @@ def parse_duration(value: Any) -> float:
         raise ValueError(f'expected a duration like "60s" or "250ms", got {value!r}')
     text = value.strip()
     sign = -1.0 if text.startswith("-") else 1.0
-    text = text.lstrip("+-")
+    if text[:1] in ("+", "-"):
+        text = text[1:]  # one sign, as Go: "--1s" is malformed
+    if not text:
+        raise ValueError(f'expected a duration like "60s" or "250ms", got {value!r}')
     pos, total = 0, 0.0
     while pos < len(text):
         m = _DURATION_PART.match(text, pos)

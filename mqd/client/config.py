@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from .. import __version__
+from ..options import parse_duration as _parse_go_duration
 from .errors import ClientConfigError
 
 __all__ = ["Config", "OPTIONS", "parse_duration", "format_duration"]
@@ -109,10 +110,6 @@ _CHOICES = {"backoff_strategy": ("exponential", "full_jitter")}
 _TRUE = frozenset(("1", "t", "T", "TRUE", "true", "True"))
 _FALSE = frozenset(("0", "f", "F", "FALSE", "false", "False"))
 
-# Go's time.ParseDuration units, in seconds.
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-
 _host_names: tuple[str, str] | None = None
 
 
@@ -136,30 +133,16 @@ def parse_duration(text: str) -> float:
     """Go's time.ParseDuration ("1m30s", "-250ms", "0") in seconds; ValueError if malformed.
 
     A bare number is taken as seconds, the unit durations have in Python
-    (Go refuses it), so `--consumer-opt read_timeout=30` means 30 s.
+    (Go refuses it), so `--consumer-opt read_timeout=30` means 30 s. The
+    rest is nsqd's flag parser's (mqd.options), one parser for both.
     """
     s = text.strip()
     if not s:
         raise ValueError("empty duration")
-    sign = 1.0
-    if s[0] in "+-":
-        sign = -1.0 if s[0] == "-" else 1.0
-        s = s[1:]
     try:
-        return sign * float(s)
+        return float(s)
     except ValueError:
-        pass
-    total = 0.0
-    pos = 0
-    while pos < len(s):
-        m = _DURATION_PART.match(s, pos)
-        if m is None:
-            raise ValueError(f"invalid duration {text!r}")
-        total += float(m.group(1)) * _UNITS[m.group(2)]
-        pos = m.end()
-    if pos == 0:
-        raise ValueError(f"invalid duration {text!r}")
-    return sign * total
+        return _parse_go_duration(s)
 
 
 def format_duration(seconds: float) -> str:

@@ -271,3 +271,12 @@ def test_tap_long_config_go_style(tmp_path):
     path = write(tmp_path, "mem-queue-size: 5\n")
     o = parse(f"-config={path}")
     assert o["config"] == path
+
+
+@pytest.mark.parametrize("text", ["-", "+", "--1s", "+-1s", " - "])
+def test_a_duration_with_a_sign_but_no_number_or_two_signs_is_refused(text):
+    """Go's time.ParseDuration refuses these; a flag that took them would mean 0."""
+    from mqd.options import parse_duration
+
+    with pytest.raises(ValueError):
+        parse_duration(text)
