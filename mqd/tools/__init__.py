@@ -1,0 +1,1 @@
+"""Command-line tools on mqd.client, named after NSQ's and taking their flags."""

@@ -1,0 +1,297 @@
+"""Command-line parsing shared by the tools: NSQ's flag spellings on argparse.
+
+Scripts written for nsq_tail, to_nsq, nsq_to_file and nsq_stat use every
+form Go's flag package takes (`-topic=x`, `-topic x`, `--topic=x`,
+`--topic x`, `-gzip`, `--gzip=false`), so `ToolParser` rewrites them into
+argparse's before parsing. Go's flag package exits 2 on a bad command
+line (argparse does the same); the tools' own checks are `log.Fatal` in
+Go, exit 1: `fatal()` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NoReturn
+
+from .. import __version__
+from ..options import parse_duration
+
+__all__ = [
+    "ToolError",
+    "ToolParser",
+    "apply_config_opts",
+    "fatal",
+    "go_bool",
+    "go_duration",
+    "make_config",
+    "run",
+    "split_config_opt",
+]
+
+# strconv.ParseBool's spellings, which Go's boolean flags take after "=".
+_TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
+_FALSE = frozenset({"0", "f", "F", "false", "FALSE", "False"})
+
+
+class ToolError(Exception):
+    """A problem the tool reports in one line on stderr before exiting 1 (Go's log.Fatal)."""
+
+
+def go_bool(text: str) -> bool:
+    """A boolean flag value as Go's strconv.ParseBool reads it."""
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"parse error: invalid boolean {text!r}")
+
+
+def go_duration(text: str) -> float:
+    """A duration flag value ("30s", "1m30s", "250ms", "0") in seconds."""
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"parse error: {e}") from None
+
+
+def _go_int(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"parse error: invalid integer {text!r}") from None
+
+
+def _h(text: str) -> str:
+    """Help text as argparse wants it: a literal % (strftime formats) doubled."""
+    return text.replace("%", "%%")
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse with Go's flag forms, `--version`, and NSQ's repeatable flags.
+
+    Options are registered by their long name only (`--topic`, `--n`);
+    `-name` is rewritten to `--name` when `--name` exists, and a bare
+    boolean `--gzip` to `--gzip=true`, so a boolean never swallows the
+    next argument. Abbreviations are refused, as Go refuses them.
+    """
+
+    def __init__(self, tool: str, description: str | None = None) -> None:
+        super().__init__(prog=tool, description=description, allow_abbrev=False)
+        self.tool = tool
+        self._bools: set[str] = set()
+        self._lists: list[str] = []
+        self.add_argument(
+            "--version", action="version", version=f"{tool} v{__version__}",
+            help="print version string",
+        )
+
+    # -- registering -------------------------------------------------------
+
+    def add_bool(self, name: str, help: str, default: bool = False) -> None:
+        """A Go boolean flag: `--name`, `-name`, `--name=false`."""
+        self._bools.add(name)
+        self.add_argument(
+            f"--{name}", type=go_bool, nargs="?", const=True, default=default,
+            metavar="true|false", help=_h(help),
+        )
+
+    def add_list(self, name: str, help: str, metavar: str = "VALUE") -> None:
+        """A repeatable flag (nsq's app.StringArray): every occurrence is kept, in order."""
+        self._lists.append(name.replace("-", "_"))
+        self.add_argument(f"--{name}", action="append", default=None, metavar=metavar,
+                          help=_h(help))
+
+    def add_duration(self, name: str, default: str, help: str) -> None:
+        """A Go time.Duration flag; the value is in seconds."""
+        self.add_argument(
+            f"--{name}", type=go_duration, default=parse_duration(default), metavar="DURATION",
+            help=_h(f"{help} (default {default})"),
+        )
+
+    def add_int(self, name: str, default: int, help: str) -> None:
+        self.add_argument(
+            f"--{name}", type=_go_int, default=default, metavar="INT",
+            help=_h(f"{help} (default {default})"),
+        )
+
+    def add_str(self, name: str, default: str, help: str) -> None:
+        shown = f" (default {default!r})" if default else ""
+        self.add_argument(f"--{name}", default=default, metavar="STRING",
+                          help=_h(help + shown))
+
+    def add_addresses(self, nsqd: bool = True, lookupd: bool = True) -> None:
+        if nsqd:
+            self.add_list(
+                "nsqd-tcp-address", "nsqd TCP address (may be given multiple times)", "ADDR"
+            )
+        if lookupd:
+            self.add_list(
+                "lookupd-http-address", "lookupd HTTP address (may be given multiple times)",
+                "ADDR",
+            )
+
+    def add_config_opts(self, kind: str) -> None:
+        """`--consumer-opt` / `--producer-opt` (kind "consumer" / "producer").
+
+        The consumer's also answers to nsq's deprecated `--reader-opt`.
+        """
+        self.add_list(
+            f"{kind}-opt",
+            f"option to pass through to the {kind} (may be given multiple times; "
+            "name=value or name,value as go-nsq's ConfigFlag; a bare name means true)",
+            "NAME=VALUE",
+        )
+        if kind == "consumer":
+            self.add_argument(
+                "--reader-opt", action="append", dest="consumer_opt", metavar="NAME=VALUE",
+                help="(deprecated) use --consumer-opt",
+            )
+
+    # -- parsing -------------------------------------------------------------
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if args is None else args)
+        ns = super().parse_args(list(self.go_forms(argv)), namespace)
+        for dest in self._lists:
+            if getattr(ns, dest, None) is None:
+                setattr(ns, dest, [])
+        return ns
+
+    def go_forms(self, args: Iterable[str]) -> Iterable[str]:
+        """Rewrite Go's flag spellings into argparse's (see the class docstring)."""
+        known = set(self._option_string_actions)
+        rest = False
+        for arg in args:
+            if rest or arg == "--" or not arg.startswith("-") or arg == "-":
+                rest = rest or arg == "--"
+                yield arg
+                continue
+            if not arg.startswith("--") and f"-{arg.split('=', 1)[0]}" in known:
+                arg = "-" + arg
+            if arg.startswith("--") and arg[2:] in self._bools:
+                arg += "=true"
+            yield arg
+
+    def fatal(self, message: str) -> NoReturn:
+        fatal(message)
+
+
+def fatal(message: str) -> NoReturn:
+    """Go's log.Fatal: the message on stderr, exit status 1."""
+    sys.stderr.write(message.rstrip("\n") + "\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
+
+
+def parse_checked(parser: argparse.ArgumentParser, check: Callable[[Any], Any],
+                  argv: Sequence[str] | None) -> tuple[Any, Any]:
+    """(args, check(args)): a bad command line exits 2 (argparse), a refused one 1 (fatal)."""
+    args = parser.parse_args(argv)
+    try:
+        return args, check(args)
+    except ToolError as e:
+        fatal(str(e))
+
+
+# -- client options ------------------------------------------------------------
+
+
+def split_config_opt(opt: str) -> tuple[str, str]:
+    """`name,value` (go-nsq's ConfigFlag), `name=value`, or a bare `name` meaning true.
+
+    Option names never contain "," or "=", so the first of either ends the
+    name and the value keeps the rest (an auth secret may contain both).
+    """
+    cut = min((i for i in (opt.find(","), opt.find("=")) if i >= 0), default=-1)
+    if cut < 0:
+        return opt.strip(), "true"
+    return opt[:cut].strip(), opt[cut + 1 :]
+
+
+def apply_config_opts(config: Any, opts: Iterable[str]) -> None:
+    """`config.set` each `--consumer-opt`/`--producer-opt`; a bad one is a ToolError."""
+    from ..client.errors import ClientConfigError
+
+    for opt in opts:
+        name, value = split_config_opt(opt)
+        try:
+            config.set(name, value)
+        except (ClientConfigError, ValueError, TypeError) as e:
+            raise ToolError(f"invalid option {opt!r}: {e}") from None
+
+
+def make_config(tool: str, opts: Iterable[str], **after: Any) -> Any:
+    """A client Config from the pass-through options, then the tool's own flags.
+
+    As in nsq's tools, the dedicated flags (`--max-in-flight`) are applied
+    after the pass-through options and so win over them. The user agent
+    names the tool, as nsq's tools do ("nsq_tail/1.2.1 go-nsq/1.1.0").
+    """
+    from ..client.config import Config
+    from ..client.errors import ClientConfigError
+
+    config = Config()
+    try:
+        config.set("user_agent", f"{tool}/{__version__} mqd.client/{__version__}")
+    except (ClientConfigError, ValueError):  # pragma: no cover - user_agent is a free string
+        pass
+    apply_config_opts(config, opts)
+    try:
+        for name, value in after.items():
+            config.set(name, str(value))
+        config.validate()
+    except (ClientConfigError, ValueError, TypeError) as e:
+        raise ToolError(str(e)) from None
+    return config
+
+
+# -- running -------------------------------------------------------------------
+
+
+def run(main: Callable[..., Any], *args: Any, log_level: str = "info") -> NoReturn:
+    """Run `main(reactor, *args)` under twisted.internet.task.react.
+
+    Logs go to stderr (stdout is the tools' data). A ToolError from the
+    setup or from the running tool ends it as log.Fatal would: one line,
+    exit status 1.
+    """
+    from twisted.internet import defer, task
+    from twisted.logger import (
+        FilteringLogObserver,
+        LogLevel,
+        LogLevelFilterPredicate,
+        globalLogBeginner,
+        textFileLogObserver,
+    )
+
+    from ..logs import LEVELS, set_log_level
+
+    set_log_level(log_level)
+    # Twisted's own chatter ("Starting factory ...", "Main loop terminated")
+    # is noise on a tool's stderr: only its warnings pass, mqd's lines at
+    # the tool's level.
+    predicate = LogLevelFilterPredicate(defaultLogLevel=LogLevel.warn)
+    predicate.setLogLevelForNamespace("mqd", LEVELS[log_level])
+    globalLogBeginner.beginLoggingTo(
+        [FilteringLogObserver(textFileLogObserver(sys.stderr), [predicate])],
+        discardBuffer=True, redirectStandardIO=False,
+    )
+
+    def _main(reactor: Any) -> defer.Deferred:
+        d = defer.maybeDeferred(main, reactor, *args)
+
+        def failed(failure: Any) -> Any:
+            if failure.check(ToolError):
+                sys.stderr.write(f"{failure.value}\n")
+                sys.stderr.flush()
+                raise SystemExit(1)
+            return failure
+
+        return d.addErrback(failed)
+
+    task.react(_main)
+    raise SystemExit(0)  # pragma: no cover - react exits

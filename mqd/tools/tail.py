@@ -1,0 +1,156 @@
+"""mq-tail: nsq_tail on mqd.client — print the messages of topics as they arrive.
+
+Each body is written to stdout followed by a newline (with `--print-topic`,
+prefixed by "<topic> | "). With `-n N` the tool exits once N messages are
+printed; `--max-in-flight` is lowered to N so the broker does not send
+more than it will show. The default channel is an ephemeral
+`tail<NNNNNN>#ephemeral`, which disappears with the tool.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+from ..logs import get_logger
+from .flags import ToolError, ToolParser, make_config, parse_checked, run
+
+__all__ = ["Printer", "build_parser", "main"]
+
+log = get_logger("mqd.tools.tail")
+
+TOOL = "mq-tail"
+
+
+def build_parser() -> ToolParser:
+    p = ToolParser(TOOL, "Print the messages of NSQ topics to stdout, like tail -f.")
+    p.add_list("topic", "NSQ topic (may be given multiple times)", "TOPIC")
+    p.add_str("channel", "", "NSQ channel (default: tail<6 random digits>#ephemeral)")
+    p.add_int("max-in-flight", 200, "max number of messages to allow in flight")
+    p.add_int("n", 0, "total messages to show (will wait if starved)")
+    p.add_bool("print-topic", "print topic name where message was received")
+    p.add_addresses()
+    p.add_config_opts("consumer")
+    return p
+
+
+def check_args(args: Any) -> None:
+    """nsq_tail's checks and defaults, with its messages."""
+    if not args.channel:
+        args.channel = f"tail{random.randrange(999999):06d}#ephemeral"
+    if not args.topic:
+        raise ToolError("--topic is required")
+    if not args.nsqd_tcp_address and not args.lookupd_http_address:
+        raise ToolError("--nsqd-tcp-address or --lookupd-http-address required")
+    if args.nsqd_tcp_address and args.lookupd_http_address:
+        raise ToolError("use --nsqd-tcp-address or --lookupd-http-address not both")
+    if args.n < 0:
+        raise ToolError("-n must not be negative")
+    # Don't ask for more messages than we want.
+    if 0 < args.n < args.max_in_flight:
+        args.max_in_flight = args.n
+
+
+class Printer:
+    """The handler of every topic's consumer: print, count, and say when `total` is reached.
+
+    The count is over all topics (nsq_tail counts per topic handler, which
+    lets `-n 5` over two topics print up to 9); messages arriving after
+    the total are requeued at once, without backoff, for the next reader.
+    """
+
+    def __init__(self, out: BinaryIO, total: int = 0, print_topic: bool = False,
+                 on_done: Any = None, on_error: Any = None) -> None:
+        self.out = out
+        self.total = total
+        self.print_topic = print_topic
+        self.on_done = on_done
+        self.on_error = on_error
+        self.shown = 0
+
+    def handler(self, topic: str):
+        prefix = topic.encode() + b" | " if self.print_topic else b""
+
+        def handle(message: Any) -> None:
+            if self.total and self.shown >= self.total:
+                message.requeue(0, backoff=False)
+                return
+            try:
+                self.out.write(prefix + message.body + b"\n")
+                self.out.flush()
+            except OSError as e:  # stdout closed (| head): nothing more to do, as nsq_tail
+                error = ToolError(f"ERROR: failed to write to stdout - {e}")
+                if self.on_error is not None:
+                    self.on_error(error)
+                raise error from None
+            self.shown += 1
+            if self.total and self.shown >= self.total and self.on_done is not None:
+                self.on_done()
+
+        return handle
+
+
+async def _main(reactor: Any, args: Any) -> None:
+    from twisted.internet import defer
+
+    from ..client.consumer import Consumer
+
+    config = make_config(TOOL, args.consumer_opt, max_in_flight=args.max_in_flight)
+    done: defer.Deferred = defer.Deferred()
+
+    def finished() -> None:
+        if not done.called:
+            done.callback(None)
+
+    def failed(error: ToolError) -> None:
+        if not done.called:
+            done.errback(error)
+
+    # Out of the handler's call: the consumer answers the message first.
+    printer = Printer(sys.stdout.buffer, args.n, args.print_topic,
+                      on_done=lambda: reactor.callLater(0, finished),
+                      on_error=lambda e: reactor.callLater(0, failed, e))
+    consumers = []
+    for topic in args.topic:
+        log.info("adding consumer for topic: {topic}", topic=topic)
+        try:
+            consumer = Consumer(
+                topic, args.channel, printer.handler(topic),
+                nsqd_tcp_addresses=args.nsqd_tcp_address,
+                lookupd_http_addresses=args.lookupd_http_address,
+                config=config, reactor=reactor,
+            )
+        except ValueError as e:
+            raise ToolError(str(e)) from None
+        consumers.append(consumer)
+
+    stopping: list[defer.Deferred] = []
+
+    def stop_all() -> defer.Deferred:
+        if not stopping:
+            stopping.append(defer.DeferredList([c.stop() for c in consumers], consumeErrors=True))
+        return stopping[0]
+
+    def shutdown() -> defer.Deferred:
+        d = stop_all()
+        d.addCallback(lambda _: finished())
+        return d
+
+    reactor.addSystemEventTrigger("before", "shutdown", shutdown)
+    for consumer in consumers:
+        consumer.startService()
+    try:
+        await done
+    finally:
+        await stop_all()  # -n reached: FIN the last one and leave the channel cleanly
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, _ = parse_checked(build_parser(), check_args, argv)
+    run(_main, args)
+
+
+if __name__ == "__main__":
+    main()
