@@ -9,6 +9,10 @@ if __name__ == "__main__":
         from bench.torture import main as torture
 
         sys.exit(torture(sys.argv[2:]))
+    if sys.argv[1:2] == ["client"]:
+        from bench.client import main as client
+
+        sys.exit(client(sys.argv[2:]))
     if sys.argv[1:2] == ["snapshot"]:
         from bench.snapshot import main as snapshot
 
