@@ -328,7 +328,7 @@ class Consumer(service.Service, ConnectionDelegate):
 
     def stopService(self) -> defer.Deferred:
         super().stopService()
-        return self.stop()
+        return self._stop()
 
     # -- connections ----------------------------------------------------------------------
 
@@ -537,8 +537,14 @@ class Consumer(service.Service, ConnectionDelegate):
 
         Fires once everything is closed, or after STOP_TIMEOUT seconds (the
         connections are then closed regardless). Calling it again waits
-        for the same end.
+        for the same end. The same as stopService: the service is no
+        longer `running` afterwards.
         """
+        if self.running:
+            return self.stopService()
+        return self._stop()
+
+    def _stop(self) -> defer.Deferred:
         d = defer.Deferred()
         if self._stopped:
             d.callback(None)

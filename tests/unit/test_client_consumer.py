@@ -418,6 +418,7 @@ def test_stop_waits_for_a_running_handler(net, clock):
     clock.advance(0)
     assert stopped.called
     assert consumer.stats.connections == 0
+    assert not consumer.running  # stop() is stopService(): a parent MultiService agrees
     # no reconnection
     clock.advance(60)
     assert len(net.servers["a:4150"]) == 1
