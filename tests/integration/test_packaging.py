@@ -1,4 +1,4 @@
-"""The wheel carries the twistd plugin, which is how `twistd mqd` works once installed."""
+"""The wheel carries the twistd plugin, which is how `twistd mqd` works once installed, and the tools."""
 
 from __future__ import annotations
 
@@ -47,3 +47,10 @@ def test_wheel_contains_the_twistd_plugin(tmp_path):
         missing = sorted(modules - names)
         assert not missing, f"not in the wheel: {missing}"
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
+    # The client's tools become commands on `pip install .`, under their NSQ-like names.
+    wheel = zipfile.ZipFile(wheels[0])
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    scripts = wheel.read(entry_points).decode().split("[console_scripts]", 1)[1]
+    for tool, module in (("mq-tail", "tail"), ("mq-pub", "pub"), ("mq-stat", "stat"),
+                         ("mq-to-file", "to_file")):
+        assert f"{tool} = mqd.tools.{module}:main" in scripts, scripts
