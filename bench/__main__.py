@@ -13,8 +13,16 @@ if __name__ == "__main__":
         from bench.client import main as client
 
         sys.exit(client(sys.argv[2:]))
+    if sys.argv[1:2] in (["memory"], ["latency"], ["flame"]):
+        import importlib
+
+        sys.exit(importlib.import_module(f"bench.{sys.argv[1]}").main(sys.argv[2:]))
     if sys.argv[1:2] == ["snapshot"]:
         from bench.snapshot import main as snapshot
 
         sys.exit(snapshot(sys.argv[2:]))
+    if sys.argv[1:2] == ["compare"]:
+        from bench.compare import main as compare
+
+        sys.exit(compare(sys.argv[2:]))
     sys.exit(main())

@@ -8,6 +8,8 @@ and the broker stays the bottleneck.
 
 from __future__ import annotations
 
+import math
+import select
 import struct
 import time
 import traceback
@@ -34,6 +36,18 @@ class WriterConfig:
     pipeline: int = 1
     duration: float | None = 10.0
     count: int | None = None  # messages for this writer; overrides duration
+    rate: float | None = None  # messages/s, paced (bench latency); None: as fast as acks come
+
+
+def due_commands(elapsed: float, per_second: float, sent: int) -> int:
+    """Commands a paced writer owes after ``elapsed`` s when command k is due at k / per_second.
+
+    The schedule is absolute, so a writer held back by slow acks catches up
+    (within its pipeline) instead of drifting below the asked rate.
+    """
+    if elapsed < 0:
+        return 0
+    return max(0, math.floor(elapsed * per_second) + 1 - sent)
 
 
 class _Commands:
@@ -136,13 +150,33 @@ def publish(cfg: WriterConfig, ready: Any = None, start: Any = None) -> dict:
             sendall(tail.view)
             tail = None
 
-    send(pipeline)
+    # Paced (cfg.rate): commands go out on schedule, at most `pipeline` unanswered.
+    cmd_rate = cfg.rate / batch if cfg.rate else None
+    paced = 0  # commands sent so far, when paced
+
+    def more() -> bool:
+        return cmd_rate is not None and bool(full_left or tail is not None)
+
+    send(pipeline if cmd_rate is None else 0)
     rbuf = bytearray(1 << 16)
     rview = memoryview(rbuf)
     have = 0
     unpack = wire.HEADER.unpack_from
     t_last = t0
-    while outstanding:
+    while outstanding or (more() and time.monotonic() < deadline):
+        if cmd_rate is not None:
+            now = time.monotonic()
+            wait = None
+            if now < deadline and more() and len(outstanding) < pipeline:
+                k = min(due_commands(now - t0, cmd_rate, paced), pipeline - len(outstanding))
+                if k:
+                    before = len(outstanding)
+                    send(k)
+                    paced += len(outstanding) - before
+                if len(outstanding) < pipeline:
+                    wait = max(0.0, t0 + paced / cmd_rate - time.monotonic())
+            if not select.select([sock], [], [], wait)[0]:
+                continue
         got = sock.recv_into(rview[have:])
         if not got:
             raise wire.ProtocolError("broker closed the connection")
@@ -181,7 +215,7 @@ def publish(cfg: WriterConfig, ready: Any = None, start: Any = None) -> dict:
                 acked_msgs += n
             acked_cmds += acks
             t_last = time.monotonic()
-            if t_last < deadline and (full_left or tail is not None):
+            if cmd_rate is None and t_last < deadline and (full_left or tail is not None):
                 send(acks)
     sock.close()
     return {

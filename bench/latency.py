@@ -1,0 +1,227 @@
+"""Publish-to-deliver latency at fractions of the broker's maximum throughput (issue #17).
+
+A latency taken at full speed mostly measures queueing in front of a saturated
+broker; what a user sees is the latency at the load they actually run. So the
+harness first measures the maximum of the ``both`` scenario (writers and readers
+at once, as fast as acks come), then runs the same load paced by the writers at
+50% and 90% of it (``WriterConfig.rate``) and reports the latency percentiles of
+each run next to the rates it really achieved.
+
+The maximum is the lower of the in and out rates of that run: a load above the
+rate the readers are served at only grows a backlog, and the latency with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import shlex
+import signal
+import sys
+from array import array
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from bench import wire
+from bench.broker import Broker, BrokerError, Sampler
+from bench.run import BenchError, Result, Session, machine, parse_args, percentile, result_line
+from bench.writer import WriterConfig
+
+QUANTILES = (0.50, 0.99, 0.999)
+
+
+def latency_summary(latencies_ns: list[int]) -> dict[str, float | None]:
+    """p50/p99/p99.9 in ms of publish-to-deliver samples (nearest rank, as run.py)."""
+    values = sorted(latencies_ns)
+    out: dict[str, float | None] = {"samples": float(len(values))}
+    for q in QUANTILES:
+        v = percentile(values, q)
+        out[f"p{q * 100:g}"] = None if v is None else v / 1e6
+    return out
+
+
+def split_rate(total: float, writers: int) -> list[float]:
+    """Per-writer paced rates (msgs/s) that add up to ``total``."""
+    return [total / writers] * writers
+
+
+class PacedSession(Session):
+    """run.py's Session whose writers, while ``rate`` is set, publish at that total rate."""
+
+    rate: float | None = None
+    paced_pipeline: int = 4
+    _last_latencies: list[int] = []  # noqa: RUF012 -- replaced, never mutated
+
+    def _writer_cfgs(self, total: int | None) -> list[WriterConfig]:
+        cfgs = super()._writer_cfgs(total)
+        if self.rate:
+            for cfg, r in zip(cfgs, split_rate(self.rate, len(cfgs)), strict=True):
+                cfg.rate = r
+                cfg.pipeline = max(cfg.pipeline, self.paced_pipeline)
+        return cfgs
+
+    def latencies(self) -> list[int]:
+        """Every latency sample of the last run (kept by ``_result``)."""
+        return self._last_latencies
+
+    def _result(
+        self, name: str, wres: list[dict], rres: list[dict], seconds: float, rss: Any, cpu: Any
+    ) -> Result:
+        values: list[int] = []
+        for r in rres:
+            arr = array("q")
+            arr.frombytes(r["latency_ns"])
+            values.extend(arr)
+        self._last_latencies = values
+        return super()._result(name, wres, rres, seconds, rss, cpu)
+
+
+@contextlib.contextmanager
+def broker_session(args: argparse.Namespace, cls: type[Session] = Session) -> Iterator[Session]:
+    """A twistd broker (or ``--broker-cmd``) with topic and channel, and a Session on it.
+
+    The same start-up as ``python -m bench``, for the scenarios that drive
+    Session themselves (latency, flame).
+    """
+    cmd = shlex.split(args.broker_cmd) + args.broker_arg if args.broker_cmd else None
+    broker = Broker(args.backend, args.mem_queue_size, args.broker_arg, argv=cmd, keep=args.keep_data)
+    print(f"starting: {' '.join(broker.argv)}", flush=True)
+    sampler: Sampler | None = None
+    try:
+        address = broker.start()
+        print(f"broker pid {broker.pid} listening on {address[0]}:{address[1]}", flush=True)
+        sampler = Sampler(broker.pid).start()
+        wire.create_topic_channel(address, args.topic, args.channel)
+        yield cls(args, address, sampler, broker)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        code = broker.stop()
+        print(
+            f"broker stopped (exit code {code}"
+            + (": SIGTERM, a graceful stop)" if code == -signal.SIGTERM else ")"),
+            flush=True,
+        )
+
+
+@dataclass
+class PacedRun:
+    """One run: target (None for the unpaced maximum), achieved rates, latency percentiles."""
+
+    label: str
+    target: float | None
+    rate_in: float | None
+    rate_out: float | None
+    p50: float | None
+    p99: float | None
+    p999: float | None
+    samples: int
+    cpu_pct: float | None
+
+
+def paced_run(session: PacedSession, label: str, rate: float | None) -> PacedRun:
+    session.rate = rate
+    res = session.both()
+    print(result_line(res, label), flush=True)
+    s = latency_summary(session.latencies())
+    return PacedRun(
+        label, rate, res.rate_in, res.rate_out, s["p50"], s["p99"], s["p99.9"],
+        int(s["samples"] or 0), res.cpu_pct,
+    )
+
+
+def _f(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(runs: list[PacedRun], args: argparse.Namespace, extra: argparse.Namespace) -> str:
+    lines = [
+        f"mqd publish-to-deliver latency, {datetime.date.today().isoformat()}, {machine()}",
+        "",
+        f"- broker: twistd mqd --backend={args.backend} --mem-queue-size={args.mem_queue_size} "
+        + " ".join(args.broker_arg),
+        f"- load: {args.writers} writers MPUB x{args.batch} of {args.size} B, "
+        f"{args.readers} readers RDY {args.rdy}, {args.duration:g} s per run; paced runs keep up to "
+        f"{max(args.pipeline, extra.paced_pipeline)} MPUBs outstanding per writer; latency sampled "
+        f"every {args.sample_every}th message",
+        "",
+        "| load | target msgs/s | achieved in | achieved out | p50 (ms) | p99 (ms) | p99.9 (ms) "
+        "| samples | broker CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.label} | {_f(r.target, ',.0f')} | {_f(r.rate_in, ',.0f')} "
+            f"| {_f(r.rate_out, ',.0f')} | {_f(r.p50, '.2f')} | {_f(r.p99, '.2f')} "
+            f"| {_f(r.p999, '.2f')} | {r.samples:,} | {_f(r.cpu_pct, '.0f')}% |"
+        )
+    return "\n".join(lines)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """Own options, then every ``python -m bench`` option for the rest (as for ``both``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m bench latency",
+        description="p50/p99/p99.9 publish-to-deliver latency at fractions of max throughput; "
+        "any other option is python -m bench's (--duration, --writers, --backend, ...)",
+    )
+    p.add_argument("--fractions", default="0.5,0.9", help="of the maximum, comma separated")
+    p.add_argument(
+        "--max-rate", type=float, help="use this maximum (msgs/s) instead of measuring it"
+    )
+    p.add_argument(
+        "--paced-pipeline",
+        type=int,
+        default=4,
+        help="MPUBs a paced writer may keep outstanding (so acks do not set the pace)",
+    )
+    own, rest = p.parse_known_args(argv)
+    try:
+        own.fractions = [float(x) for x in own.fractions.split(",") if x]
+    except ValueError:
+        p.error("--fractions: comma-separated numbers")
+    if not own.fractions or not all(0 < f <= 1.5 for f in own.fractions):
+        p.error("--fractions must lie in (0, 1.5]")
+    args = parse_args(["both", "--sample-every", "10", *rest])
+    if args.count is not None:
+        p.error("--count does not apply: paced runs last --duration")
+    return own, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    own, args = parse(sys.argv[1:] if argv is None else argv)
+    runs: list[PacedRun] = []
+    try:
+        with broker_session(args, PacedSession) as session:
+            assert isinstance(session, PacedSession)
+            session.paced_pipeline = own.paced_pipeline
+            if own.max_rate:
+                top = own.max_rate
+                print(f"maximum given: {top:,.0f} msgs/s", flush=True)
+            else:
+                m = paced_run(session, "max (both)", None)
+                runs.append(m)
+                rates = [r for r in (m.rate_in, m.rate_out) if r]
+                if not rates:
+                    raise BenchError("the maximum run moved no messages")
+                top = min(rates)
+                print(f"maximum: {top:,.0f} msgs/s (the lower of in and out)", flush=True)
+            for f in own.fractions:
+                runs.append(paced_run(session, f"{f:.0%} of max", f * top))
+    except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print()
+    print(markdown(runs, args, own))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
+                       "args": vars(args), "runs": [asdict(r) for r in runs]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The ceiling probe (bench/probe.py) speaks enough V2 to stay a valid yardstick.
+
+If it answered the bench clients wrongly (lost messages, ignored RDY, FINs
+that never free the window) its figures would be no ceiling for mqd's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from twisted.internet.testing import StringTransport
+
+from bench.probe import ProbeFactory
+
+from .conftest import CLOSE_WAIT, MAGIC, Frame, Msg, cmd, err, identify, mpub, ok, parse_frames, pub
+
+
+class TcpTransport(StringTransport):
+    """StringTransport plus the TCP option the probe sets on every connection."""
+
+    nodelay = False
+
+    def setTcpNoDelay(self, enabled: bool) -> None:
+        self.nodelay = enabled
+
+
+class Conn:
+    def __init__(self, factory: ProbeFactory) -> None:
+        self.proto = factory.buildProtocol(None)
+        self.transport = TcpTransport()
+        self.proto.makeConnection(self.transport)
+        self.proto.dataReceived(MAGIC)
+
+    def request(self, data: bytes, split: bool = False) -> list[Frame | Msg]:
+        if split:  # byte by byte: every partial-command path of the parser
+            for i in range(len(data)):
+                self.proto.dataReceived(data[i : i + 1])
+        else:
+            self.proto.dataReceived(data)
+        out = parse_frames(self.transport.value())
+        self.transport.clear()
+        return out
+
+
+@pytest.fixture
+def factory() -> ProbeFactory:
+    return ProbeFactory()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_pub_sub_rdy_fin(factory, split):
+    writer, reader = Conn(factory), Conn(factory)
+    assert writer.transport.nodelay
+    assert reader.request(cmd("SUB", "t", "c"), split) == [ok()]
+    assert writer.request(pub("t", b"one") + mpub("t", [b"two", b"three", b"four"]), split) == [
+        ok(),
+        ok(),
+    ]
+    assert reader.request(b"", split) == []  # RDY 0: nothing delivered yet
+
+    got = reader.request(cmd("RDY", 2), split)
+    assert [m.body for m in got] == [b"one", b"two"]
+    assert all(isinstance(m, Msg) and m.attempts == 1 and len(m.id) == 16 for m in got)
+    assert len({m.id for m in got}) == 2
+    assert reader.request(cmd("NOP"), split) == []  # window full
+
+    # Each FIN frees a slot; the next message follows in the same turn.
+    assert [m.body for m in reader.request(cmd("FIN", got[0].id), split)] == [b"three"]
+    rest = reader.request(cmd("FIN", got[1].id), split)
+    assert [m.body for m in rest] == [b"four"]
+    assert reader.request(cmd("FIN", got[0].id), split) == [err("E_FIN_FAILED FIN failed")]
+    assert reader.request(cmd("FIN", rest[0].id) + cmd("CLS"), split) == [CLOSE_WAIT]
+    assert writer.request(pub("t", b"five"), split) == [ok()]
+    assert reader.request(b"", split) == []  # closing: no more deliveries
+    assert not reader.transport.disconnecting
+
+
+def test_messages_before_the_channel_and_unfinished_ones_are_kept(factory):
+    writer = Conn(factory)
+    assert writer.request(mpub("t", [b"a", b"b"])) == [ok()]
+    first = Conn(factory)
+    first.request(cmd("SUB", "t", "c"))
+    got = first.request(cmd("RDY", 10))
+    assert [m.body for m in got] == [b"a", b"b"]
+    first.proto.connectionLost(None)  # in flight, never FINed: back to the queue
+    second = Conn(factory)
+    second.request(cmd("SUB", "t", "c"))
+    assert [m.body for m in second.request(cmd("RDY", 10))] == [b"a", b"b"]
+
+
+def test_channels_each_get_every_message(factory):
+    a, b = Conn(factory), Conn(factory)
+    a.request(cmd("SUB", "t", "x") + cmd("RDY", 5))
+    b.request(cmd("SUB", "t", "y") + cmd("RDY", 5))
+    Conn(factory).request(mpub("t", [b"m1", b"m2"]))
+    assert [m.body for m in a.request(b"")] == [b"m1", b"m2"]
+    assert [m.body for m in b.request(b"")] == [b"m1", b"m2"]
+
+
+def test_identify(factory):
+    assert Conn(factory).request(identify(client_id="x")) == [ok()]
+    (answer,) = Conn(factory).request(identify(feature_negotiation=True))
+    assert json.loads(answer.payload)["max_rdy_count"] == 2500
+
+
+def test_bad_input_closes(factory):
+    c = Conn(factory)
+    assert c.request(cmd("BOGUS")) == [err("E_INVALID invalid command BOGUS")]
+    assert c.transport.disconnecting
+    proto, transport = factory.buildProtocol(None), TcpTransport()
+    proto.makeConnection(transport)
+    proto.dataReceived(b"  V1")
+    assert parse_frames(transport.value()) == [err("E_BAD_PROTOCOL bad protocol magic")]
+    assert transport.disconnecting
