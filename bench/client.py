@@ -22,7 +22,6 @@ when its last ack / message arrives, then ``result`` with a JSON object.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
 import json
 import os
@@ -45,6 +44,7 @@ from typing import IO, Any
 from bench import wire
 from bench.broker import REPO, Broker, BrokerError, Sampler, checkout_env
 from bench.run import machine, percentile
+from bench.stacks import frame_counts
 
 LIBS = ("pynsq", "txnsq")
 SCENARIOS = ("pub", "mpub", "consume")
@@ -81,46 +81,16 @@ def channel_counts(stats: dict, topic: str, channel: str) -> tuple[int, int] | N
 def top_frames(collapsed: str, limit: int = 15) -> list[tuple[str, int, float, float]]:
     """Hottest functions of a py-spy ``--format raw`` (collapsed stacks) profile.
 
-    Returns (frame, self samples, self %, total %) best first, where a frame is
-    ``function (file)`` with the line number dropped so one function's lines add
-    up. Total counts a function once per stack even when it recurses.
+    Returns (frame, self samples, self %, total %) best first, counted by
+    bench.stacks.frame_counts.
     """
-    own: collections.Counter[str] = collections.Counter()
-    total: collections.Counter[str] = collections.Counter()
-    samples = 0
-    for line in collapsed.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = [_strip_line(f) for f in stack.split(";") if f]
-        if not frames:
-            continue
-        samples += count
-        own[frames[-1]] += count
-        for f in set(frames):
-            total[f] += count
+    own, total, samples = frame_counts(collapsed)
     if not samples:
         return []
     return [
         (frame, n, 100.0 * n / samples, 100.0 * total[frame] / samples)
         for frame, n in own.most_common(limit)
     ]
-
-
-def _strip_line(frame: str) -> str:
-    """``fn (path/to/file.py:123)`` -> ``fn (path/to/file.py)``; the site-packages prefix goes."""
-    name, sep, where = frame.partition(" (")
-    if not sep:
-        return frame
-    where = where.rstrip(")")
-    path, colon, line = where.rpartition(":")
-    if colon and line.isdigit():
-        where = path
-    for marker in ("site-packages/", str(REPO) + "/"):
-        if marker in where:
-            where = where.split(marker, 1)[1]
-    return f"{name} ({where})"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

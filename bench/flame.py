@@ -31,9 +31,10 @@ from pathlib import Path
 
 from bench import wire
 from bench.broker import BrokerError
-from bench.client import _strip_line
 from bench.latency import broker_session
 from bench.run import SCENARIOS, BenchError, Session, parse_args, result_line
+from bench.stacks import frame_counts as _frame_counts
+from bench.stacks import strip_line
 
 FORMATS = {"raw": "txt", "speedscope": "speedscope.json", "flamegraph": "svg"}
 TRUNK_SHARE = 0.9  # frames in at least this share of the samples: twistd's start-up, the reactor loop
@@ -45,34 +46,15 @@ def frame_name(frame: str) -> str:
     ``0x7f3a... (libc.so.6)`` becomes ``? (libc.so.6)``: the addresses of one
     library without symbols are one entry, not hundreds.
     """
-    name = _strip_line(frame)
+    name = strip_line(frame)
     if name.startswith("0x"):
         return "?" + name[name.find(" ("):] if " (" in name else "?"
     return name
 
 
 def frame_counts(collapsed: str) -> tuple[collections.Counter, collections.Counter, int]:
-    """(self samples, total samples, all samples) per function of collapsed stacks.
-
-    A frame is ``function (file)`` without the line number, so a function's
-    lines add up; total counts a function once per stack even when it recurses.
-    """
-    own: collections.Counter[str] = collections.Counter()
-    total: collections.Counter[str] = collections.Counter()
-    samples = 0
-    for line in collapsed.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        frames = [frame_name(f) for f in stack.split(";") if f]
-        if not frames:
-            continue
-        count = int(count_text)
-        samples += count
-        own[frames[-1]] += count
-        for f in set(frames):
-            total[f] += count
-    return own, total, samples
+    """bench.stacks.frame_counts with `frame_name`: a library's unresolved addresses as one entry."""
+    return _frame_counts(collapsed, frame_name)
 
 
 def top(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import REPO, _strip_line, channel_counts, medians, ratio, top_frames
+from bench.client import REPO, channel_counts, medians, ratio, top_frames
+from bench.stacks import strip_line as _strip_line
 
 STATS = {
     "version": "1.3.0",
