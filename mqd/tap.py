@@ -10,6 +10,7 @@ from twisted.python import usage
 
 from . import __version__
 from .broker import Broker
+from .gcpolicy import GCPolicy
 from .http.api import NsqdSite
 from .logs import set_log_level
 from .lookup.peer import LookupService
@@ -138,6 +139,8 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     top.broker = broker
     BrokerService(broker).setServiceParent(top)
     QueueScanner(broker).setServiceParent(top)
+    # Keeps the cyclic GC from traversing the whole backlog at every 25% of growth.
+    GCPolicy(reactor).setServiceParent(top)
     ports: dict[str, int] = {}
     backlog = settings.listen_backlog
     tcp = listen_endpoint(reactor, settings.tcp_address, backlog)
