@@ -377,6 +377,30 @@ class V2Protocol(Protocol, TimeoutMixin):
                     if handlers is _TLS_REQUIRED_HANDLERS:
                         _tls_required(self, params, data, eol + 1)
                     raise fatal("E_INVALID", f"invalid command {_echo(params[0])}")
+                if handler is _FIN and self.state == STATE_SUBSCRIBED and not self._pub_bodies:
+                    # A run of well-formed FINs (a reader acks every message)
+                    # with the lookups hoisted; what _cmd_fin does for each.
+                    # A FIN that fails or is malformed goes on below, through
+                    # _cmd_fin (finish changes nothing before it raises).
+                    channel = self.channel
+                    finish = channel.finish
+                    add = pending.add
+                    handled = False
+                    while len(params) == 2 and len(params[1]) == 16:
+                        try:
+                            finish(self, params[1])
+                        except ChannelError:
+                            break
+                        add(channel)
+                        pos = eol + 1
+                        eol = data.find(b"\n", pos)
+                        if eol < 0 or data[pos:pos + 4] != b"FIN ":
+                            handled = True
+                            break
+                        line_end = eol - 1 if eol > pos and data[eol - 1] == 13 else eol
+                        params = data[pos:line_end].split(b" ")
+                    if handled:
+                        continue
                 if self._pub_bodies and handler is not _PUB:
                     self._flush_pubs()
                 if pending and handler not in _BATCHABLE and self.channel in pending:
@@ -1170,11 +1194,12 @@ class V2Protocol(Protocol, TimeoutMixin):
         msg_id = params[1] if len(params) > 1 else b""
         if len(msg_id) != 16 or self.state != STATE_SUBSCRIBED:
             msg_id = self._message_id("FIN", params)
+        channel = self.channel
         try:
-            self.channel.finish(self, msg_id)
+            channel.finish(self, msg_id)
         except ChannelError as e:
             raise nonfatal("E_FIN_FAILED", f"FIN {_echo(msg_id)} failed {e}") from None
-        self._deliver_soon()
+        channel.deliver_soon()  # _deliver_soon without its hop: channel is set here
         return start
 
     def _cmd_req(self, params, data, start):
@@ -1430,6 +1455,7 @@ class V2Protocol(Protocol, TimeoutMixin):
 
 
 _PUB = V2Protocol._cmd_pub
+_FIN = V2Protocol._cmd_fin
 
 
 def _tls_required(self, params, data, start):

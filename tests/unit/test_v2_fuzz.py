@@ -211,3 +211,56 @@ def test_any_split_gives_identical_output(cuts):
     points = sorted(set(cuts) | {0, len(STREAM)})
     chunks = [STREAM[a:b] for a, b in zip(points, points[1:], strict=False)]
     assert _replay(chunks) == expected
+
+
+
+def _fin_run_stream() -> bytes:
+    """A reader's FIN pipeline (the parser's FIN fast path) broken by every
+    way a FIN can fail or end a run: a repeat, a CRLF line, other commands, and last a malformed id, which is fatal. It names only messages
+    the reader has been sent (FIN_SETUP delivers six of eight)."""
+    ids = [_IDS[n].decode() for n in range(8)]
+    return (
+        cmd("FIN", ids[0])
+        + cmd("FIN", ids[1])
+        + cmd("FIN", ids[0])
+        + b"FIN " + ids[2].encode() + b"\r\n"
+        + cmd("FIN", ids[3])
+        + cmd("TOUCH", ids[4])
+        + cmd("FIN", ids[5])
+        + cmd("NOP")
+        + cmd("FIN", ids[6])
+        + cmd("FIN", ids[4])
+        + cmd("FIN", "short")
+        + cmd("FIN", ids[7])
+    )
+
+
+FIN_SETUP = MAGIC + cmd("SUB", "t", "c") + mpub("t", [b"b%d" % n for n in range(8)]) + cmd("RDY", 6)
+FIN_RUN = _fin_run_stream()
+
+
+def test_fin_run_reference_output(tmp_path):
+    broker, _ = fresh_broker(str(tmp_path))
+    c = Client(broker, magic=False)
+    c.send(FIN_SETUP)
+    c.send(FIN_RUN)
+    channel = broker.topics["t"].channels["c"]
+    # 0, 1, 2 (CRLF), 3, 5, 6 and 4 after its TOUCH; 7 is never reached
+    assert c.proto.finish_count == 7
+    assert channel.depth() + channel.in_flight_count() == 1
+    assert c.closed
+    frames = parse_frames(c.raw())
+    assert frames[:8] == [ok(), ok()] + [_msg(n, b"b%d" % n) for n in range(6)]
+    assert frames[8:] == [
+        _msg(6, b"b6"),  # FIN 0 and 1 free two slots of RDY 6
+        _msg(7, b"b7"),
+        err(f"E_FIN_FAILED FIN {_IDS[0].decode()} failed ID not in flight"),
+        err("E_INVALID invalid message ID"),
+    ]
+
+
+def test_fin_run_any_cut_gives_identical_output():
+    expected = _replay([FIN_SETUP, FIN_RUN])
+    for i in range(1, len(FIN_RUN)):
+        assert _replay([FIN_SETUP, FIN_RUN[:i], FIN_RUN[i:]]) == expected, f"cut at {i}"
+    assert _replay([FIN_SETUP] + [FIN_RUN[i : i + 1] for i in range(len(FIN_RUN))]) == expected
