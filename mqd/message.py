@@ -97,6 +97,7 @@ _TWEPOCH = 1288834974657
 _SEQ_BITS = 12
 _NODE_BITS = 10
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
+_SEQ_HEX = [b"%03x" % seq for seq in range(_SEQ_MASK + 1)]
 
 
 class IdFactory:
@@ -136,9 +137,12 @@ class IdFactory:
                 self._seq = 0
                 room = _SEQ_MASK + 1
             take = count if count < room else room
-            base = (self._last_ts << (_SEQ_BITS + _NODE_BITS)) | self._node
+            # The sequence is the id's last three hex digits (_SEQ_BITS = 12):
+            # the other thirteen are the same for the whole run, so each id
+            # is a concatenation, not a formatting of a 64-bit number.
+            prefix = b"%013x" % ((self._last_ts << _NODE_BITS) | (self._node >> _SEQ_BITS))
             seq = self._seq
-            ids.extend([b"%016x" % (base | s) for s in range(seq, seq + take)])
+            ids.extend([prefix + suffix for suffix in _SEQ_HEX[seq:seq + take]])
             self._seq = seq + take
             count -= take
         return ids

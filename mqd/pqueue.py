@@ -18,6 +18,7 @@ import heapq
 import itertools
 import operator
 from collections.abc import Iterator
+from itertools import islice, repeat
 
 from .message import Message
 
@@ -36,11 +37,14 @@ _COMPACT_FACTOR = 4
 
 
 class PriorityQueue:
-    __slots__ = ("_heap", "_live")
+    __slots__ = ("_heap", "_live", "_top")
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Message]] = []
         self._live = 0
+        # No entry's priority is above this (the highest pushed since the
+        # heap was last emptied): entries at or above it may be appended.
+        self._top = float("-inf")
 
     def __len__(self) -> int:
         return self._live
@@ -52,6 +56,8 @@ class PriorityQueue:
         if not replacing:
             self._live += 1
         msg.pq_seq = seq
+        if priority > self._top:
+            self._top = priority
         _heappush(self._heap, (priority, seq, msg))
         if replacing:
             self._compact_if_sparse()
@@ -60,22 +66,37 @@ class PriorityQueue:
         """Enter messages that are not in this queue yet, all due at `priority`.
 
         The delivery path's form of `push`: one call per batch handed to a
-        client, not one per message.
+        client, not one per message. A delivery's deadline is normally the
+        latest in the heap (now + a client's fixed timeout), and entries no
+        smaller than every other keep the heap ordered when appended, so
+        the batch is appended in one C call instead of pushed one by one.
         """
+        n = len(msgs)
+        seqs = list(islice(_sequence, n))
+        for msg, seq in zip(msgs, seqs, strict=True):
+            msg.pq_seq = seq
+        entries = zip(repeat(priority, n), seqs, msgs, strict=True)
         heap = self._heap
-        counter = _sequence
-        for msg in msgs:
-            msg.pq_seq = seq = next(counter)
-            _heappush(heap, (priority, seq, msg))
-        self._live += len(msgs)
+        if priority >= self._top:
+            self._top = priority
+            heap.extend(entries)
+        else:
+            for entry in entries:
+                _heappush(heap, entry)
+        self._live += n
 
     def discard(self, msg: Message) -> None:
         """Forget `msg` (which must be in this queue); its heap entry dies lazily."""
         msg.pq_seq = -1
-        self._live = live = self._live - 1
-        # _compact_if_sparse's test inline: this runs once per FIN.
-        if len(self._heap) > _COMPACT_SLACK + _COMPACT_FACTOR * live:
-            self._compact_if_sparse()
+        self._live -= 1
+        self._compact_if_sparse()
+
+    def discard_many(self, msgs: list[Message]) -> None:
+        """`discard` for a run of FINs: the sparseness test once, not per message."""
+        for msg in msgs:
+            msg.pq_seq = -1
+        self._live -= len(msgs)
+        self._compact_if_sparse()
 
     def _compact_if_sparse(self) -> None:
         heap = self._heap
@@ -109,6 +130,7 @@ class PriorityQueue:
             msg.pq_seq = -1
         self._heap = []
         self._live = 0
+        self._top = float("-inf")
         return [msg for _, _, msg in live]
 
     def entries(self) -> list[tuple[float, Message]]:

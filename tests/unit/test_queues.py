@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -244,6 +245,45 @@ def test_pq_random_operations_match_model():
     rest = pq.drain()
     assert sorted(m.id for m in rest) == sorted(pool[i].id for i in live)
     assert [live[pool.index(m)] for m in rest] == sorted(live.values())
+
+
+def test_pq_push_batch_appended_or_pushed_matches_model():
+    """push_batch appends when its priority is the highest and pushes otherwise:
+    either way the heap stays a heap and pops in (priority, push order)."""
+    rng = random.Random(7)
+    pq = PriorityQueue()
+    live: dict[int, tuple[float, int]] = {}
+    pool = [msg(i) for i in range(400)]
+    order = itertools.count()
+    now = 0.0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4:
+            free = [i for i in range(len(pool)) if i not in live]
+            batch = rng.sample(free, min(len(free), rng.randrange(1, 20)))
+            # Mostly the latest deadline (a delivery), sometimes an earlier one.
+            prio = now + (10 + rng.random() if rng.random() < 0.8 else rng.random() * 10)
+            pq.push_batch([pool[i] for i in batch], prio)
+            live.update((i, (prio, next(order))) for i in batch)
+        elif op < 0.55 and live:
+            i = rng.choice(list(live))
+            prio = now + rng.random() * 20
+            pq.push(pool[i], prio)
+            live[i] = (prio, next(order))
+        elif op < 0.8 and live:
+            i = rng.choice(list(live))
+            pq.discard(pool[i])
+            del live[i]
+        else:
+            now += rng.random() * 3
+            due = pq.pop_due(now)
+            expected = sorted((key, i) for i, key in live.items() if key[0] <= now)
+            assert [m.id for m in due] == [pool[i].id for _, i in expected]
+            for _, i in expected:
+                del live[i]
+        heap = pq._heap
+        assert all(heap[(k - 1) // 2][:2] <= heap[k][:2] for k in range(1, len(heap)))
+        assert len(pq) == len(live)
 
 
 # -- ids and frames ----------------------------------------------------------------------------------

@@ -383,3 +383,24 @@ def test_nop_in_every_state(connect):
     c.read()
     assert c.request(cmd("NOP") + cmd("NOP", "ignored", "args")) == []
     assert not c.closed
+
+
+def test_fin_run_with_failures_between_answers_each_in_place(consumer, publish, broker):
+    """One read alternating FINs that succeed and fail: every failure gets its
+    error where it stood, every success counts, and the deliveries the
+    successes made room for come before the first error."""
+    publish(*[b"%d" % i for i in range(5)])
+    consumer.send(cmd("RDY", 3))
+    first = consumer.messages()
+    bad = [b"%016d" % i for i in range(3)]
+    stream = b"".join(cmd("FIN", m.id) + cmd("FIN", b) for m, b in zip(first, bad, strict=True))
+    frames = consumer.request(stream)
+    assert frames == [
+        Msg(first[0].timestamp, 1, frames[0].id, b"3"),
+        err(f"E_FIN_FAILED FIN {bad[0].decode()} failed ID not in flight"),
+        Msg(first[0].timestamp, 1, frames[2].id, b"4"),
+        err(f"E_FIN_FAILED FIN {bad[1].decode()} failed ID not in flight"),
+        err(f"E_FIN_FAILED FIN {bad[2].decode()} failed ID not in flight"),
+    ]
+    assert consumer.proto.finish_count == 3
+    assert not consumer.closed
