@@ -644,11 +644,12 @@ class LmdbStore:
             delete = txn.delete
             for key in self._dels:
                 delete(key)
+            records = [(key, _encode(msg)) for key, msg in self._puts.items()]
+            records += [(key, _encode(msg)) for key, msg in self._updates.items()]
+            if records:
+                # One C loop over the records instead of a put call each.
+                txn.cursor().putmulti(records)
             put = txn.put
-            for key, msg in self._puts.items():
-                put(key, _encode(msg))
-            for key, msg in self._updates.items():
-                put(key, _encode(msg))
             for name, qid in self._registry_puts.items():
                 put(name, qid, db=self.registry_db)
             for name in self._registry_dels:

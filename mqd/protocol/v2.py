@@ -394,6 +394,11 @@ class V2Protocol(Protocol, TimeoutMixin):
                     if ids:
                         self._finish_run(ids, pending)
                         continue
+                elif handler is _PUB and self.state == STATE_INIT and not self._auth_on:
+                    nxt = self._pub_run(data, pos, eol, params)
+                    if nxt != pos:
+                        pos = nxt
+                        continue
                 if self._pub_bodies and handler is not _PUB:
                     self._flush_pubs()
                 if pending and handler not in _BATCHABLE and self.channel in pending:
@@ -446,6 +451,43 @@ class V2Protocol(Protocol, TimeoutMixin):
             self._upgrade_leftover = None
             if leftover:
                 self._feed_upgraded(leftover)
+
+    def _pub_run(self, data: bytes, pos: int, eol: int, params: list[bytes]) -> int:
+        """Gather a publisher's run of whole, valid PUBs from `pos`; where the first other command starts.
+
+        What _cmd_pub does for each (go-nsq pipelines PUBs, many per read),
+        without its calls and lookups per message. A PUB this cannot take
+        (a bad name or size, a body still arriving, another command) ends
+        the run and is parsed again by the caller, through _cmd_pub when
+        it is a PUB, for its error or to wait for more.
+        """
+        end = len(data)
+        max_msg = self.broker.options.max_msg_size
+        bodies = self._pub_bodies
+        topic_name = self._pub_topic
+        while len(params) >= 2:
+            name = _name(params[1])
+            start = eol + 1
+            if name is None or start + 4 > end:
+                break
+            size = _unpack_int32(data, start)[0]
+            body_end = start + 4 + size
+            if size <= 0 or size > max_msg or body_end > end:
+                break
+            if name != topic_name:
+                self._flush_pubs()
+                self._pub_topic = topic_name = name
+                bodies = self._pub_bodies
+            bodies.append(data[start + 4:body_end])
+            pos = body_end
+            if data[pos:pos + 4] != b"PUB ":
+                break
+            eol = data.find(b"\n", pos)
+            if eol < 0:
+                break
+            line_end = eol - 1 if data[eol - 1] == 13 else eol
+            params = data[pos:line_end].split(b" ")
+        return pos
 
     def _finish_run(self, ids: list[bytes], pending: set) -> None:
         """FIN the gathered ids in order, as many _cmd_fin calls would, in one pass per failure."""

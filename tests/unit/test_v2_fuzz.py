@@ -264,3 +264,36 @@ def test_fin_run_any_cut_gives_identical_output():
     for i in range(1, len(FIN_RUN)):
         assert _replay([FIN_SETUP, FIN_RUN[:i], FIN_RUN[i:]]) == expected, f"cut at {i}"
     assert _replay([FIN_SETUP] + [FIN_RUN[i : i + 1] for i in range(len(FIN_RUN))]) == expected
+
+
+PUB_RUN = (
+    MAGIC
+    + pub("t", b"a")
+    + pub("t", b"b")
+    + pub("u", b"c")
+    + b"PUB t\r\n" + sized(b"d")
+    + cmd("NOP")
+    + pub("t", b"e" * 300)
+    + cmd("PUB", "t", "extra") + sized(b"f")
+    + pub("bad!", b"x")
+)
+
+
+def test_pub_run_reference_output(tmp_path):
+    """A publisher's pipelined PUBs (the parser's PUB run): one OK each, in
+    order, across topic changes, CRLF, other commands and extra params; the
+    bad name after them is fatal and publishes nothing."""
+    broker, _ = fresh_broker(str(tmp_path))
+    c = Client(broker, magic=False)
+    c.send(PUB_RUN)
+    assert parse_frames(c.raw()) == [ok()] * 6 + [err('E_BAD_TOPIC PUB topic name "bad!" is not valid')]
+    assert c.closed
+    assert broker.topics["t"].message_count == 5
+    assert broker.topics["u"].message_count == 1
+    assert [m.body for m in broker.topics["t"].peek(10)] == [b"a", b"b", b"d", b"e" * 300, b"f"]
+
+
+def test_pub_run_any_cut_gives_identical_output():
+    expected = _replay([PUB_RUN])
+    for i in range(1, len(PUB_RUN)):
+        assert _replay([PUB_RUN[:i], PUB_RUN[i:]]) == expected, f"cut at {i}"
