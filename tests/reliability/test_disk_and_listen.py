@@ -152,6 +152,9 @@ class _Txn:
         self.puts += 1
         return self.real.put(key, value, **kw)
 
+    def cursor(self, *args, **kw):
+        return _Cursor(self, self.real.cursor(*args, **kw))
+
     def __getattr__(self, name):
         return getattr(self.real, name)
 
@@ -167,6 +170,21 @@ class _Txn:
             return
         self.real.commit()
         self.disk.room -= self.puts
+
+
+class _Cursor:
+    """A cursor of a `_Txn`: the records `putmulti` writes count against the room too."""
+
+    def __init__(self, txn: _Txn, real) -> None:
+        self.txn, self.real = txn, real
+
+    def putmulti(self, items, *args, **kw):
+        items = list(items)
+        self.txn.puts += len(items)
+        return self.real.putmulti(items, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
 
 
 class _SmallDisk:
