@@ -18,7 +18,6 @@ import heapq
 import itertools
 import operator
 from collections.abc import Iterator
-from itertools import islice, repeat
 
 from .message import Message
 
@@ -72,10 +71,10 @@ class PriorityQueue:
         the batch is appended in one C call instead of pushed one by one.
         """
         n = len(msgs)
-        seqs = list(islice(_sequence, n))
+        seqs = list(itertools.islice(_sequence, n))
         for msg, seq in zip(msgs, seqs, strict=True):
             msg.pq_seq = seq
-        entries = zip(repeat(priority, n), seqs, msgs, strict=True)
+        entries = zip(itertools.repeat(priority, n), seqs, msgs, strict=True)
         heap = self._heap
         if priority >= self._top:
             self._top = priority

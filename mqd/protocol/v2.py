@@ -377,7 +377,7 @@ class V2Protocol(Protocol, TimeoutMixin):
                     if handlers is _TLS_REQUIRED_HANDLERS:
                         _tls_required(self, params, data, eol + 1)
                     raise fatal("E_INVALID", f"invalid command {_echo(params[0])}")
-                if handler is _FIN and self.state == STATE_SUBSCRIBED and not self._pub_bodies:
+                if handler is _FIN and self.state == STATE_SUBSCRIBED:
                     # A run of well-formed FINs (a reader acks every message)
                     # is gathered and finished as one (Channel.finish_run);
                     # each id that fails gets _cmd_fin's error in its place.
@@ -497,7 +497,7 @@ class V2Protocol(Protocol, TimeoutMixin):
         while done < count:
             n = channel.finish_run(self, ids, done)
             if n:
-                pending.add(channel)
+                channel.deliver_soon()
                 done += n
             if done < count:
                 try:
@@ -1255,12 +1255,11 @@ class V2Protocol(Protocol, TimeoutMixin):
         msg_id = params[1] if len(params) > 1 else b""
         if len(msg_id) != 16 or self.state != STATE_SUBSCRIBED:
             msg_id = self._message_id("FIN", params)
-        channel = self.channel
         try:
-            channel.finish(self, msg_id)
+            self.channel.finish(self, msg_id)
         except ChannelError as e:
             raise nonfatal("E_FIN_FAILED", f"FIN {_echo(msg_id)} failed {e}") from None
-        channel.deliver_soon()  # _deliver_soon without its hop: channel is set here
+        self._deliver_soon()
         return start
 
     def _cmd_req(self, params, data, start):

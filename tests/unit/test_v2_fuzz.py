@@ -213,11 +213,11 @@ def test_any_split_gives_identical_output(cuts):
     assert _replay(chunks) == expected
 
 
-
 def _fin_run_stream() -> bytes:
     """A reader's FIN pipeline (the parser's FIN fast path) broken by every
-    way a FIN can fail or end a run: a repeat, a CRLF line, other commands, and last a malformed id, which is fatal. It names only messages
-    the reader has been sent (FIN_SETUP delivers six of eight)."""
+    way a FIN can fail or end a run: a repeat, a CRLF line, other commands,
+    and last a malformed id, which is fatal. It names only messages the
+    reader has been sent (FIN_SETUP delivers six of eight)."""
     ids = [_IDS[n].decode() for n in range(8)]
     return (
         cmd("FIN", ids[0])
