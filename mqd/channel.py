@@ -319,9 +319,7 @@ class Channel:
                 record = self.e2e.record
                 for msg in done:
                     record(msg.timestamp)
-            stored = [msg for msg in done if msg.key is not None]
-            if stored:
-                self._queue.backend.finish(stored)
+            self._queue.finish(done)
         return n
 
     def requeue(self, client, msg_id: bytes, delay: float) -> None:

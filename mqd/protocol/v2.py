@@ -467,32 +467,28 @@ class V2Protocol(Protocol, TimeoutMixin):
         topic_name = self._pub_topic
         while len(params) >= 2:
             name = _name(params[1])
-            start = eol + 1
-            if name is None or start + 4 > end:
+            if name is None:
                 break
-            size = _unpack_int32(data, start)[0]
-            body_end = start + 4 + size
-            if size <= 0 or size > max_msg or body_end > end:
-                break
-            if name != topic_name:
-                self._flush_pubs()
-                self._pub_topic = topic_name = name
-                bodies = self._pub_bodies
-            bodies.append(data[start + 4:body_end])
             # The same command line again (a publisher pipelining to one
             # topic) needs no find, split or name check: only its body's.
-            line = data[pos:start]
-            pos = body_end
-            while data.startswith(line, pos):
-                start = pos + len(line)
+            line = data[pos:eol + 1]
+            line_len = len(line)
+            while True:
+                start = pos + line_len
                 if start + 4 > end:
                     return pos
                 size = _unpack_int32(data, start)[0]
                 body_end = start + 4 + size
                 if size <= 0 or size > max_msg or body_end > end:
                     return pos
+                if name != topic_name:
+                    self._flush_pubs()
+                    self._pub_topic = topic_name = name
+                    bodies = self._pub_bodies
                 bodies.append(data[start + 4:body_end])
                 pos = body_end
+                if not data.startswith(line, pos):
+                    break
             if data[pos:pos + 4] != b"PUB ":
                 break
             eol = data.find(b"\n", pos)
