@@ -13,7 +13,7 @@ if __name__ == "__main__":
         from bench.client import main as client
 
         sys.exit(client(sys.argv[2:]))
-    if sys.argv[1:2] in (["memory"], ["latency"], ["flame"]):
+    if sys.argv[1:2] in (["memory"], ["latency"], ["flame"], ["lookupd"]):
         import importlib
 
         sys.exit(importlib.import_module(f"bench.{sys.argv[1]}").main(sys.argv[2:]))

@@ -9,35 +9,216 @@ near-miss paths exactly as nsqd and nsqlookupd's shared router does.
 
 Lists keep registration order (nsqlookupd's follow Go's random map
 order, so clients cannot rely on any).
+
+Answers that grow with the cluster (`/nodes`, `/lookup` of a topic many
+brokers produce, `/topics`, `/channels`, `/debug`) are built as pieces of
+JSON and written a slice per reactor turn (`JsonStreamer`): with thousands
+of brokers `/nodes` is a megabyte, and built in one go it would make every
+consumer's `/lookup` and every broker's PING wait for it. The bytes are
+those `dumps` would write for the whole answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from time import perf_counter
+from typing import Any, NamedTuple
+from weakref import WeakKeyDictionary
 
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import CooperativeTask, Cooperator, TaskFinished, TaskStopped
+from twisted.python.failure import Failure
 from twisted.web.server import Request
+from zope.interface import implementer
 
 from ..http.api import ApiSite, CappedBody, Router
 from ..http.args import query_of, topic_arg, topic_channel_args
-from ..http.endpoint import Endpoint, PlainTextEndpoint
-from ..http.response import ApiError
+from ..http.endpoint import LATER, Endpoint, PlainTextEndpoint, client_gone
+from ..http.response import ApiError, dumps, respond_v1
 from ..http.status import nanoseconds
 from ..logs import get_logger
 from .protocol import LOOKUPD_VERSION
-from .registry import GO_ZERO_TIME_NS, Producer, Registration, RegistrationDB
+from .registry import GO_ZERO_TIME_NS, PeerInfo, Producer, Registration, RegistrationDB
 
-__all__ = ["LookupdAPI", "LookupdSite"]
+__all__ = ["JsonStreamer", "LookupdAPI", "LookupdSite"]
 
 log = get_logger(__name__)
 
+_CLIENT = Registration("client", "", "")
+
+
+# A streamed answer's pieces written per reactor turn. A piece is one item
+# of a list (one broker of /nodes, one producer of /lookup or /debug) or a
+# batch of names, each some microseconds of work; 100 of them hold the
+# reactor for about a millisecond, so a /lookup or a broker's PING that
+# arrives meanwhile waits about that long, not for the whole answer.
+SLICE = 100
+# ... and a slice after the first ends sooner if it has taken this long (a
+# busy machine, pieces encoded for the first time).
+SLICE_SECONDS = 0.002
+# Names (/topics, /channels) encoded per piece.
+NAMES_PER_PIECE = 64
+
+
+class JsonStreamer:
+    """Answers with JSON built piece by piece, a slice of pieces per reactor turn.
+
+    An answer that fits in one slice (most of them) is sent at once with a
+    Content-Length, as before; a longer one is sent chunked as it is built,
+    its slices run by a Cooperator that lets the reactor go round between
+    any two, and paused while the client does not read (the request's
+    transport calls `pauseProducing`).
+    """
+
+    def __init__(self, reactor, slice_size: int = SLICE) -> None:
+        self.slice_size = slice_size
+        self.cooperator = Cooperator(terminationPredicateFactory=_one_unit_per_turn,
+                                     scheduler=lambda step: reactor.callLater(0, step))
+
+    def answer(self, request: Request, pieces: Iterable[bytes]) -> object:
+        """Answer `request` with the pieces, concatenated: a JSON text. Returns LATER."""
+        _StreamedAnswer(request, iter(pieces), self).start()
+        return LATER
+
+
+def _one_unit_per_turn() -> Callable[[], bool]:
+    """The Cooperator's termination predicate: one slice per reactor turn, however quick."""
+    return lambda: True
+
+
+@implementer(IPushProducer)
+class _StreamedAnswer:
+    """One request's answer as a cooperative task; the request's producer while it runs."""
+
+    def __init__(self, request: Request, pieces: Iterator[bytes], streamer: JsonStreamer) -> None:
+        self.request = request
+        self.pieces = pieces
+        self.streamer = streamer
+        self.done = False
+        self.task: CooperativeTask | None = None
+        self.paused = False
+
+    def _take(self, deadline: float = math.inf) -> bytes:
+        """The next slice: up to slice_size pieces, fewer once `deadline` (perf_counter) has passed."""
+        chunk = []
+        size = self.streamer.slice_size
+        for piece in self.pieces:
+            chunk.append(piece)
+            if len(chunk) >= size or perf_counter() >= deadline:
+                return b"".join(chunk)
+        self.done = True
+        return b"".join(chunk)
+
+    def start(self) -> None:
+        request = self.request
+        first = self._take()
+        _json_headers(request)
+        if self.done:
+            request.setHeader(b"Content-Length", b"%d" % len(first))
+            request.write(first)
+            request.finish()
+            return
+        request.write(first)
+        request.registerProducer(self, True)
+        self.task = self.streamer.cooperator.cooperate(self._rest())
+        self.task.whenDone().addCallbacks(self._finished, self._failed)
+
+    def _rest(self) -> Iterator[None]:
+        while not client_gone(self.request):
+            chunk = self._take(perf_counter() + SLICE_SECONDS)
+            if chunk:
+                self.request.write(chunk)
+            if self.done:
+                return
+            yield None
+
+    def _finished(self, _: object) -> None:
+        if not client_gone(self.request):
+            self.request.unregisterProducer()
+            self.request.finish()
+
+    def _failed(self, failure: Failure) -> None:
+        if failure.check(TaskStopped):  # stopProducing: the connection is going
+            return
+        request = self.request
+        log.failure("{method} {uri} failed while answering", failure, method=request.method,
+                    uri=request.uri)
+        if not client_gone(request):
+            # The status is out; cutting the answer short is how the client learns.
+            request.unregisterProducer()
+            request.loseConnection()
+
+    # IPushProducer, for the request's transport.
+
+    def pauseProducing(self) -> None:
+        if self.task is not None and not self.paused:
+            self.paused = True
+            with suppress(TaskFinished):
+                self.task.pause()
+
+    def resumeProducing(self) -> None:
+        if self.task is not None and self.paused:
+            self.paused = False
+            with suppress(TaskFinished):
+                self.task.resume()
+
+    def stopProducing(self) -> None:
+        if self.task is not None:
+            with suppress(TaskFinished):
+                self.task.stop()
+
+
+_PEER_JSON: WeakKeyDictionary[PeerInfo, bytes] = WeakKeyDictionary()
+
+
+def peer_json(peer: PeerInfo) -> bytes:
+    """`dumps(peer.as_json())`, encoded once per broker (what IDENTIFY said does not change)."""
+    encoded = _PEER_JSON.get(peer)
+    if encoded is None:
+        encoded = _PEER_JSON[peer] = dumps(peer.as_json())
+    return encoded
+
+
+def _json_headers(request: Request) -> None:
+    """respond_v1's status and headers for a JSON answer; its body (`{}`) is not sent, the pieces are."""
+    respond_v1(request, 200, {})
+
+
+def _object(name: str, value: Iterable[bytes]) -> Iterator[bytes]:
+    """`{"name":<value>}` as `dumps` writes it, the value's pieces as they come."""
+    yield b"{" + dumps(name) + b":"
+    yield from value
+    yield b"}"
+
+
+def _array(values: Sequence[Any]) -> Iterator[bytes]:
+    """`dumps(values)`, a piece per NAMES_PER_PIECE values."""
+    yield b"["
+    for i in range(0, len(values), NAMES_PER_PIECE):
+        items = dumps(values[i:i + NAMES_PER_PIECE])[1:-1]
+        yield items if i == 0 else b"," + items
+    yield b"]"
+
+
+def _encoded_array(items: Iterable[bytes]) -> Iterator[bytes]:
+    """A JSON array of already encoded items, an item per piece."""
+    yield b"["
+    sep = b""
+    for item in items:
+        yield sep + item
+        sep = b","
+    yield b"]"
+
 
 class _LookupdEndpoint(Endpoint):
-    """An Endpoint over the registration DB rather than a broker."""
+    """An Endpoint over the registration DB rather than a broker; big answers are streamed."""
 
-    def __init__(self, db: RegistrationDB) -> None:
+    def __init__(self, db: RegistrationDB, stream: JsonStreamer) -> None:
         super().__init__(db)
         self.db = db
+        self.stream = stream
 
 
 class Ping(PlainTextEndpoint):
@@ -56,7 +237,8 @@ class Topics(_LookupdEndpoint):
     """`GET /topics`: every topic registration, with producers or not."""
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
-        return {"topics": [reg.key for reg in self.db.find_registrations("topic", "*", "")]}
+        keys = [reg.key for reg in self.db.find_registrations("topic", "*", "")]
+        return self.stream.answer(request, _object("topics", _array(keys)))
 
 
 class Channels(_LookupdEndpoint):
@@ -64,8 +246,8 @@ class Channels(_LookupdEndpoint):
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
         topic = topic_arg(query_of(request), invalid=None)
-        regs = self.db.find_registrations("channel", topic, "*")
-        return {"channels": [reg.subkey for reg in regs]}
+        subkeys = [reg.subkey for reg in self.db.find_registrations("channel", topic, "*")]
+        return self.stream.answer(request, _object("channels", _array(subkeys)))
 
 
 class Lookup(_LookupdEndpoint):
@@ -76,40 +258,102 @@ class Lookup(_LookupdEndpoint):
         if not self.db.find_registrations("topic", topic, ""):
             raise ApiError(404, "TOPIC_NOT_FOUND")
         channels = [reg.subkey for reg in self.db.find_registrations("channel", topic, "*")]
-        producers = self.db.live(self.db.find_producers("topic", topic, ""))
-        return {"channels": channels, "producers": [p.peer.as_json() for p in producers]}
+        return self.stream.answer(request, self._pieces(channels, self.db.find_producers("topic", topic, "")))
+
+    def _pieces(self, channels: list[str], producers: list[Producer]) -> Iterator[bytes]:
+        db = self.db
+        now = db.now()
+        yield b'{"channels":' + dumps(channels) + b',"producers":'
+        yield from _encoded_array(peer_json(p.peer) for p in producers if db.is_live(p, now))
+        yield b"}"
+
+
+class _Node(NamedTuple):
+    """One broker's /nodes entry as of its registrations' stamp."""
+
+    peer: PeerInfo
+    stamp: int
+    # Per topic, the producer whose tombstone shows (None: no such producer).
+    producers: list[Producer | None]
+    head: bytes  # the peer's fields and `,"tombstones":[`
+    tail: bytes  # `],"topics":[...]}`
+    untombstoned: bytes  # the whole entry when no tombstone shows
 
 
 class Nodes(_LookupdEndpoint):
-    """`GET /nodes`: every active broker, its topics and whether each is tombstoned there."""
+    """`GET /nodes`: every active broker, its topics and whether each is tombstoned there.
+
+    The brokers are those active when the request came; each one's topics
+    are read when its turn in the answer comes, and one gone meanwhile is
+    left out. A broker's entry is encoded again only when its
+    registrations change (`peer_stamp`) or one of its producers has been
+    tombstoned: mqadmin asks every few seconds, mostly for the same answer.
+    """
+
+    def __init__(self, db: RegistrationDB, stream: JsonStreamer) -> None:
+        super().__init__(db, stream)
+        # By broker id: the entries of the last complete answer (so none of a broker gone stays).
+        self._nodes: dict[str, _Node] = {}
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
-        nodes = []
-        for client in self.db.active(self.db.find_producers("client", "", "")):
-            peer = client.peer
-            topics = [reg.key for reg in self.db.lookup_registrations(peer.id)
-                      if reg.category == "topic"]
-            tombstones = []
-            for topic in topics:
-                tombstoned = False
-                for producer in self.db.find_producers("topic", topic, ""):
-                    if producer.peer is peer:
-                        tombstoned = self.db.is_tombstoned(producer)
-                        break
-                tombstones.append(tombstoned)
-            nodes.append({**peer.as_json(), "tombstones": tombstones, "topics": topics})
-        return {"producers": nodes}
+        return self.stream.answer(request, self._pieces())
+
+    def _pieces(self) -> Iterator[bytes]:
+        db = self.db
+        now = db.now()
+        known, seen = self._nodes, {}
+        nodes = (self._node(client.peer, now, known, seen) for client in db.producers(_CLIENT)
+                 if not db.is_inactive(client, now) and db.producer(_CLIENT, client.peer.id) is client)
+        yield from _object("producers", _encoded_array(nodes))
+        self._nodes = seen
+
+    def _node(self, peer: PeerInfo, now: float, known: dict[str, _Node], seen: dict[str, _Node]) -> bytes:
+        node = known.get(peer.id)
+        stamp = self.db.peer_stamp(peer.id)
+        if node is None or node.peer is not peer or node.stamp != stamp:
+            node = self._encode(peer, stamp)
+        seen[peer.id] = node
+        for producer in node.producers:
+            if producer is not None and producer.tombstoned:
+                break
+        else:
+            return node.untombstoned
+        tombstones = [b"true" if p is not None and self.db.is_tombstoned(p, now) else b"false"
+                      for p in node.producers]
+        return node.head + b",".join(tombstones) + node.tail
+
+    def _encode(self, peer: PeerInfo, stamp: int) -> _Node:
+        """dumps({**peer.as_json(), "tombstones": [...], "topics": [...]}) in parts."""
+        topics = []
+        producers: list[Producer | None] = []
+        for reg, producer in self.db.peer_producers(peer.id, "topic"):
+            topics.append(reg.key)
+            if reg.subkey:  # not the topic's registration itself: its tombstone is that one's
+                producer = self.db.producer(Registration("topic", reg.key, ""), peer.id)
+            producers.append(producer if producer is not None and producer.peer is peer else None)
+        head = peer_json(peer)[:-1] + b',"tombstones":['
+        tail = b'],"topics":' + dumps(topics) + b"}"
+        return _Node(peer, stamp, producers, head, tail,
+                     head + b",".join([b"false"] * len(topics)) + tail)
 
 
 class Debug(_LookupdEndpoint):
     """`GET /debug`: every registration with producers, and each producer's raw state."""
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
-        data: dict[str, list[dict[str, Any]]] = {}
-        for reg, producers in sorted(self.db.items(), key=lambda item: str(item[0])):
-            for producer in producers:
-                data.setdefault(str(reg), []).append(_debug_entry(producer))
-        return data
+        return self.stream.answer(request, self._pieces())
+
+    def _pieces(self) -> Iterator[bytes]:
+        # Go writes a map: keys sorted. Registrations without producers are not shown.
+        yield b"{"
+        sep = b""
+        for reg in sorted(self.db.registrations(), key=str):
+            producers = self.db.producers(reg)
+            if producers:
+                yield sep + dumps(str(reg)) + b":"
+                yield from _encoded_array(dumps(_debug_entry(p)) for p in producers)
+                sep = b","
+        yield b"}"
 
 
 def _debug_entry(producer: Producer) -> dict[str, Any]:
@@ -199,22 +443,28 @@ class ChannelDelete(_LookupdEndpoint):
 
 
 class LookupdAPI(Router):
-    """Every nsqlookupd endpoint, routed as nsqlookupd routes (404, 405, redirects)."""
+    """Every nsqlookupd endpoint, routed as nsqlookupd routes (404, 405, redirects).
 
-    def __init__(self, db: RegistrationDB) -> None:
+    `slice_size`: pieces of a big answer built per reactor turn (see SLICE).
+    """
+
+    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE) -> None:
+        if reactor is None:
+            from twisted.internet import reactor
+        stream = JsonStreamer(reactor, slice_size)
         super().__init__({
             "/ping": Ping(db),
-            "/info": Info(db),
-            "/debug": Debug(db),
-            "/lookup": Lookup(db),
-            "/topics": Topics(db),
-            "/channels": Channels(db),
-            "/nodes": Nodes(db),
-            "/topic/create": TopicCreate(db),
-            "/topic/delete": TopicDelete(db),
-            "/topic/tombstone": TopicTombstone(db),
-            "/channel/create": ChannelCreate(db),
-            "/channel/delete": ChannelDelete(db),
+            "/info": Info(db, stream),
+            "/debug": Debug(db, stream),
+            "/lookup": Lookup(db, stream),
+            "/topics": Topics(db, stream),
+            "/channels": Channels(db, stream),
+            "/nodes": Nodes(db, stream),
+            "/topic/create": TopicCreate(db, stream),
+            "/topic/delete": TopicDelete(db, stream),
+            "/topic/tombstone": TopicTombstone(db, stream),
+            "/channel/create": ChannelCreate(db, stream),
+            "/channel/delete": ChannelDelete(db, stream),
         })
 
 
@@ -225,8 +475,8 @@ class LookupdSite(ApiSite):
     client cannot make lookupd store one): each is accepted and dropped.
     """
 
-    def __init__(self, db: RegistrationDB, reactor=None) -> None:
-        super().__init__(LookupdAPI(db), reactor)
+    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE) -> None:
+        super().__init__(LookupdAPI(db, reactor, slice_size), reactor)
 
     def getContentFile(self, length: int | None) -> CappedBody:
         return CappedBody(0)
