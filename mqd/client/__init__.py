@@ -9,17 +9,20 @@ own tests. It speaks only NSQ's protocol and works against any nsqd.
 from .config import Config
 from .consumer import Consumer
 from .errors import (
+    AuthRefusedError,
     ClientConfigError,
     ConnectionClosed,
     HeartbeatTimeout,
     NSQError,
     ProducerFullError,
+    ServerProtocolError,
     StoppedError,
 )
 from .message import Message
 from .producer import Producer
 
 __all__ = [
+    "AuthRefusedError",
     "ClientConfigError",
     "Config",
     "ConnectionClosed",
@@ -29,5 +32,6 @@ __all__ = [
     "NSQError",
     "Producer",
     "ProducerFullError",
+    "ServerProtocolError",
     "StoppedError",
 ]

@@ -2,7 +2,10 @@
 
 The names, defaults and min/max are go-nsq 1.1's (config.go struct tags)
 so that an option tuned for a Go consumer means the same here, and the
-CLI tools' `--consumer-opt name=value` takes what nsq_tail's does.
+CLI tools' `--consumer-opt name=value` takes what nsq_tail's does. One
+addition: `max_msg_size`, go-nsq's later option of that name, whose
+default here is a limit (64 MiB, not go-nsq's 0 = none) so that a hostile
+or confused server cannot make a client buffer a 2 GiB frame.
 Durations are seconds (floats) in Python, and also Go duration strings
 ("250ms", "1m30s"), because that is how they are written on command
 lines. Every value is checked when it is set, so a bad option fails where
@@ -32,7 +35,8 @@ _M = 60.0
 OPTIONS: OrderedDict[str, tuple[Any, Any, Any, str]] = OrderedDict([
     ("dial_timeout", (1 * _S, None, None, "deadline for establishing a TCP connection")),
     ("read_timeout", (60 * _S, 100 * _MS, 5 * _M,
-                      "nothing read for this long (heartbeats included) closes the connection")),
+                      "no complete frame read for this long (heartbeats included), or a handshake "
+                      "not done within it, closes the connection")),
     ("write_timeout", (1 * _S, 100 * _MS, 5 * _M,
                        "go-nsq's write deadline; accepted and checked, not enforced "
                        "(Twisted writes never block)")),
@@ -76,6 +80,9 @@ OPTIONS: OrderedDict[str, tuple[Any, Any, Any, str]] = OrderedDict([
     ("max_in_flight", (1, 0, None, "messages in flight over all connections of a consumer")),
     ("msg_timeout", (0.0, 0.0, None, "server-side timeout of messages sent to this client "
                                       "(0: server default)")),
+    ("max_msg_size", (64 * 1024 * 1024, 0, None,
+                      "largest message body accepted from nsqd in bytes; a frame declaring more "
+                      "closes the connection before it is read (0: no limit)")),
     ("auth_secret", ("", None, None, "secret sent with AUTH when nsqd requires it")),
 ])
 
@@ -100,7 +107,7 @@ _KINDS = {
     "tls_insecure_skip_verify": _BOOL, "tls_server_name": _STR, "deflate": _BOOL,
     "deflate_level": _INT, "snappy": _BOOL, "output_buffer_size": _INT,
     "output_buffer_timeout": _DURATION, "max_in_flight": _INT, "msg_timeout": _DURATION,
-    "auth_secret": _STR,
+    "max_msg_size": _INT, "auth_secret": _STR,
 }
 assert set(_KINDS) == set(OPTIONS)
 

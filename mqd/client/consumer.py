@@ -17,6 +17,16 @@ synchronous handler costs no Deferred at all.
 connection closes once nsqd answered CLOSE_WAIT and its in-flight
 messages are answered, and the Deferred fires once every connection is
 closed and every running handler has returned (30 s at most).
+
+Failures are logged once each, here: a failed dial, a failed handshake
+or SUB, a lost connection (the protocol only says why). An nsqd that
+refuses the consumer's AUTH on its first connection (`AuthRefusedError`:
+a wrong secret, none given, no permissions) is not dialed again, as
+go-nsq's ConnectToNSQD gives up and returns the error: `on_fatal(address,
+error)` hears it for an address given in `nsqd_tcp_addresses`, and one
+lookupd listed is tried again when a later poll lists it. A connection
+that had subscribed before is retried whatever the reason, as go-nsq
+retries after losing one.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from ..logs import get_logger
 from ..names import is_valid_name
 from .config import Config
 from .discovery import LookupdPoller
-from .errors import ClientConfigError, StoppedError
+from .errors import AuthRefusedError, ClientConfigError, ConnectionClosed, NSQError, StoppedError
 from .message import Message
 from .protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol, client_endpoint
 from .ready import ReadyController
@@ -88,7 +98,15 @@ class _LinkFactory(ConnectionFactory):
     def buildProtocol(self, addr) -> NSQClientProtocol:
         proto = super().buildProtocol(addr)
         self.link.consumer._conn_links[proto] = self.link
+        # The handshake's outcome reaches the consumer as connection_ready or
+        # connection_closed; `ready` failing unheard would be an "Unhandled
+        # error in Deferred" at every failed attempt.
+        proto.ready.addErrback(_reported_elsewhere)
         return proto
+
+
+def _reported_elsewhere(_failure: Failure) -> None:
+    return None
 
 
 class _Link:
@@ -99,6 +117,7 @@ class _Link:
         self.address = address
         self.discovered = discovered
         self.conn: NSQClientProtocol | None = None  # the subscribed connection
+        self.ever_subscribed = False  # a refused AUTH is fatal only before the first SUB
         # Handshakes/SUBs failed in a row: ClientService forgets failures
         # once TCP connects, the retry delay must not.
         self.failures = 0
@@ -140,6 +159,7 @@ class _Link:
 
     def subscribed(self, conn: NSQClientProtocol) -> None:
         self.failures = 0
+        self.ever_subscribed = True
         self.conn = conn
         self._fire(conn)
 
@@ -217,7 +237,10 @@ class Consumer(service.Service, ConnectionDelegate):
     has one) is called instead of the handler for a message delivered more
     than `max_attempts` times, which is then FINed. `endpoint_factory`
     (address → IStreamClientEndpoint) and `lookupd_http` (treq-like) are
-    for tests and special transports.
+    for tests and special transports. `on_fatal(address, error)` is called
+    when an nsqd of `nsqd_tcp_addresses` (or `connect_to_nsqd`) refuses the
+    consumer for good, and is no longer dialed: today an `AuthRefusedError`
+    on its first connection. The tools exit 1 on it, as nsq_tail does.
     """
 
     def __init__(self, topic: str, channel: str, handler: Callable[[Message], Any], *,
@@ -229,6 +252,7 @@ class Consumer(service.Service, ConnectionDelegate):
                  endpoint_factory: Callable[[str], Any] | None = None,
                  lookupd_http=None,
                  rng: random.Random | None = None,
+                 on_fatal: Callable[[str, Exception], Any] | None = None,
                  **options: Any) -> None:
         if reactor is None:
             from twisted.internet import reactor
@@ -257,6 +281,7 @@ class Consumer(service.Service, ConnectionDelegate):
         self.reactor = reactor
         self._handler = handler
         self._giving_up = giving_up
+        self._on_fatal = on_fatal
         if endpoint_factory is None:
             def endpoint_factory(address: str):
                 return client_endpoint(reactor, address, config.dial_timeout, config.local_addr)
@@ -423,29 +448,64 @@ class Consumer(service.Service, ConnectionDelegate):
         self.ready.connection_added(conn)
 
     def _sub_failed(self, failure: Failure, conn: NSQClientProtocol, link: _Link) -> None:
-        log.error("({address}) failed to subscribe to {topic}/{channel}: {error}",
-                  address=conn.address, topic=self.topic, channel=self.channel,
-                  error=str(failure.value))
+        if not link.removed and not self._stopping:
+            log.error("({address}) failed to subscribe to {topic}/{channel}: {error}",
+                      address=conn.address, topic=self.topic, channel=self.channel,
+                      error=str(failure.value))
         conn.close()
 
     def connection_closed(self, conn: NSQClientProtocol, reason) -> None:
+        """The one report of a connection's end (the protocol logs none of its own)."""
         address = conn.address
+        error = getattr(reason, "value", reason)
         if self.connections.get(address) is conn:
             del self.connections[address]
             self.ready.connection_removed(conn)
-            log.warn("({address}) connection closed: {reason}; {left} left", address=address,
-                     reason=getattr(reason, "value", reason), left=len(self.connections))
+            link = self._conn_links.get(conn)
+            if self._stopping or link is None or link.removed:
+                log.info("({address}) connection closed; {left} left", address=address,
+                         left=len(self.connections))
+            else:
+                log.warn("({address}) connection closed: {reason}; {left} left", address=address,
+                         reason=error, left=len(self.connections))
         link = self._conn_links.pop(conn, None)
         if link is None:
             return
         if link.conn is conn:
             link.conn = None
         elif not link.removed:
-            link.handshake_failed(reason if isinstance(reason, Failure) else Failure(reason))
+            if isinstance(error, (NSQError, ConnectionClosed)):
+                failure = reason if isinstance(reason, Failure) else Failure(reason)
+            else:  # the transport's reason: connect_to_nsqd fails with the library's type
+                failure = Failure(ConnectionClosed(reason))
+            if isinstance(error, AuthRefusedError) and not link.ever_subscribed:
+                link.handshake_failed(failure)
+                self._refused(link, error)
+                return
+            if not conn.handshake_done:  # a failed SUB was reported by _sub_failed
+                log.warn("({address}) handshake failed: {error}", address=address, error=error)
+            link.handshake_failed(failure)
         if link.removed:
             link.stop_service()
 
+    def _refused(self, link: _Link, error: AuthRefusedError) -> None:
+        """go-nsq's ConnectToNSQD failing: this address is not dialed again (see the module)."""
+        if link.discovered:
+            log.error("({address}) {error}; tried again when lookupd lists it next",
+                      address=link.address, error=error.nsq_text)
+        else:
+            log.error("({address}) {error}; not reconnecting", address=link.address,
+                      error=error.nsq_text)
+        self._close_link(link)
+        if not link.discovered and self._on_fatal is not None:
+            try:
+                self._on_fatal(link.address, error)
+            except Exception:
+                log.failure("on_fatal callback failed")
+
     def connection_error(self, conn: NSQClientProtocol, err) -> None:
+        if err.fatal:
+            return  # the connection closes with it: connection_closed reports it
         log.error("({address}) protocol error - {error}", address=conn.address, error=str(err))
 
     def message_finished(self, conn: NSQClientProtocol, msg: Message) -> None:

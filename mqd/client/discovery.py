@@ -19,6 +19,12 @@ application/vnd.nsq; version=1.0` header asks for) and the old
 `{"status_code": 200, "status_txt": "OK", "data": {...}}` envelope.
 A `404` (lookupd has never heard of the topic, or every producer left)
 means no producer, not an error.
+
+A lookupd that answers garbage is a failed query like an unreachable one
+(one logged line, the next lookupd tried): a body over
+`MAX_RESPONSE_SIZE` is cut off as it arrives (go-nsq reads it all), JSON
+nested too deep for Python's decoder or of the wrong shape is a
+`LookupdError`, and the whole query is bounded by `timeout`.
 """
 
 from __future__ import annotations
@@ -29,12 +35,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import treq
 from treq.client import HTTPClient
 from twisted.internet import defer, task
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
+from ..http_body import read_bounded
 from ..logs import get_logger
 from .errors import ClientConfigError
 
@@ -46,6 +52,8 @@ log = get_logger("mqd.client")
 ACCEPT = b"application/vnd.nsq; version=1.0"
 # go-nsq tries this many lookupds (the next one each time) before giving a poll up.
 QUERY_ATTEMPTS = 3
+# A /lookup answer is a few hundred bytes per producer: 16 MiB is tens of thousands of them.
+MAX_RESPONSE_SIZE = 16 * 1024 * 1024
 
 
 class LookupdError(Exception):
@@ -104,6 +112,14 @@ def producer_addresses(document: Any) -> set[str]:
             continue
         found.add(join_host_port(host, port))
     return found
+
+
+def _describe(error: BaseException) -> str:
+    """One line for a failed query: twisted.web's wrapper exceptions say why in `.reasons`."""
+    reasons = getattr(error, "reasons", None)
+    if reasons:
+        return "; ".join(str(r.value) or type(r.value).__name__ for r in reasons)
+    return str(error) or type(error).__name__
 
 
 class LookupdPoller:
@@ -251,7 +267,8 @@ class LookupdPoller:
                     log.error("error querying nsqlookupd ({url}) - no answer within {timeout}s",
                               url=url, timeout=self.timeout)
                 else:
-                    log.error("error querying nsqlookupd ({url}) - {error}", url=url, error=e)
+                    log.error("error querying nsqlookupd ({url}) - {error}", url=url,
+                              error=_describe(e))
             else:
                 if generation != self._generation:
                     return None
@@ -272,13 +289,15 @@ class LookupdPoller:
     @defer.inlineCallbacks
     def _request(self, url: str):
         response = yield self.http.get(url, headers={b"Accept": [ACCEPT]})
-        body = yield treq.content(response)
+        body = yield read_bounded(response, MAX_RESPONSE_SIZE, LookupdError)
         if response.code == 404:
             return set()
         if response.code != 200:
             raise LookupdError(f"got response {response.code} {body[:200]!r}")
         try:
             document = json.loads(body or b"{}")
+        except RecursionError:
+            raise LookupdError("invalid JSON: nested too deep") from None
         except ValueError:
             raise LookupdError(f"invalid JSON {body[:200]!r}") from None
         return producer_addresses(document)

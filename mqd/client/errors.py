@@ -28,12 +28,16 @@ __all__ = [
     "AuthDisabledError",
     "UnauthorizedError",
     "AuthError",
+    "AuthRefusedError",
+    "AuthRequiredError",
+    "auth_refused",
     "FinFailedError",
     "ReqFailedError",
     "TouchFailedError",
     "ERROR_CLASSES",
     "error_from_frame",
     "ConnectionClosed",
+    "ServerProtocolError",
     "HeartbeatTimeout",
     "ClientConfigError",
     "ProducerFullError",
@@ -158,6 +162,65 @@ ERROR_CLASSES: dict[str, type[NSQError]] = {
 }
 
 
+class AuthRefusedError(NSQError):
+    """nsqd refused this client's credentials in the handshake: retrying cannot help.
+
+    Either nsqd answered AUTH with an error frame (`E_AUTH_FAILED` when
+    its auth server refused the secret or could not be asked,
+    `E_UNAUTHORIZED` when the secret grants nothing), or it requires AUTH
+    and no `auth_secret` is configured (`AuthRequiredError`). A wrong
+    secret is not an unreachable broker: the consumer stops dialing an
+    nsqd that refuses its first connection this way (go-nsq's
+    ConnectToNSQD returns the error), and the tools exit 1.
+
+    An error frame answering AUTH is an instance of both this class and
+    its code's class (`auth_refused`), so `except AuthFailedError` still
+    catches E_AUTH_FAILED, and its str() is the frame's, as for any
+    NSQError. `nsq_text` is go-nsq's wording, the line nsq_tail exits
+    with: `Error authenticating E_AUTH_FAILED AUTH failed`.
+    """
+
+    fatal = True
+
+    @property
+    def nsq_text(self) -> str:
+        return f"Error authenticating {self}"
+
+
+class AuthRequiredError(AuthRefusedError):
+    """nsqd requires AUTH and the client has no `auth_secret` (go-nsq's "Auth Required")."""
+
+    code = "E_AUTH_REQUIRED"
+
+    def __init__(self, code: str | None = None,
+                 detail: str = "nsqd requires AUTH and no auth_secret is configured",
+                 fatal: bool | None = None) -> None:
+        super().__init__(code, detail, fatal)
+
+    @property
+    def nsq_text(self) -> str:
+        return "Auth Required"
+
+
+# One class per code class, made once: `auth_refused` may be called for any frame.
+_REFUSED: dict[type[NSQError], type[AuthRefusedError]] = {}
+
+
+def auth_refused(err: NSQError) -> AuthRefusedError:
+    """`err` (an error frame answering AUTH) as an AuthRefusedError that is still its own class."""
+    if isinstance(err, AuthRefusedError):
+        return err
+    cls = type(err)
+    refused = _REFUSED.get(cls)
+    if refused is None:
+        refused = type(cls.__name__, (AuthRefusedError, cls), {
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} answering AUTH: also an AuthRefusedError.",
+        })
+        _REFUSED[cls] = refused
+    return refused(err.code, err.detail)
+
+
 def error_from_frame(payload: bytes) -> NSQError:
     """The exception for an error frame's payload (`CODE description`)."""
     text = bytes(payload).decode("utf-8", "replace")
@@ -186,6 +249,21 @@ class ConnectionClosed(Exception):
             return self.message
         value = getattr(reason, "value", reason)  # a Failure's exception
         return f"{self.message}: {value}"
+
+
+class ServerProtocolError(ConnectionClosed):
+    """The server broke NSQ's protocol and the client closed the connection.
+
+    A frame of a type that does not exist, a size below 4 or above what the
+    client accepts (`max_msg_size`), a handshake answer that is not the
+    JSON object go-nsq decodes (too deep, wrong field types, garbage), a
+    message before the handshake ended, undecodable compressed data. The
+    connection is closed before anything more is read; the consumer and
+    producer reconnect with backoff, and commands on it fail with this.
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(None, f"protocol error: {what}")
 
 
 class HeartbeatTimeout(ConnectionClosed):

@@ -22,6 +22,12 @@ The handshake (IDENTIFY, TLS, compression, AUTH) is not part of
 fail a connection that later closes without upsetting its state machine),
 so a handshake failure counts towards the backoff through the retry
 policy instead.
+
+Each failure is logged once, here (the protocol only says why): a failed
+dial, a failed handshake, a lost connection, a fatal answer. A refused
+AUTH (`AuthRefusedError`) is retried like the rest, as go-nsq's producer
+dials again at the next publish: the commands waiting meanwhile fail with
+it, which is how mq-pub stops at once with go-nsq's message.
 """
 
 from __future__ import annotations
@@ -319,8 +325,10 @@ class Producer(service.Service, ConnectionDelegate):
             self._check_drained()
 
     def connection_error(self, conn: NSQClientProtocol, err: NSQError) -> None:
-        # Only FIN/REQ/TOUCH failures are non-fatal, and a producer sends none.
-        log.warn("producer {address}: unexpected {error}", address=self.address, error=str(err))
+        # Only FIN/REQ/TOUCH failures are non-fatal, and a producer sends none. A fatal
+        # one closes the connection, and connection_closed reports it.
+        if not err.fatal:
+            log.warn("producer {address}: unexpected {error}", address=self.address, error=str(err))
 
     # -- service ------------------------------------------------------------------------
 

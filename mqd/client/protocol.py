@@ -18,6 +18,18 @@ per-frame allocation beyond the payload; a frame split across reads is
 kept as chunks until its size has arrived (not re-joined per read).
 Compressed input is decoded in bounded steps with the broker's codecs
 (mqd/protocol/compression.py), each step parsed before the next.
+
+A broken or hostile server gets a clean close, never an exception out of
+`dataReceived`: a frame declaring more than `max_msg_size` (plus a
+message's header) is refused before a byte of it is buffered, a handshake
+answer must be the JSON object go-nsq decodes (nesting too deep for
+Python's decoder, a non-object or a field of the wrong type fails the
+handshake), and a frame that stays incomplete, or a handshake that is not
+done, within `read_timeout` times out: a slow drip of bytes does not keep
+a connection (or a command's Deferred) waiting forever. Each such end is
+one `ServerProtocolError`, `HeartbeatTimeout` or `AuthRefusedError`, given
+to `ready`, to the commands and to the delegate's `connection_closed`,
+which is where it is logged, once (the default delegate logs it).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from collections import deque
 from typing import Any
 
 from twisted.internet import defer, protocol
+from twisted.internet.error import ConnectionDone
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
@@ -36,7 +49,15 @@ from ..lookup.peer import client_endpoint as _endpoint
 from ..protocol.compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
 from ..protocol.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE
 from .config import Config
-from .errors import ConnectionClosed, HeartbeatTimeout, NSQError, error_from_frame
+from .errors import (
+    AuthRequiredError,
+    ConnectionClosed,
+    HeartbeatTimeout,
+    NSQError,
+    ServerProtocolError,
+    auth_refused,
+    error_from_frame,
+)
 from .message import Message
 
 __all__ = [
@@ -57,11 +78,17 @@ DEFAULT_MAX_RDY_COUNT = 2500
 # not become one buffer (the broker's INFLATE_STEP, for the same reason).
 INFLATE_STEP = 64 * 1024
 
+# The size field is an int32; 0 (no max_msg_size) allows all of it.
+MAX_FRAME_SIZE = 2**31 - 1
+# nsqd's answer is read as a frame: "HTTP" as a size means an HTTP port was dialed (go-nsq's check).
+_HTTP_SIZE = int.from_bytes(b"HTTP", "big")
+
 _HEADER = struct.Struct(">ii")
 _unpack_header = _HEADER.unpack_from
 _MSG = struct.Struct(">qH16s")
 _unpack_msg = _MSG.unpack_from
 _MSG_BODY = 8 + _MSG.size  # a message frame's body offset from its size field
+_MSG_OVERHEAD = _MSG_BODY - 4  # what a message frame's size counts besides the body
 _pack_size = struct.Struct(">I").pack
 _HEARTBEAT = b"_heartbeat_"
 _OK = b"OK"
@@ -98,7 +125,18 @@ class ConnectionDelegate:
         """The connection is gone: the fatal NSQError, HeartbeatTimeout, or the transport's reason."""
 
 
-_NO_DELEGATE = ConnectionDelegate()
+class _LoggingDelegate(ConnectionDelegate):
+    """The delegate of a connection made without one (`connect`): it logs the end, once."""
+
+    def connection_closed(self, conn: NSQClientProtocol, reason: Failure) -> None:
+        error = getattr(reason, "value", reason)
+        if conn._error is None and isinstance(error, ConnectionDone):
+            log.info("{address}: connection closed", address=conn.address)
+        else:
+            log.warn("{address}: connection closed: {error}", address=conn.address, error=error)
+
+
+_NO_DELEGATE = _LoggingDelegate()
 
 
 class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
@@ -123,6 +161,9 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         self.last_message_at = 0.0
         self.in_flight = 0
         self.max_rdy_count = DEFAULT_MAX_RDY_COUNT
+        # The largest size field accepted: a message of max_msg_size bytes and its header.
+        limit = config.max_msg_size
+        self.max_frame_size = min(limit + _MSG_OVERHEAD, MAX_FRAME_SIZE) if limit else MAX_FRAME_SIZE
         self.closing = False
         self.connected = False
         self.tls = False
@@ -142,6 +183,11 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
     def __repr__(self) -> str:
         return f"<NSQClientProtocol {self.address}>"
 
+    @property
+    def handshake_done(self) -> bool:
+        """IDENTIFY (and TLS, compression, AUTH) succeeded; stays true once the connection ends."""
+        return self._step is None
+
     # -- connection ----------------------------------------------------------
 
     def connectionMade(self) -> None:
@@ -152,9 +198,14 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         self.transport.write(MAGIC_V2 + b"IDENTIFY\n" + _pack_size(len(body)) + body)
 
     def timeoutConnection(self) -> None:
-        log.warn("{address}: nothing read for {timeout} s; closing", address=self.address,
-                 timeout=self.config.read_timeout)
-        self._abort(HeartbeatTimeout(), hard=True)
+        """read_timeout passed with no complete frame (or, before `ready`, since connecting)."""
+        if self._step is not None:
+            error = HeartbeatTimeout(message="handshake not done within read_timeout")
+        elif self._chunks:
+            error = HeartbeatTimeout(message="a frame still incomplete after read_timeout")
+        else:
+            error = HeartbeatTimeout()
+        self._abort(error, hard=True)
 
     def close(self) -> None:
         """Close the connection now (the consumer uses CLS first to drain in-flight messages)."""
@@ -171,6 +222,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         """
         if self._error is None:
             self._error = error
+            log.debug("{address}: closing: {error}", address=self.address, error=str(error))
         self.connected = False
         if not self.ready.called:
             self.ready.errback(Failure(error))
@@ -213,7 +265,6 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
     def dataReceived(self, data: bytes) -> None:
         if self._closed:
             return
-        self.resetTimeout()
         if self._codec is not None:
             self._inflate(data)
         else:
@@ -231,12 +282,15 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
                     return
                 out = codec.decompress(b"", INFLATE_STEP)
         except CompressionError as e:
-            log.warn("{address}: bad compressed data ({error}); closing", address=self.address,
-                     error=str(e))
-            self._abort(ConnectionClosed(e, "bad compressed data"))
+            self._abort(ServerProtocolError(f"bad compressed data ({e})"))
 
     def _parse(self, data: bytes, compressed: bool) -> None:
-        """Handle every complete frame in `data`, keeping an incomplete one for the next read."""
+        """Handle every complete frame in `data`, keeping an incomplete one for the next read.
+
+        Only progress (a frame completed, or a new one begun) restarts the
+        read timeout, and not before the handshake is done: bytes dripped
+        into one frame, or into a handshake, do not keep the connection.
+        """
         if self._chunks:
             self._chunks.append(data)
             self._chunks_len += len(data)
@@ -244,16 +298,19 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
                 return
             data = b"".join(self._chunks)
             self._chunks = []
+        if self._step is None:
+            self.resetTimeout()
         pos = 0
         end = len(data)
+        max_frame = self.max_frame_size
         while pos < end:
             if end - pos < 8:
                 self._keep(data[pos:], 8)
                 return
             size, frame_type = _unpack_header(data, pos)
             frame_end = pos + 4 + size
-            if size < 4:
-                self._bad_frame(f"frame size {size}")
+            if size < 4 or size > max_frame:
+                self._bad_size(size)
                 return
             if frame_end > end:
                 self._keep(data[pos:], frame_end - pos)
@@ -304,19 +361,31 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         self._need = need
 
     def _bad_frame(self, what: str) -> None:
-        log.warn("{address}: bad {what}; closing", address=self.address, what=what)
-        self._abort(ConnectionClosed(None, f"protocol error: bad {what}"))
+        self._abort(ServerProtocolError(f"bad {what}"))
+
+    def _bad_size(self, size: int) -> None:
+        if size == _HTTP_SIZE:
+            self._abort(ServerProtocolError("unexpected HTTP response, a nsqd TCP endpoint is required"))
+        elif size < 4:
+            self._bad_frame(f"frame size {size}")
+        else:
+            self._abort(ServerProtocolError(
+                f"frame of {size} bytes is over the limit of {self.max_frame_size} "
+                f"(max_msg_size {self.config.max_msg_size})"))
 
     def _error_frame(self, err: NSQError) -> None:
         """Non-fatal: about an earlier FIN/REQ/TOUCH, no command waits for it. Fatal: the
-        head command's answer (or the handshake's), and nsqd closes the connection."""
+        head command's answer, and nsqd closes the connection.
+
+        During the handshake any error frame ends it (no FIN was sent yet,
+        so none is about one); one answering AUTH is an AuthRefusedError.
+        """
+        if self._step is not None:
+            self._fail_handshake(auth_refused(err) if self._step == _AUTH else err)
+            return
         if not err.fatal:
             log.debug("{address}: {error}", address=self.address, error=str(err))
             self.delegate.connection_error(self, err)
-            return
-        log.warn("{address}: {error}", address=self.address, error=str(err))
-        if self._step is not None:
-            self._fail_handshake(err)
             return
         if self._waiting:
             self._waiting.popleft().errback(Failure(err))
@@ -333,12 +402,9 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
                 # A server without feature negotiation: no upgrades, no auth.
                 self.server = {}
             else:
-                try:
-                    server = json.loads(payload)
-                except ValueError:
-                    server = None
-                if not isinstance(server, dict):
-                    self._fail_handshake(ConnectionClosed(None, "IDENTIFY answer is not a JSON object"))
+                server = _json_object(payload, _IDENTIFY_FIELDS)
+                if isinstance(server, str):
+                    self._fail_handshake(ServerProtocolError(f"IDENTIFY answer {server}"))
                     return
                 self.server = server
                 max_rdy = server.get("max_rdy_count")
@@ -346,22 +412,19 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
                     self.max_rdy_count = max_rdy
             if self.config.tls_v1 and not self.server.get("tls_v1"):
                 # go-nsq goes on in plaintext; a client that asked for TLS should not.
-                self._fail_handshake(ConnectionClosed(None, "server did not agree to tls_v1"))
+                self._fail_handshake(ServerProtocolError("server did not agree to tls_v1"))
                 return
             self._upgrade_tls()
         elif payload != _OK and step != _AUTH:
-            self._fail_handshake(ConnectionClosed(None, f"unexpected {step} answer {payload[:64]!r}"))
+            self._fail_handshake(ServerProtocolError(f"unexpected {step} answer {payload[:64]!r}"))
         elif step == _TLS:
             self._upgrade_compression()
         elif step == _COMPRESSION:
             self._authenticate()
         else:
-            try:
-                auth = json.loads(payload)
-            except ValueError:
-                auth = None
-            if not isinstance(auth, dict):
-                self._fail_handshake(ConnectionClosed(None, "AUTH answer is not a JSON object"))
+            auth = _json_object(payload, _AUTH_FIELDS)
+            if isinstance(auth, str):
+                self._fail_handshake(ServerProtocolError(f"AUTH answer {auth}"))
                 return
             self.auth = auth
             log.info("{address}: authenticated as {identity!r} ({count} permissions)",
@@ -375,7 +438,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
             return
         start_tls = getattr(self.transport, "startTLS", None)
         if start_tls is None:
-            self._fail_handshake(ConnectionClosed(None, "transport cannot start TLS"))
+            self._fail_handshake(ServerProtocolError("transport cannot start TLS"))
             return
         host = self.address.rpartition(":")[0] or self.address
         try:
@@ -411,7 +474,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
             return
         secret = self.config.auth_secret
         if not secret:
-            self._fail_handshake(NSQError("E_AUTH_REQUIRED", "auth required but no auth_secret"))
+            self._fail_handshake(AuthRequiredError())
             return
         body = secret.encode()
         self._step = _AUTH
@@ -420,6 +483,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
     def _handshake_done(self) -> None:
         self._step = None
         self.connected = True
+        self.resetTimeout()  # from now on the read timeout counts from the last complete frame
         held, self._held = self._held, []
         if held:
             self.transport.writeSequence(held)
@@ -428,7 +492,6 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
             self.ready.callback(self)
 
     def _fail_handshake(self, error: BaseException) -> None:
-        log.warn("{address}: handshake failed: {error}", address=self.address, error=str(error))
         self._abort(error)
 
     # -- commands with an answer ------------------------------------------------
@@ -518,6 +581,43 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
 
     def touch_message(self, msg: Message) -> None:
         self.transport.write(b"TOUCH " + msg.id + b"\n")
+
+
+# go-nsq's IdentifyResponse and AuthResponse: json.Unmarshal fails on a field of another
+# JSON type, and so does the handshake (a bool given as "yes" is not quietly true).
+_IDENTIFY_FIELDS = {"max_rdy_count": int, "tls_v1": bool, "deflate": bool, "snappy": bool,
+                    "auth_required": bool}
+_AUTH_FIELDS = {"identity": str, "identity_url": str, "permission_count": int}
+_INT64 = range(-(2**63), 2**63)
+_KIND_NAMES = {int: "an integer", bool: "a boolean", str: "a string"}
+
+
+def _json_object(payload: bytes, fields: dict[str, type]) -> dict[str, Any] | str:
+    """A handshake answer as its JSON object, or what is wrong with it (a str).
+
+    Nesting too deep for Python's decoder (RecursionError, where Go's
+    decoder would give up at 10000 levels) is a bad answer like any other.
+    A field that is null or absent is left alone, as json.Unmarshal does.
+    """
+    try:
+        value = json.loads(payload)
+    except RecursionError:
+        return "is nested too deep"
+    except ValueError:
+        return f"is not JSON: {payload[:64]!r}"
+    if not isinstance(value, dict):
+        return f"is not a JSON object: {payload[:64]!r}"
+    for name, kind in fields.items():
+        field = value.get(name)
+        if field is None:
+            continue
+        if kind is int:
+            ok = type(field) is int and field in _INT64
+        else:
+            ok = isinstance(field, kind)
+        if not ok:
+            return f"field {name} is not {_KIND_NAMES[kind]}: {field!r:.64}"
+    return value
 
 
 class ConnectionFactory(protocol.Factory):

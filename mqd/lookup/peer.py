@@ -20,6 +20,13 @@ the channels they list before it hands out a message, as nsqd's GetTopic
 does, so a channel declared in lookupd gets the topic's first message.
 nsqd blocks the topic's creation on the query; here the topic is held
 (its messages wait at the topic) until every lookupd answered or failed.
+
+A lookupd that answers garbage gets what one that fails gets: one logged
+line, the connection closed, a reconnect. Its IDENTIFY answer is decoded
+as nsqd's json.Unmarshal into its peerInfo (a non-object, a field of the
+wrong type, nesting too deep for Python's decoder all fail it), and an
+answer declaring more than `--max-body-size` is refused before it is
+buffered.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from twisted.python.failure import Failure
 
 from ..logs import get_logger
 from ..names import is_valid_name
+from ..protocol.errors import GoStruct
 from ..protocol.v2 import NSQ_VERSION
 from .protocol import MAGIC_V1
 
@@ -53,6 +61,11 @@ COMMAND_TIMEOUT = 1.0
 PING_INTERVAL = 15.0
 # Reconnect backoff: quick at first, never longer than a ping interval.
 RETRY_POLICY = backoffPolicy(initialDelay=0.5, maxDelay=PING_INTERVAL, factor=2.0)
+
+# nsqd's lookupPeer.Info, what it keeps of a lookupd's IDENTIFY answer.
+_PEER_INFO = GoStruct({"tcp_port": "int", "http_port": "int", "version": "string",
+                       "broadcast_address": "string"})
+_SIZE = struct.Struct(">I")
 
 
 def registrations(broker) -> list[tuple[str, ...]]:
@@ -102,7 +115,7 @@ class LookupPeerProtocol(Protocol):
     def __init__(self, peer: LookupPeer) -> None:
         self.peer = peer
         self.clock = peer.clock
-        self._buffer = b""
+        self._buffer = bytearray()
         # Commands sent and not yet answered, oldest first.
         self.pending: deque[bytes] = deque()
         self._deadline = None
@@ -132,15 +145,19 @@ class LookupPeerProtocol(Protocol):
             self._deadline = self.clock.callLater(COMMAND_TIMEOUT, self._timed_out)
 
     def dataReceived(self, data: bytes) -> None:
-        self._buffer += data
-        while len(self._buffer) >= 4 and not self.closing:
-            (size,) = struct.unpack(">I", self._buffer[:4])
+        if self.closing:
+            return
+        buffer = self._buffer
+        buffer += data
+        while len(buffer) >= 4 and not self.closing:
+            (size,) = _SIZE.unpack_from(buffer)
             if size > self.peer.max_response_size():
                 self._fail(f"response too big ({size} bytes)")
                 return
-            if len(self._buffer) < 4 + size:
+            if len(buffer) < 4 + size:
                 return
-            payload, self._buffer = self._buffer[4:4 + size], self._buffer[4 + size:]
+            payload = bytes(buffer[4:4 + size])
+            del buffer[:4 + size]
             self._answer(payload)
 
     def _answer(self, payload: bytes) -> None:
@@ -156,9 +173,9 @@ class LookupPeerProtocol(Protocol):
             return
         if command == b"IDENTIFY":
             try:
-                self.lookupd_info = json.loads(payload)
-            except ValueError:
-                self._fail(f"bad IDENTIFY response {payload[:64]!r}")
+                self.lookupd_info = _PEER_INFO.unmarshal(payload)
+            except ValueError as e:
+                self._fail(f"parsing IDENTIFY response - {e}: {payload[:64]!r}")
                 return
             log.info("LOOKUPD({address}): peer info {info}", address=self.peer.address,
                      info=self.lookupd_info)
@@ -175,6 +192,7 @@ class LookupPeerProtocol(Protocol):
         self.closing = True
         log.error("LOOKUPD({address}): {reason}; reconnecting", address=self.peer.address,
                   reason=reason)
+        self._buffer.clear()
         self._cancel_deadline()
         self.transport.abortConnection()
 
@@ -286,7 +304,10 @@ class LookupPeer:
 
 def channels_answer(body: bytes) -> list[str]:
     """The channel names of a lookupd's `/channels` answer (`{"channels": [...]}`), or ValueError."""
-    data = json.loads(body)
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
     channels = data.get("channels") if isinstance(data, dict) else None
     if channels is None:
         return []

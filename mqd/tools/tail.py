@@ -5,6 +5,13 @@ prefixed by "<topic> | "). With `-n N` the tool exits once N messages are
 printed; `--max-in-flight` is lowered to N so the broker does not send
 more than it will show. The default channel is an ephemeral
 `tail<NNNNNN>#ephemeral`, which disappears with the tool.
+
+An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret (or
+wants one and none was given) ends the tool with go-nsq's message and
+exit status 1, as nsq_tail's log.Fatal does: a wrong secret will not get
+better by retrying. An unreachable nsqd is retried (nsq_tail exits on
+that too). With `--lookupd-http-address`, as in nsq_tail, a refusing nsqd
+is logged and dialed again when lookupd lists it at the next poll.
 """
 
 from __future__ import annotations
@@ -108,6 +115,10 @@ async def _main(reactor: Any, args: Any) -> None:
         if not done.called:
             done.errback(error)
 
+    def refused(_address: str, error: Exception) -> None:
+        # Out of the consumer's call, which is still closing the connection.
+        reactor.callLater(0, failed, ToolError(getattr(error, "nsq_text", str(error))))
+
     # Out of the handler's call: the consumer answers the message first.
     printer = Printer(sys.stdout.buffer, args.n, args.print_topic,
                       on_done=lambda: reactor.callLater(0, finished),
@@ -120,7 +131,7 @@ async def _main(reactor: Any, args: Any) -> None:
                 topic, args.channel, printer.handler(topic),
                 nsqd_tcp_addresses=args.nsqd_tcp_address,
                 lookupd_http_addresses=args.lookupd_http_address,
-                config=config, reactor=reactor,
+                config=config, reactor=reactor, on_fatal=refused,
             )
         except ValueError as e:
             raise ToolError(str(e)) from None

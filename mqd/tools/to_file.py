@@ -19,6 +19,11 @@ Without `--topic`, the topics are lookupd's (`GET /topics` on every
 expression searched in the name) and looked up again every
 `--topic-refresh`; each topic gets its own consumer and files.
 
+An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret ends
+the tool with exit status 1 and go-nsq's message, as mq-tail does
+(nsq_to_file logs "couldn't create logger" and carries on with nothing to
+write, which helps nobody).
+
 `FileLogger` (naming, rotation, gzip) and `BatchingWriter` (holding and
 FINing) are plain classes over a clock, testable without a broker.
 """
@@ -450,7 +455,8 @@ class TopicLogger:
     """
 
     def __init__(self, reactor: Any, topic: str, args: Any, opts: FileOptions, config: Any,
-                 on_error: Callable[[BaseException], None]) -> None:
+                 on_error: Callable[[BaseException], None],
+                 on_fatal: Callable[[str, Exception], Any] | None = None) -> None:
         from twisted.internet import task
 
         from ..client.consumer import Consumer
@@ -463,7 +469,7 @@ class TopicLogger:
             topic, args.channel, self.handle,
             nsqd_tcp_addresses=args.nsqd_tcp_address,
             lookupd_http_addresses=args.lookupd_http_address,
-            config=config, reactor=reactor,
+            config=config, reactor=reactor, on_fatal=on_fatal,
         )
         self.writer.is_starved = self.consumer.is_starved
         self.ticker = task.LoopingCall(self.writer.tick)
@@ -521,6 +527,8 @@ class TopicDiscoverer:
         self._stopping: Any = None
         self._refresh: Any = None
         self.on_error: Callable[[BaseException], None] = lambda e: None
+        # (topic, address, error): an nsqd refused a topic's consumer for good.
+        self.on_refused: Callable[[str, str, Exception], None] = lambda t, a, e: None
 
     def add(self, topic: str, required: bool = False) -> None:
         """Start writing `topic`; a topic that cannot be consumed is fatal only if `required`."""
@@ -532,7 +540,8 @@ class TopicDiscoverer:
             return
         try:
             logger = TopicLogger(self.reactor, topic, self.args, self.opts, self.config,
-                                 self.on_error)
+                                 self.on_error,
+                                 lambda address, error: self.on_refused(topic, address, error))
         except ValueError as e:  # ClientConfigError: an invalid topic or channel name
             if required:
                 raise ToolError(f"ERROR: couldn't create logger for topic {topic}: {e}") from None
@@ -635,7 +644,14 @@ async def _main(reactor: Any, args: Any, opts: FileOptions) -> None:
         if not done.called:
             done.errback(ToolError(f"ERROR: writing to disk failed: {error}"))
 
+    def refused(topic: str, _address: str, error: Exception) -> None:
+        if not done.called:
+            text = getattr(error, "nsq_text", error)
+            done.errback(ToolError(f"ERROR: couldn't create logger for topic {topic}: {text}"))
+
     discoverer.on_error = failed
+    # Out of the consumer's call, which is still closing the connection.
+    discoverer.on_refused = lambda *a: reactor.callLater(0, refused, *a)
     reactor.addSystemEventTrigger("before", "shutdown", shutdown)
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, lambda *_: reactor.callFromThread(discoverer.hup))

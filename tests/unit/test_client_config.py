@@ -41,6 +41,7 @@ DEFAULTS = {
     "tls_insecure_skip_verify": False, "tls_server_name": "", "deflate": False,
     "deflate_level": 6, "snappy": False, "output_buffer_size": 16384,
     "output_buffer_timeout": 0.25, "max_in_flight": 1, "msg_timeout": 0.0, "auth_secret": "",
+    "max_msg_size": 64 * 1024 * 1024,  # go-nsq's later option; a limit here, not its 0
 }
 
 

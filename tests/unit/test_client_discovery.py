@@ -18,12 +18,14 @@ from twisted.web.server import NOT_DONE_YET
 
 from mqd.client.discovery import (
     ACCEPT,
+    MAX_RESPONSE_SIZE,
     LookupdPoller,
     join_host_port,
     lookup_url,
     producer_addresses,
 )
 from mqd.client.errors import ClientConfigError
+from mqd.http_body import read_bounded
 
 
 def peer(host: str, tcp: int, http: int = 4151) -> dict:
@@ -337,3 +339,57 @@ def test_bad_arguments():
         LookupdPoller("t", ["lk:4161"], 0, 0.3, print)
     with pytest.raises(ClientConfigError, match="missing port"):
         LookupdPoller("t", ["lk"], 10, 0.3, print)
+
+
+# -- a lookupd that answers garbage --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("code", "body", "why"), [
+    (200, b'{"producers": ' + b"[" * 100_000, "invalid JSON: nested too deep"),
+    (200, b'{"a":' * 100_000, "invalid JSON: nested too deep"),
+    (200, b"x" * (MAX_RESPONSE_SIZE + 1), f"answer of {MAX_RESPONSE_SIZE + 1} bytes is over"),
+    (500, b"y" * (MAX_RESPONSE_SIZE + 1), "is over"),  # not read whole to quote 200 bytes
+    (200, b'{"producers": "everyone"}', "producers is not a list"),
+    (200, b"[]", "not a lookup answer"),
+])
+def test_garbage_answers_are_one_failed_query_each(lookupd, stub, logged, code, body, why):
+    lookupd.default = (code, body)
+    changes: list = []
+    poller = make_poller(stub, Clock(), changes)
+    result: list = []
+    poller.poll().addBoth(result.append)
+    assert result == [None] and changes == []
+    errors = errors_logged(logged)
+    assert len(errors) == 3 and all(why in line for line in errors), errors  # three lookupds tried
+    assert not [e for e in logged if "log_failure" in e]
+
+
+def test_a_body_without_a_length_is_cut_once_over_the_limit():
+    """A chunked answer: refused as it arrives, the rest never buffered."""
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseDone
+
+    from mqd.client import discovery
+
+    class Response:
+        length = None
+        code = 200
+
+        def __init__(self) -> None:
+            self.lost = False
+
+        def deliverBody(self, proto) -> None:  # noqa: N802 - IResponse's name
+            class Transport:
+                def loseConnection(_self) -> None:
+                    self.lost = True
+
+            proto.makeConnection(Transport())
+            for _ in range(10):
+                proto.dataReceived(b"z" * 1000)
+            proto.connectionLost(Failure(ResponseDone()))
+
+    response = Response()
+    result: list = []
+    read_bounded(response, 2500, discovery.LookupdError).addBoth(result.append)
+    assert isinstance(result[0].value, discovery.LookupdError)
+    assert str(result[0].value) == "answer larger than 2500 bytes" and response.lost

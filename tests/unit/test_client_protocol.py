@@ -20,7 +20,7 @@ from twisted.python.failure import Failure
 
 from mqd.client import errors
 from mqd.client.config import Config
-from mqd.client.errors import ConnectionClosed, HeartbeatTimeout, NSQError
+from mqd.client.errors import ConnectionClosed, HeartbeatTimeout
 from mqd.client.message import Message, decode_message
 from mqd.client.protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol
 from mqd.message import MESSAGE_HEADER, frame_message
@@ -450,7 +450,8 @@ def test_missing_auth_secret_fails_the_handshake():
     conn.written()
     conn.feed(server_json(auth_required=True))
     err = conn.results[0].value
-    assert type(err) is NSQError and err.code == "E_AUTH_REQUIRED"
+    assert isinstance(err, errors.AuthRequiredError) and err.code == "E_AUTH_REQUIRED"
+    assert isinstance(err, errors.AuthRefusedError) and err.nsq_text == "Auth Required"
     assert conn.written() == b""
     assert conn.transport.disconnecting
 

@@ -130,7 +130,9 @@ def test_identify_announces_broadcast_ports_and_version(broker, lookup):
     assert (conn.identify["tcp_port"], conn.identify["http_port"]) == (4150, 4151)
     assert set(conn.identify) == {"version", "tcp_port", "http_port", "hostname", "broadcast_address",
                                   "topology_zone", "topology_region"}
-    assert svc.peers["10.0.0.1:4160"].protocol.lookupd_info == LOOKUPD_INFO
+    # What nsqd keeps of the answer: its peerInfo struct's fields.
+    assert svc.peers["10.0.0.1:4160"].protocol.lookupd_info == {
+        k: LOOKUPD_INFO[k] for k in ("tcp_port", "http_port", "version", "broadcast_address")}
 
 
 def test_broadcast_port_options_override_bound_ports(make_broker, tmp_path):
@@ -252,3 +254,92 @@ def test_stop_disconnects_every_peer(broker, lookup):
     assert svc not in broker.observers
     broker.topic("t")
     assert conn.lines() == []
+
+
+# -- a lookupd that answers garbage ------------------------------------------------------------
+
+
+def _identify_answer(conn: Conn, payload: bytes) -> None:
+    data = conn.written()
+    assert data.startswith(MAGIC_V1 + b"IDENTIFY\n")
+    conn.reply(payload)
+
+
+@pytest.fixture
+def errors_logged():
+    """LOOKUPD's error lines; no traceback (log_failure) may be logged meanwhile."""
+    from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+
+    lines: list[str] = []
+    failures: list[str] = []
+
+    def observe(event) -> None:
+        if "log_failure" in event:
+            failures.append(formatEvent(event))
+        elif event.get("log_level") == LogLevel.error:
+            lines.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observe)
+    yield lines
+    globalLogPublisher.removeObserver(observe)
+    assert not failures, failures
+
+
+@pytest.mark.parametrize(("payload", "why"), [
+    (b"[" * 100_000, "JSON nested too deep"),  # RecursionError escaped dataReceived here once
+    (b'{"a":' * 100_000, "JSON nested too deep"),
+    (b"[1, 2]", "not a JSON object"),
+    (b'{"http_port": "4161"}', "http_port"),  # nsqd's json.Unmarshal into peerInfo fails on these
+    (b'{"tcp_port": 4160.5}', "tcp_port"),
+    (b'{"broadcast_address": 7}', "broadcast_address"),
+    (b"\x00garbage", "Expecting value"),
+])
+def test_a_bad_identify_answer_closes_with_one_line_and_reconnects(broker, lookup, errors_logged,
+                                                                   payload, why):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    _identify_answer(conn, payload)  # must not raise
+    assert not conn.open
+    assert len(errors_logged) == 1
+    assert "parsing IDENTIFY response" in errors_logged[0] and why in errors_logged[0]
+    assert svc.peers["10.0.0.1:4160"].http_address() is None
+    conn2 = _reconnected(svc, "10.0.0.1:4160")
+    assert conn2.identified() == []
+    assert svc.peers["10.0.0.1:4160"].http_address() == "lookup-host:4161"
+
+
+def test_null_identify_answer_is_an_empty_peer_info_as_in_go(broker, lookup, errors_logged):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    _identify_answer(conn, b"null")
+    assert conn.open and errors_logged == []
+    assert svc.peers["10.0.0.1:4160"].http_address() is None
+
+
+def test_an_answer_over_max_body_size_closes_before_it_is_buffered(broker, lookup, errors_logged):
+    svc, conn = connected(lookup)
+    proto = svc.peers["10.0.0.1:4160"].protocol
+    conn.proxy.dataReceived(struct.pack(">I", 5 * 1024 * 1024 + 1) + b"x" * 1000)
+    assert not conn.open
+    assert errors_logged == ["LOOKUPD(10.0.0.1:4160): response too big (5242881 bytes); reconnecting"]
+    assert len(proto._buffer) == 0
+    conn2 = _reconnected(svc, "10.0.0.1:4160")
+    assert conn2.identified() == []
+
+
+def test_an_answer_dripped_a_byte_at_a_time_is_read(broker, lookup):
+    svc = lookup("10.0.0.1:4160")
+    conn = svc.endpoints["10.0.0.1:4160"].accept()
+    conn.written()
+    data = sized(json.dumps(LOOKUPD_INFO).encode())
+    for i in range(len(data)):
+        conn.proxy.dataReceived(data[i:i + 1])
+    assert conn.open
+    assert svc.peers["10.0.0.1:4160"].http_address() == "lookup-host:4161"
+
+
+def test_channels_answer_nested_too_deep_is_a_value_error():
+    from mqd.lookup.peer import channels_answer
+
+    with pytest.raises(ValueError, match="JSON nested too deep"):
+        channels_answer(b'{"channels":' + b"[" * 100_000)
