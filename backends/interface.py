@@ -76,6 +76,25 @@ class IBackendQueue(Interface):
         """Make what was put durable, where the store can."""
 
 
+class IPiecewisePeek(Interface):
+    """A queue whose `peek` reads records from disk: it can also be peeked a bounded piece at a time.
+
+    `GET /channel/peek` reads a store's part this way, so one peek never
+    decodes a thousand large bodies in one reactor turn; queues that hold
+    their messages in memory (whose `peek` hands references) need not.
+    """
+
+    def peek_pieces(count, body_limit):
+        """An iterator of lists of `(message, body size)`: the first `count` messages `peek` would give.
+
+        Each `next()` reads one bounded piece from where the last one
+        ended, so a message read away in between is not in a later piece
+        and none comes twice. A message read from disk carries at most
+        `body_limit` bytes of its body; its size is the whole body's.
+        Nothing moves, as for `peek`.
+        """
+
+
 class IBackendStore(Interface):
     """One kind of storage for a whole broker."""
 

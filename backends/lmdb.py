@@ -17,16 +17,30 @@ Two durability modes:
   the commit holding it, and a record stays until its message is FINished
   (a read only moves the queue's read position; REQ and timeouts rewrite
   the record), so after a crash everything not FINished is delivered again.
+
+  A durable queue hands out only committed messages: what was put waits,
+  unreadable, until the commit holding it has succeeded (then the queue's
+  owner hears of it through `on_stored`). A commit that fails drops the
+  new publishes it held (those staged while `LmdbStore.publishing` was
+  set): their publishers are answered with the error, so an error answer
+  means "not stored", and nobody has seen them. Everything else it held
+  (FINs, rewrites, messages moved from a topic to its channels) is kept
+  and retried, as those were acknowledged long ago.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import struct
+import sys
 import zlib
+from bisect import bisect_left
 from collections import deque
-from itertools import islice
+from collections.abc import Iterator
+from itertools import chain, islice
 from typing import Any
 
 import lmdb
@@ -37,7 +51,7 @@ from zope.interface import implementer
 from mqd.logs import get_logger
 from mqd.message import Message
 
-from .interface import BackendError, IBackendQueue, IBackendStore
+from .interface import BackendError, IBackendQueue, IBackendStore, IPiecewisePeek
 
 __all__ = ["LmdbStore", "LmdbQueue", "StoreOpenError", "ENV_DIR", "SPILL_FILE"]
 
@@ -58,6 +72,22 @@ DEFAULT_MAP_SIZE = 1 << 30
 # so reads right after a publish need no decoding (bounded per queue).
 _READ_CACHE = 10000
 _RETRY_AFTER = 1.0
+# A commit writing more records than this (or this many bytes of bodies) is
+# split into transactions of at most this size (see LmdbStore._write).
+_COMMIT_CHUNK = 2048
+_COMMIT_CHUNK_BYTES = 4 << 20
+# The pages mapped from the data file are unmapped (release_mapped_pages) once
+# they have grown by _UNMAP_ABOVE bytes since the last time: checked every
+# _UNMAP_EVERY seconds, and after a commit once _UNMAP_RECORDS records were
+# read or written. Below that they stay: the pages in use would only be
+# faulted in again.
+_UNMAP_EVERY = 5.0
+_UNMAP_RECORDS = 1 << 14
+_UNMAP_ABOVE = 64 << 20
+# A piecewise peek (GET /channel/peek) reads at most this many records, and
+# this many bytes of their bodies, per piece: one reactor turn's worth.
+_PEEK_PIECE_COUNT = 256
+_PEEK_PIECE_BYTES = 256 << 10
 # How long a commit that needs a bigger map waits for a running snapshot copy.
 _COPY_WAIT = 0.05
 
@@ -105,11 +135,17 @@ def _decode(key: bytes, value: bytes) -> Message:
     return msg
 
 
-@implementer(IBackendQueue)
+def _seq(msg: Message) -> int:
+    """The sequence number of a message's record (-1 for one finished, whose key is gone)."""
+    return KEY.unpack(msg.key)[1] if msg.key is not None else -1
+
+
+@implementer(IBackendQueue, IPiecewisePeek)
 class LmdbQueue:
     """One queue's key range, its read position, and what a commit has not written yet."""
 
-    __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held")
+    __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held",
+                 "_staged", "_staged_held", "on_stored")
 
     def __init__(self, store: LmdbStore, name: str, qid: int, first_seq: int, next_seq: int,
                  depth: int) -> None:
@@ -119,9 +155,18 @@ class LmdbQueue:
         self._next_seq = next_seq
         self._read_seq = first_seq
         self._depth = depth
-        # Unread messages this process put, oldest first: every one not yet
-        # committed, plus (durable) up to _READ_CACHE committed ones.
+        # Unread messages this process put, oldest first: default mode, every
+        # one not yet committed; durable, up to _READ_CACHE committed ones.
         self._tail: deque[Message] = deque()
+        # Durable: messages put (then held) and not committed yet, oldest
+        # first. Not readable until their commit succeeds: they count in the
+        # depth, and follow the tail.
+        self._staged: list[Message] = []
+        self._staged_held: list[Message] = []
+        # Durable: called after a commit made staged messages readable, with
+        # the held ones among them (their owner keeps those outside the
+        # queue, from then on). Set by the queue's owner (mqd.channel, mqd.topic).
+        self.on_stored = None
         # Keys of records stored by `hold` (deferred messages), so past the
         # read position while their messages live outside the queue: in the
         # deferred queue, then in memory or in flight once due or requeued.
@@ -130,12 +175,22 @@ class LmdbQueue:
         self._held: set[bytes] = set()
 
     def _tail_start(self) -> int:
-        return KEY.unpack(self._tail[0].key)[1] if self._tail else self._next_seq
+        if self._tail:
+            return KEY.unpack(self._tail[0].key)[1]
+        if self._staged:
+            return KEY.unpack(self._staged[0].key)[1]
+        return self._next_seq
 
     def put(self, messages) -> None:
         self._store_new(messages)
-        self._tail.extend(messages)
         self._depth += len(messages)
+        store = self._store
+        if store.durable:
+            self._staged.extend(messages)
+            if store.publishing:
+                store._fresh.append((self, messages))
+        else:
+            self._tail.extend(messages)
 
     def _store_new(self, messages) -> None:
         """Give the messages the queue's next keys and stage them for the commit."""
@@ -154,11 +209,17 @@ class LmdbQueue:
         store._touched.add(self)
         store._schedule()
 
-    def hold(self, messages) -> None:
-        if not self._store.durable:
-            return
+    def hold(self, messages) -> bool:
+        """Durable: store them, and give them back through `on_stored` once committed (True)."""
+        store = self._store
+        if not store.durable:
+            return False
         self._store_new(messages)
-        self._held.update(m.key for m in messages)
+        self._held.update([m.key for m in messages])
+        self._staged_held.extend(messages)
+        if store.publishing:
+            store._fresh.append((self, messages))
+        return True
 
     def read(self, count: int) -> list[Message]:
         out: list[Message] = []
@@ -216,6 +277,7 @@ class LmdbQueue:
         if not out:
             # Only held or deleted records before the cached tail.
             self._read_seq = tail_start
+        self._store.io_records += len(out)
         return out
 
     def peek(self, count: int) -> list[Message]:
@@ -233,6 +295,76 @@ class LmdbQueue:
         if len(out) < count:
             out += islice(self._tail, count - len(out))
         return out
+
+    def peek_pieces(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """IPiecewisePeek: `peek(count)` a piece at a time, record bodies cut at `body_limit`.
+
+        A piece is at most _PEEK_PIECE_COUNT records and _PEEK_PIECE_BYTES
+        of body, read in a transaction of its own from past the last
+        sequence number handed out (or the read position, if reads went
+        further meanwhile), so what was read away in between is skipped.
+        """
+        per_piece = max(1, min(_PEEK_PIECE_COUNT, _PEEK_PIECE_BYTES // (body_limit + _RECORD_SIZE)))
+        after = -1
+        while count > 0:
+            piece, after = self._peek_piece(after, min(count, per_piece), body_limit)
+            if not piece:
+                return
+            count -= len(piece)
+            yield piece
+
+    def _peek_piece(self, after: int, count: int, body_limit: int) -> tuple[list[tuple[Message, int]], int]:
+        """Up to `count` (message, size) past sequence number `after`, and the last one's number."""
+        start = max(self._read_seq, after + 1)
+        tail_start = self._tail_start()
+        out, last = self._peek_stored(start, tail_start, count, body_limit) if start < tail_start else ([], after)
+        tail = self._tail
+        if len(out) < count and tail:
+            first = bisect_left(tail, start, key=_seq)
+            for msg in islice(tail, first, None):
+                if msg.key is None:  # finished meanwhile: gone
+                    continue
+                out.append((msg, len(msg.body)))
+                last = _seq(msg)
+                if len(out) >= count:
+                    break
+        return out, last
+
+    def _peek_stored(self, start: int, stop: int, count: int,
+                     body_limit: int) -> tuple[list[tuple[Message, int]], int]:
+        """As `_stored` from sequence number `start`, only `body_limit` bytes of each body copied.
+
+        Returns the (message, size) pairs and the sequence number of the last.
+        """
+        start_key = KEY.pack(self.qid, start)
+        stop_key = KEY.pack(self.qid, stop)
+        held = self._held
+        store = self._store
+        dels = store._dels
+        updates = store._updates
+        out: list[tuple[Message, int]] = []
+        last = start - 1
+        with store.env.begin(db=store.data_db, buffers=True) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(start_key):
+                return out, last
+            for raw_key, value in cursor:
+                key = bytes(raw_key)
+                if key >= stop_key or len(out) >= count:
+                    break
+                if (held and key in held) or key in dels:
+                    continue
+                last = KEY.unpack(key)[1]
+                msg = updates.get(key)
+                if msg is None:
+                    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
+                    body = bytes(value[_RECORD_SIZE:_RECORD_SIZE + body_limit])
+                    msg = Message(msg_id, body, timestamp, attempts, deferred_until)
+                    msg.key = key
+                    out.append((msg, len(value) - _RECORD_SIZE))
+                else:
+                    out.append((msg, len(msg.body)))
+        return out, last
 
     def finish(self, messages) -> None:
         store = self._store
@@ -278,7 +410,11 @@ class LmdbQueue:
                 del table[key]
         for msg in self._tail:
             msg.key = None
+        for msg in self._staged_held:
+            msg.key = None
         self._tail.clear()
+        self._staged.clear()
+        self._staged_held.clear()
         self._held.clear()
         self._read_seq = self._next_seq
         self._depth = 0
@@ -294,13 +430,35 @@ class LmdbQueue:
     def sync(self) -> None:
         self._store.sync()
 
-    def _trim(self) -> None:
-        """After a commit: keep at most the read cache of committed messages in memory."""
-        limit = _READ_CACHE if self._store.durable else 0
+    def _committed(self) -> list[Message] | None:
+        """After a commit: staged messages become readable; the read cache is trimmed.
+
+        Returns the held messages just committed when the owner must hear
+        of the commit (`on_stored`), else None.
+        """
+        staged = self._staged
+        held = self._staged_held
         tail = self._tail
+        if staged:
+            tail.extend(staged)
+            self._staged = []
+        if held:
+            self._staged_held = []
+        limit = _READ_CACHE if self._store.durable else 0
         puts = self._store._puts
         while len(tail) > limit and tail[0].key not in puts:
             tail.popleft()
+        return held if (staged or held) and self.on_stored is not None else None
+
+    def _drop_fresh(self) -> None:
+        """After a failed commit: forget the staged messages `LmdbStore._roll_back` took the keys of."""
+        staged = self._staged
+        kept = [m for m in staged if m.key is not None]
+        if len(kept) != len(staged):
+            self._depth -= len(staged) - len(kept)
+            self._staged = kept
+        if self._staged_held:
+            self._staged_held = [m for m in self._staged_held if m.key is not None]
 
 
 @implementer(IBackendStore)
@@ -328,6 +486,11 @@ class LmdbStore:
         self._spilled: dict[int, list[Message]] = {}
         self._spill_loaded = False
         self.health_listener = None
+        # Set while a publisher's new messages are put (mqd.topic.Topic.publish):
+        # durable, what is put meanwhile goes into _fresh, and a failed commit
+        # drops it, as its publishers are answered with the error.
+        self.publishing = False
+        self._fresh: list[tuple[LmdbQueue, list[Message]]] = []
         self._puts: dict[bytes, Message] = {}
         self._updates: dict[bytes, Message] = {}
         self._dels: set[bytes] = set()
@@ -351,6 +514,15 @@ class LmdbStore:
             self._sync_loop = LoopingCall(self._sync_if_dirty)
             self._sync_loop.clock = clock
             self._sync_loop.start(self.sync_timeout, now=False)
+        self._unmap_loop = None
+        # Records read or written since the mapped pages were last looked at,
+        # and the process's file-backed RSS after they were last released.
+        self.io_records = 0
+        self._mapped_base = _file_rss()
+        if _madvise is not None:
+            self._unmap_loop = LoopingCall(self.check_mapped_pages)
+            self._unmap_loop.clock = clock
+            self._unmap_loop.start(_UNMAP_EVERY, now=False)
 
     # -- opening -------------------------------------------------------------------
 
@@ -594,6 +766,7 @@ class LmdbStore:
         self._commit_call = None
         waiters, self._waiters = self._waiters, []
         if not self._pending():
+            self._fresh.clear()  # emptied queues' messages, if any: nothing left to drop
             for callback in waiters:
                 callback(None)
             return
@@ -625,44 +798,103 @@ class LmdbStore:
                 self.health_listener(None)
         if self._spill_loaded:
             self._remove_spill()
+        self._fresh.clear()
         self._unsynced += written
+        self.io_records += written
+        if self.io_records >= _UNMAP_RECORDS:
+            self.check_mapped_pages()
         if not self.durable and self.sync_every and self._unsynced >= self.sync_every:
             self.sync()
-        for queue in self._touched:
-            queue._trim()
-        self._touched.clear()
+        touched, self._touched = self._touched, set()
+        stored = [(queue, held) for queue in touched if (held := queue._committed()) is not None]
         for callback in waiters:
             callback(None)
+        # Their owners deliver what became readable, or drain it (a topic's);
+        # what they put meanwhile goes into the next commit.
+        for queue, held in stored:
+            try:
+                queue.on_stored(held)
+            except Exception:
+                log.failure("queue {name}: handing over committed messages failed", name=queue.name)
 
     def _write(self) -> int:
-        env = self.env
-        with env.begin(write=True, db=self.data_db) as txn:
-            for qid, bound in self._drops:
-                _drop_range(txn, qid, bound)
-            if self._probe:
-                txn.put(b"format", FORMAT, db=self.meta_db)
-            delete = txn.delete
-            for key in self._dels:
-                delete(key)
-            records = [(key, _encode(msg)) for key, msg in self._puts.items()]
-            records += [(key, _encode(msg)) for key, msg in self._updates.items()]
-            if records:
-                # One C loop over the records instead of a put call each.
-                txn.cursor().putmulti(records)
-            put = txn.put
-            for name, qid in self._registry_puts.items():
-                put(name, qid, db=self.registry_db)
-            for name in self._registry_dels:
-                delete(name, db=self.registry_db)
-        written = len(self._puts) + len(self._updates) + len(self._dels)
-        self._puts.clear()
-        self._updates.clear()
+        """Write everything pending; how many records were written or deleted.
+
+        One transaction, unless more than _COMMIT_CHUNK records are to be
+        written (a backlog requeued or timed out at once): then all but the
+        last of them go in bounded transactions first. LMDB keeps the pages
+        a transaction dirtied in a pool of its own for reuse and never gives
+        them back, so one transaction of 100,000 1 KB records held ~200 MB
+        for good. The new publishes go in the last transaction, so one that
+        fails leaves none of them written: what earlier ones wrote was
+        acknowledged long ago and stays, the rest is retried.
+        """
+        puts, updates = self._puts, self._updates
+        written = len(puts) + len(updates) + len(self._dels)
+        meta = True
+        if len(puts) + len(updates) > _COMMIT_CHUNK:
+            meta = self._write_early()
+        self._write_records(chain(puts.items(), updates.items()) if updates else puts.items(), meta)
+        puts.clear()
+        updates.clear()
+        if meta:
+            self._meta_written()
+        return written
+
+    def _write_early(self) -> bool:
+        """A big commit's records but the new publishes, in bounded transactions, but a last part.
+
+        Each transaction's records are forgotten once it is committed (the
+        first also writes drops, deletions and the registry). Returns
+        whether those are still to be written.
+        """
+        fresh = {m.key for _, msgs in self._fresh for m in msgs} if self._fresh else ()
+        early = [item for item in self._puts.items() if item[0] not in fresh]
+        early += self._updates.items()
+        puts, updates = self._puts, self._updates
+        meta = True
+        chunk: list[tuple[bytes, Message]] = []
+        size = 0
+        for item in early:
+            chunk.append(item)
+            size += len(item[1].body)
+            if len(chunk) >= _COMMIT_CHUNK or size >= _COMMIT_CHUNK_BYTES:
+                self._write_records(chunk, meta)
+                if meta:
+                    self._meta_written()
+                    meta = False
+                for key, _ in chunk:
+                    if puts.pop(key, None) is None:
+                        updates.pop(key, None)
+                chunk, size = [], 0
+        return meta
+
+    def _write_records(self, records, meta: bool) -> None:
+        """One transaction: `records` ((key, message) pairs), after drops, deletions and the registry if `meta`."""
+        with self.env.begin(write=True, db=self.data_db) as txn:
+            if meta:
+                for qid, bound in self._drops:
+                    _drop_range(txn, qid, bound)
+                if self._probe:
+                    txn.put(b"format", FORMAT, db=self.meta_db)
+                delete = txn.delete
+                for key in self._dels:
+                    delete(key)
+                put = txn.put
+                for name, qid in self._registry_puts.items():
+                    put(name, qid, db=self.registry_db)
+                for name in self._registry_dels:
+                    delete(name, db=self.registry_db)
+            # One C loop over the records instead of a put call each; their
+            # list is as big as a transaction, bounded by _write.
+            txn.cursor().putmulti([(key, _encode(msg)) for key, msg in records])
+
+    def _meta_written(self) -> None:
         self._dels.clear()
         self._drops.clear()
         self._registry_puts.clear()
         self._registry_dels.clear()
         self._probe = False
-        return written
 
     def _grow(self) -> None:
         size = self.env.info()["map_size"] * 2
@@ -670,18 +902,49 @@ class LmdbStore:
         self.env.set_mapsize(size)
 
     def _failed(self, error: str, waiters: list) -> None:
-        """A commit failed (a full disk): keep everything for the retry, fail the waiters."""
+        """A commit failed (a full disk): drop its new publishes, keep the rest for the retry, fail the waiters.
+
+        The waiters' publishers are answered with the error, so their
+        messages must never be stored nor delivered: the new publishes go
+        (nobody has seen them, as a durable queue hands out only committed
+        messages). Everything else was acknowledged before and is retried.
+        """
         if self.failure is None:
             log.error("LMDB commit failed, retrying every {s}s: {error}", s=_RETRY_AFTER, error=error)
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {error}")
         self.failure = f"LMDB write failed: {error}"
+        self._roll_back()
         # The retry writes something even if FINs have emptied what was
         # pending by then; otherwise nothing would ever clear the failure.
         self._probe = True
         for callback in waiters:
             callback(self.failure)
         self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
+
+    def _roll_back(self) -> None:
+        """Unstage the new publishes of a failed commit: no record, no place in any queue."""
+        fresh, self._fresh = self._fresh, []
+        if not fresh:
+            return
+        puts = self._puts
+        queues = set()
+        dropped = 0
+        for queue, messages in fresh:
+            held = queue._held
+            for msg in messages:
+                key = msg.key
+                if key is None:  # its queue was emptied meanwhile
+                    continue
+                msg.key = None
+                puts.pop(key, None)
+                held.discard(key)
+                dropped += 1
+            queues.add(queue)
+        for queue in queues:
+            queue._drop_fresh()
+        log.warn("LMDB commit failed: {n} newly published messages dropped (their publishers are "
+                 "answered with the error)", n=dropped)
 
     # -- syncing -----------------------------------------------------------------------
 
@@ -692,6 +955,39 @@ class LmdbStore:
     def _sync_if_dirty(self) -> None:
         if self._unsynced:
             self.sync()
+
+    def check_mapped_pages(self) -> None:
+        """Release the mapped pages (release_mapped_pages) once they have grown by _UNMAP_ABOVE."""
+        self.io_records = 0
+        if _madvise is not None and _file_rss() - self._mapped_base > _UNMAP_ABOVE:
+            self.release_mapped_pages()
+
+    def release_mapped_pages(self) -> int:
+        """Unmap the pages of the data file this process has read through LMDB's map; bytes released.
+
+        Every record read maps its page into the process (RssFile), and it
+        stays mapped: a broker that has moved a few GB through the store
+        shows GBs of RSS that are only the page cache, which a broker
+        reading its files (nsqd) does not count. MADV_DONTNEED drops the
+        mappings, not the data: the map is read-only and shared, so the
+        pages stay in the page cache and the next read maps them again (a
+        minor fault), also for readers in other threads.
+        """
+        global _madvise
+        self.io_records = 0
+        if _madvise is None:
+            return 0
+        released = 0
+        try:
+            for start, length in _mapped_ranges(os.path.join(self.path, "data.mdb")):
+                if _madvise(start, length, _MADV_DONTNEED) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                released += length
+        except (OSError, ValueError) as e:
+            log.info("LMDB: mapped pages cannot be released ({error}); not tried again", error=e)
+            _madvise = None
+        self._mapped_base = _file_rss()
+        return released
 
     def close(self) -> Deferred | None:
         """Write what is pending and close the environment.
@@ -706,6 +1002,8 @@ class LmdbStore:
         """
         if self._sync_loop is not None and self._sync_loop.running:
             self._sync_loop.stop()
+        if self._unmap_loop is not None and self._unmap_loop.running:
+            self._unmap_loop.stop()
         waiting = None
         try:
             self.commit()
@@ -910,6 +1208,44 @@ def _drop_range(txn, qid: int, bound: int) -> None:
         while cursor.key() < stop:
             if not cursor.delete():  # False once past the last record
                 break
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """(address, length) of this process's mappings of `path`, from /proc/self/maps."""
+    suffix = " " + os.path.realpath(path) + "\n"
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.endswith(suffix):
+                low, _, high = line.partition(" ")[0].partition("-")
+                ranges.append((int(low, 16), int(high, 16) - int(low, 16)))
+    return ranges
+
+
+def _file_rss() -> int:
+    """This process's resident file-backed and shared pages in bytes (/proc/self/statm), 0 if unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[2]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _load_madvise():
+    """libc's madvise(2) (Linux, with /proc/self/maps), or None."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    try:
+        func = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    func.restype = ctypes.c_int
+    return func
+
+
+_madvise = _load_madvise()
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 def _fsync_dir(path: str) -> None:

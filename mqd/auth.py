@@ -93,6 +93,10 @@ class _Grant:
             return False
         return any(c.search(channel) is not None for c in self.channels)
 
+    def allows_topic(self, topic: str) -> bool:
+        """Subscribing to some channel of `topic`: the permission, the topic, and a channel pattern."""
+        return "subscribe" in self.permissions and bool(self.channels) and self.topic.search(topic) is not None
+
 
 @dataclass
 class AuthState:
@@ -117,6 +121,15 @@ class AuthState:
             if len(self._cache) < 1024:
                 self._cache[key] = hit
         return hit
+
+    def allows_topic(self, topic: str) -> bool:
+        """Whether some grant lets the client subscribe to a channel of `topic` (any channel).
+
+        What a look at the topic's own queue needs (`GET /topic/peek`, a
+        snapshot of a topic without channels): whoever may subscribe to any
+        channel of a topic receives every message the topic holds.
+        """
+        return any(g.allows_topic(topic) for g in self.grants)
 
 
 def parse_auth_response(body: bytes, now: float) -> AuthState:

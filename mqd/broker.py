@@ -29,6 +29,8 @@ import backends
 
 from .auth import AuthClient
 from .channel import Channel
+from .http.authorization import AuthCache
+from .http.peek import PeekWork
 from .logs import get_logger, set_log_level
 from .names import is_valid_name
 from .options import MQD_OPTIONS, ConfigError, Settings
@@ -98,6 +100,10 @@ class Broker:
         self._ephemeral_store = backends.open_store("dummy", options)
         # Asks the auth servers for AUTH (tests replace its fetch function).
         self.auth = AuthClient(options, clock)
+        # The HTTP endpoints that show bodies: the bearer secrets' answers,
+        # cached (mqd.http.authorization), and what peek answers hold (mqd.http.peek).
+        self.http_auth = AuthCache(self.auth, clock)
+        self.peeks = PeekWork(clock)
         # The server TLS context (tlsconfig.ServerTLS) IDENTIFY upgrades
         # with, and whose policy may require it; set by tap.build_service.
         self.tls = None

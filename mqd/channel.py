@@ -20,6 +20,8 @@ from .overflow import OverflowQueue, take
 from .pqueue import PriorityQueue
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from .message import Message
     from .topic import Topic
 
@@ -83,6 +85,9 @@ class Channel:
         self._clock = clock
         self._max_msg_timeout = options.max_msg_timeout
         self._max_consumers = options.max_channel_consumers
+        if hasattr(queue.backend, "on_stored"):
+            # A durable store hands out messages only once committed: it says when.
+            queue.backend.on_stored = self._stored
 
     def __repr__(self) -> str:
         return f"<Channel {self.topic.name}:{self.name}>"
@@ -125,6 +130,10 @@ class Channel:
             return [(msg, due, None) for due, msg in pq.peek(count)]
         return [(msg, timeout, msg.client) for timeout, msg in pq.peek(count)]
 
+    def peek_queued(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek("queued", count)` as (message, body size) pieces: OverflowQueue.peek_pieces."""
+        return self._queue.peek_pieces(count, body_limit)
+
     # -- queueing ------------------------------------------------------------
 
     def put(self, msgs: list[Message], spill: bool = False) -> None:
@@ -162,12 +171,20 @@ class Channel:
         (see `put`): then they are deferred in memory only.
         """
         try:
-            self._queue.hold(msgs)
+            later = self._queue.hold(msgs)
         except BackendError:
             if not spill:
                 raise
+            later = False
         self.message_count += len(msgs)
-        self._defer(msgs)
+        if not later:
+            self._defer(msgs)
+
+    def _stored(self, held: list[Message]) -> None:
+        """A durable store committed messages of this channel: the deferred ones start waiting, the rest is delivered."""
+        if held:
+            self._defer(held)
+        self.deliver_soon()
 
     def _defer(self, msgs: list[Message]) -> None:
         push = self._deferred.push

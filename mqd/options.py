@@ -283,9 +283,30 @@ MQD_OPTIONS: tuple[Option, ...] = (
            _at_least(0)),
     Option("lmdb-map-size", "int", 1 << 30, "initial LMDB map size in bytes; it grows by itself", _at_least(1 << 20)),
     Option("snapshot-max-bytes", "int", 16 << 30,
-           "disk space all snapshots under <data-path>/snapshots may take together; POST /snapshot is "
-           "refused (507 SNAPSHOT_LIMIT) when one more could pass it, nothing is deleted (0: no limit)",
+           "disk space all snapshots under <data-path>/snapshots may take together, those being written "
+           "counted at their estimate; POST /snapshot is refused (507 SNAPSHOT_LIMIT) when one more "
+           "could pass it (0: no limit)",
            _at_least(0)),
+    Option("snapshot-reserve-bytes", "int", -1,
+           "free space a snapshot must leave on the data filesystem for the store, or POST /snapshot is "
+           "refused (507 SNAPSHOT_LIMIT) (-1: 5% of the filesystem, at least twice --max-body-size; "
+           "0: the snapshot only has to fit)",
+           _at_least(-1)),
+    Option("snapshot-keep", "int", 0,
+           "when a snapshot is taken, remove the oldest beyond this many (the new one counted), except "
+           "those a reader holds (0: keep all)",
+           _at_least(0)),
+    Option("snapshot-keep-age", "duration", 0.0,
+           "when a snapshot is taken, remove those older than this, except those a reader holds "
+           "(0: keep all)",
+           _at_least(0)),
+    Option("peek-max-body-bytes", "int", 64 << 10,
+           "most bytes of each body GET /channel/peek and /topic/peek show (max_body= may ask fewer); "
+           "a longer body is cut and marked truncated", _at_least(0)),
+    Option("peek-max-bytes", "int", 4 << 20,
+           "largest peek answer in bytes: it ends with the last message that fits (more: true); the answers "
+           "being built or written hold at most 4 times this together, a peek past that is 503 PEEK_BUSY",
+           _at_least(4096)),
     Option("mem-queue-size", "int", 10000, "messages kept in memory per topic and per channel", _at_least(0)),
     Option("msg-timeout", "duration", 60.0, "time a message may stay in flight before it is requeued", _positive_duration),
     Option("max-msg-timeout", "duration", 900.0, "highest msg_timeout a client may ask for", _positive_duration),

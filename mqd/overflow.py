@@ -8,10 +8,12 @@ stays FIFO across both (nsqd reads memory and disk in random order).
 from __future__ import annotations
 
 from collections import deque
-from itertools import islice
+from collections.abc import Iterator
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from backends import BackendError
+from backends.interface import IPiecewisePeek
 from backends.memory import take
 
 from .logs import get_logger
@@ -86,9 +88,13 @@ class OverflowQueue:
         if kept:
             self.backend.finish(kept)
 
-    def hold(self, msgs: list[Message]) -> None:
-        """Messages kept outside the queue (deferred): stored where the store is durable."""
-        self.backend.hold(msgs)
+    def hold(self, msgs: list[Message]) -> bool:
+        """Messages kept outside the queue (deferred): stored where the store is durable.
+
+        True when a durable store gives them back through its `on_stored`
+        once committed: until then the owner must not keep them anywhere.
+        """
+        return bool(self.backend.hold(msgs))
 
     def refill(self, n: int, now: float) -> list[Message]:
         """Move up to `n` due messages from the backend into memory.
@@ -144,6 +150,25 @@ class OverflowQueue:
         if len(out) < count and self.backend.depth():
             out += self.backend.peek(count - len(out))
         return out
+
+    def peek_pieces(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek(count)` as (message, body size) pieces, for an answer built a piece at a time.
+
+        Memory's part, and a backend's that holds its messages in memory,
+        is taken now as one piece of references (nothing is copied); a
+        store that reads from disk (IPiecewisePeek) is read a piece per
+        `next()`, its bodies cut at `body_limit`.
+        """
+        if count <= 0:
+            return iter(())
+        first = [(m, len(m.body)) for m in islice(self.mem, count)]
+        rest = count - len(first)
+        backend = self.backend
+        if rest <= 0 or not backend.depth():
+            return iter([first])
+        if IPiecewisePeek.providedBy(backend):
+            return chain([first], backend.peek_pieces(rest, body_limit))
+        return iter([first + [(m, len(m.body)) for m in backend.peek(rest)]])
 
     def empty(self) -> None:
         self.mem.clear()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import operator
 from collections.abc import Iterator
 
 from .message import Message
@@ -26,7 +25,6 @@ __all__ = ["PriorityQueue"]
 _sequence = itertools.count()
 _heappush = heapq.heappush
 _heappop = heapq.heappop
-_order = operator.itemgetter(0, 1)
 
 # Rebuild when the heap holds this many more entries than live messages and
 # at least four times as many: rebuilding less often costs less per FIN than
@@ -145,11 +143,27 @@ class PriorityQueue:
 
         By priority, then by entry (a delivery batch shares one deadline and
         keeps its order); nothing is popped, so no timer or order changes.
+        The heap is walked best first from its root (a second, small heap of
+        the nodes reached), so the cost grows with `count` and the dead
+        entries met on the way, not with the queue: a peek at the first 20 of
+        a million deferred messages does not scan the million.
         """
-        if count <= 0:
-            return []
-        live = (entry for entry in self._heap if entry[2].pq_seq == entry[1])
-        return [(entry[0], entry[2]) for entry in heapq.nsmallest(count, live, key=_order)]
+        heap = self._heap
+        found: list[tuple[float, Message]] = []
+        if count <= 0 or not heap:
+            return found
+        size = len(heap)
+        frontier = [(heap[0][0], heap[0][1], 0)]
+        while frontier and len(found) < count:
+            i = _heappop(frontier)[2]
+            priority, seq, msg = heap[i]
+            if msg.pq_seq == seq:
+                found.append((priority, msg))
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < size:
+                    entry = heap[child]
+                    _heappush(frontier, (entry[0], entry[1], child))
+        return found
 
     def __iter__(self) -> Iterator[Message]:
         return (entry[2] for entry in self._heap if entry[2].pq_seq == entry[1])

@@ -23,7 +23,12 @@ them while a big batch goes in.
 
 Failure mid-way: when the store refuses a chunk, the earlier chunks stay
 published and the batch is answered with the error, as nsqd's PutMessages
-leaves the messages before a failed put published.
+leaves the messages before a failed put published. Not with `--durable`,
+where an error answer means "nothing stored": there each chunk waits for
+the commit holding it; a failure before any chunk is stored answers the
+error (the store dropped the chunk), one after that waits for room (the
+store retries every second) and goes on with the chunk it dropped, and
+the batch is answered `OK` once all of it is stored.
 
 Batches run on a `twisted.internet.task.Cooperator` per reactor that does
 one unit of work per turn, so several big publishers take turns and a turn
@@ -38,7 +43,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary, ref
 
-from twisted.internet.task import Cooperator
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Cooperator, deferLater
 
 from backends import BackendError
 
@@ -74,6 +80,10 @@ CHUNK_BYTES = 1 << 20
 # Checking costs ~10x less a message than publishing: a turn checks this
 # many chunks.
 CHECK_CHUNKS = 16
+# How long a durable batch that has stored chunks already waits before it
+# tries again when the store refuses the next one (a full disk): the store
+# retries its own commit as often.
+ROOM_RETRY = 1.0
 # Text /mpub is cut at line ends into pieces of this many bytes and the rest
 # of the line they end in: about CHUNK_MESSAGES non-empty lines at most
 # (each is two bytes at least).
@@ -272,8 +282,9 @@ def publish_in_chunks(clock: IReactorTime, topic: Topic, chunks: Iterator,
 
     `done` gets None once the last chunk is published, the BatchError
     that refused the batch (nothing published), or the BackendError that
-    stopped it mid-way (earlier chunks published). A topic deleted or shut
-    down meanwhile is TopicExiting, nsqd's PutMessages error.
+    stopped it mid-way (earlier chunks published; with a durable store only
+    before the first chunk is stored, so nothing is). A topic deleted or
+    shut down meanwhile is TopicExiting, nsqd's PutMessages error.
     """
     _cooperator(clock).cooperate(_run(topic, chunks, bodies_of, done, defer))
 
@@ -300,6 +311,9 @@ def _steps(topic: Topic, chunks: Iterator, bodies_of, defer: float):
                 yield None
     except BatchError as e:
         return e
+    store = topic.broker.store
+    if store.durable:
+        return (yield from _durable_steps(topic, checked, bodies_of, defer, store))
     last = len(checked) - 1
     for i, chunk in enumerate(checked):
         if topic.exiting:
@@ -311,6 +325,55 @@ def _steps(topic: Topic, chunks: Iterator, bodies_of, defer: float):
         if i < last:
             yield None
     return None
+
+
+def _durable_steps(topic: Topic, checked: list, bodies_of, defer: float, store):
+    """Each chunk published, then its commit waited for; an error only while nothing is stored.
+
+    A failed commit drops the chunk it held (the store's rule for new
+    publishes): before any chunk is stored that is the batch's error
+    answer, with nothing of it stored. Once a chunk is, an error answer
+    would be a lie: the batch waits for room and publishes the dropped
+    chunk again.
+    """
+    clock = topic.broker.clock
+    stored_any = False
+    for chunk in checked:
+        bodies = bodies_of(chunk)
+        while True:
+            if topic.exiting:
+                return TopicExiting()
+            try:
+                _publish_chunk(topic, bodies, defer)
+            except BackendError as e:
+                if not stored_any:
+                    return e
+                yield deferLater(clock, ROOM_RETRY, _nothing)
+                continue
+            outcome: list[str | None] = []
+            yield _commit_of(store, outcome)
+            if outcome[0] is None:
+                stored_any = True
+                break
+            if not stored_any:
+                return BackendError(outcome[0])
+    return None
+
+
+def _nothing() -> None:
+    return None
+
+
+def _commit_of(store, outcome: list) -> Deferred:
+    """A Deferred firing once the store's next commit is over; its error (or None) goes into `outcome`."""
+    done: Deferred = Deferred()
+
+    def fired(error: str | None) -> None:
+        outcome.append(error)
+        done.callback(None)
+
+    store.when_durable(fired)
+    return done
 
 
 def _publish_chunk(topic: Topic, bodies: list[bytes], defer: float) -> None:

@@ -8,6 +8,7 @@ channels in the same call: there is no topic pump to wake.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from backends import BackendError
@@ -17,6 +18,8 @@ from .logs import get_logger
 from .message import IdFactory, Message
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from .broker import Broker
     from .overflow import OverflowQueue
 
@@ -64,6 +67,9 @@ class Topic:
         self.ids = IdFactory(broker.options.node_id)
         self._queue = broker.open_queue(name, self.ephemeral)
         self._drain_call = None
+        if hasattr(self._queue.backend, "on_stored"):
+            # A durable store hands out messages only once committed: it says when.
+            self._queue.backend.on_stored = self._stored
 
     def __repr__(self) -> str:
         return f"<Topic {self.name}>"
@@ -84,6 +90,10 @@ class Topic:
         """
         return self._queue.peek(count)
 
+    def peek_queued(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek(count)` as (message, body size) pieces: OverflowQueue.peek_pieces."""
+        return self._queue.peek_pieces(count, body_limit)
+
     # -- publishing ----------------------------------------------------------
 
     def publish(self, bodies: list[bytes], defer: float = 0.0) -> None:
@@ -100,7 +110,25 @@ class Topic:
             due = now + defer
             for msg in msgs:
                 msg.deferred_until = due
-        self.put(msgs)
+        store = self.broker.store
+        if not store.durable:
+            self.put(msgs)
+            return
+        if self.ephemeral:
+            # Never stored, but its publisher is answered after the store's
+            # next commit, with its error if it fails: in only if it does not.
+            store.when_durable(partial(self._put_if_committed, msgs))
+            return
+        # New publishes: a commit that fails drops them (its publishers get the error).
+        store.publishing = True
+        try:
+            self.put(msgs)
+        finally:
+            store.publishing = False
+
+    def _put_if_committed(self, msgs: list[Message], error: str | None) -> None:
+        if error is None and not self.exiting:
+            self.put(msgs)
 
     def put(self, msgs: list[Message]) -> None:
         if self.channels and not self.paused and not self.held and not self._queue:
@@ -142,6 +170,11 @@ class Topic:
                 deferred = [m.copy() for m in later] if later else later
             else:
                 due, deferred = now_due, later
+            if channel.ephemeral and getattr(self.broker.store, "publishing", False):
+                # A durable store's new publish: an ephemeral channel (never
+                # stored) gets it once the commit holding it is over, or never.
+                self.broker.store.when_durable(partial(_put_if_committed, channel, due, deferred))
+                continue
             if deferred:
                 channel.put_deferred(deferred, accepted)
                 accepted = True
@@ -180,6 +213,10 @@ class Topic:
             queue.finish(batch)
         if queue:
             self._drain_call = self.broker.clock.callLater(0, self._drain)
+
+    def _stored(self, held: list[Message]) -> None:
+        """A durable store committed messages waiting at the topic: they can move on now."""
+        self._schedule_drain()
 
     def _schedule_drain(self) -> None:
         if self._drain_call is None and self._queue:
@@ -267,3 +304,13 @@ class Topic:
 
 def _ephemeral_last(channel: Channel) -> bool:
     return channel.ephemeral
+
+
+def _put_if_committed(channel: Channel, due: list[Message], deferred: list[Message] | None,
+                      error: str | None) -> None:
+    if error is not None or channel.exiting:
+        return
+    if deferred:
+        channel.put_deferred(deferred, True)
+    if due:
+        channel.put(due, True)

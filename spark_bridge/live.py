@@ -20,6 +20,7 @@ header then the store's own record format.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import struct
@@ -49,7 +50,7 @@ from .snapshot import (
     utc_stamp,
 )
 
-__all__ = ["FIELDS", "LiveQueue", "LiveState", "write_live_snapshot"]
+__all__ = ["FIELDS", "LiveQueue", "LiveState", "snapshot_estimate", "write_live_snapshot"]
 
 # The attributes of a message a capture takes, in this order (one
 # attrgetter call per message): everything of its record, and its store key.
@@ -57,6 +58,15 @@ FIELDS = ("key", "id", "timestamp", "attempts", "deferred_until", "body")
 _QID = struct.Struct(">I")
 # Room for LMDB's own pages around the held rows written into a copy.
 _SLACK = 64 << 20
+# LMDB's page layout, for the size estimate: page header, node header and
+# index slot; a node larger than about half a page goes to overflow pages.
+_PAGE_HEADER = 16
+_NODE_HEADER = 8
+_SLOT = 2
+_MIN_KEYS = 2
+# Pages of a snapshot's environment besides its records: the two meta
+# pages, the roots of its databases, the free list.
+_FIXED_PAGES = 16
 
 
 @dataclass
@@ -119,6 +129,56 @@ class LiveState:
             total += sum(overhead + len(e[1][-1]) for e in q.deferred)
             total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
         return total
+
+
+def snapshot_estimate(state: LiveState, env: lmdb.Environment | None = None) -> int:
+    """At least the disk the snapshot of `state` (and `env`, the store) will take, in bytes.
+
+    The broker counts this against its snapshot limits before writing
+    (run it in a thread: it looks at every held message's size). The
+    compact copy of the store is never larger than the pages the store
+    uses; a `--durable` store's records of held messages are deleted from
+    the copy, which copies each leaf page it touches (at most as many
+    pages as there are such records, or as the store has); the held rows
+    are appended in key order, filling leaf pages, and a row larger than
+    about half a page takes whole overflow pages; the manifest is given
+    room for every queue, client and left-out queue.
+    """
+    if env is not None:
+        psize = env.stat()["psize"]
+        store_pages = env.info()["last_pgno"] + 1
+    else:
+        psize = mmap.PAGESIZE
+        store_pages = 0
+    stored_held = sum(len(_stored_keys(q)) for q in state.queues) if env is not None else 0
+    node_max = ((psize - _PAGE_HEADER) // _MIN_KEYS & -2) - _SLOT
+    header = HELD.size + RECORD.size
+    usable = psize - _PAGE_HEADER
+    leaf_pages = overflow_pages = 0
+    fill = usable  # the first row starts a page
+    # Rows are appended in key order: a leaf page takes rows until the next does not fit.
+    for q in sorted(state.queues, key=lambda q: q.queue_id):
+        sizes = [len(m.body) for m in q.queued]
+        sizes += [len(e[1][-1]) for e in q.deferred]
+        sizes += [len(e[1][-1]) for e in q.in_flight]
+        for size in sizes:
+            value = header + size
+            node = _NODE_HEADER + KEY.size + value
+            if node > node_max:
+                # The leaf keeps the key and the first overflow page's number.
+                overflow_pages += -(-(_PAGE_HEADER + value) // psize)
+                node = _NODE_HEADER + KEY.size + 8
+            node += (node & 1) + _SLOT
+            if fill + node > usable:
+                leaf_pages += 1
+                fill = 0
+            fill += node
+    # Branch pages: one entry (a key and a page number) per child page.
+    branch_pages = -(-(leaf_pages + overflow_pages) * (_NODE_HEADER + KEY.size + _SLOT) // psize) + 1
+    manifest = 4096 + 1024 * (len(state.queues) + len(state.clients) + len(state.left_out))
+    pages = (store_pages + min(stored_held, store_pages) + leaf_pages + overflow_pages + branch_pages
+             + _FIXED_PAGES)
+    return pages * psize + manifest
 
 
 def _held_rows(queue: LiveQueue) -> list[tuple[bytes, bytes]]:
@@ -223,8 +283,10 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
     size = os.path.getsize(data_file) if os.path.exists(data_file) else 0
     map_size = size + 2 * state.held_bytes + _SLACK
     removed: dict[int, int] = {}
+    # No lock file: this thread is the only user of the private directory,
+    # and a reader of the finished snapshot takes no LMDB lock either.
     env = lmdb.open(tmp, map_size=map_size, max_dbs=8, subdir=True, sync=False, metasync=False,
-                    readahead=False)
+                    readahead=False, lock=False)
     try:
         with env.begin(write=True) as txn:
             meta = env.open_db(b"meta", txn=txn)

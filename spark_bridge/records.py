@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +42,7 @@ from .snapshot import (
     Manifest,
     QueueInfo,
     SnapshotError,
+    hold_snapshot,
     kind_of,
     read_manifest,
 )
@@ -200,15 +202,23 @@ def plan_partitions(ranges: Sequence[KeyRange], partitions: int) -> list[list[Ke
 
 
 def open_snapshot(snapshot_dir: str | os.PathLike) -> tuple[Manifest, lmdb.Environment]:
-    """The manifest and a read-only handle on a finished snapshot (nothing writes it: no lock)."""
+    """The manifest and a read-only handle on a finished snapshot (nothing writes it: no LMDB lock).
+
+    The snapshot is held (`hold_snapshot`: the broker removes no snapshot a
+    reader holds) until the environment is garbage collected, which for
+    every caller here is right after it closes it.
+    """
     path = os.fspath(snapshot_dir)
+    hold = hold_snapshot(path)
     try:
         manifest = read_manifest(path)
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: not an mqd snapshot (no manifest.json)") from None
-    if not os.path.exists(os.path.join(path, DATA_FILE)):
-        raise SnapshotError(f"{path}: not an mqd snapshot (no {DATA_FILE})")
-    env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, subdir=True, readahead=True)
+        if not os.path.exists(os.path.join(path, DATA_FILE)):
+            raise SnapshotError(f"{path}: not an mqd snapshot (no {DATA_FILE})")
+        env = lmdb.open(path, readonly=True, lock=False, max_dbs=8, subdir=True, readahead=True)
+    except BaseException:
+        hold.close()
+        raise
+    weakref.finalize(env, hold.close)
     return manifest, env
 
 

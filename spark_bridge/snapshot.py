@@ -17,10 +17,19 @@ exactly what the snapshot holds.
 A snapshot is written into a hidden temporary directory next to its
 destination and renamed into place once `data.mdb` and `manifest.json`
 are complete, so a reader never sees a half-written snapshot.
+
+A reader holds a shared `flock` on the snapshot's `manifest.json` while it
+reads (`hold_snapshot`; `records.open_snapshot` takes it for as long as
+its environment lives), and the broker removes an old snapshot
+(`remove_snapshot`: its retention settings) only if it can take the
+exclusive lock at once, so no snapshot is removed under a reader. flock
+is per host: readers on other hosts (a Spark cluster reading over NFS)
+are not seen.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -29,7 +38,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
 
 import lmdb
 
@@ -49,10 +58,12 @@ __all__ = [
     "SnapshotError",
     "SnapshotExists",
     "copy_store",
+    "hold_snapshot",
     "kind_of",
     "new_snapshot_dir",
     "publish_snapshot",
     "read_manifest",
+    "remove_snapshot",
     "take_snapshot",
     "utc_stamp",
 ]
@@ -365,3 +376,79 @@ def read_manifest(snapshot_dir: str | os.PathLike) -> Manifest:
     """The manifest of a finished snapshot."""
     with open(os.path.join(os.fspath(snapshot_dir), MANIFEST)) as f:
         return Manifest.from_json(json.load(f))
+
+
+def hold_snapshot(snapshot_dir: str | os.PathLike) -> BinaryIO:
+    """A shared lock on a finished snapshot, held until the returned file is closed.
+
+    The lock is flock(2) on `manifest.json` (every snapshot has one, those
+    taken before the lock existed too). The broker's `remove_snapshot`
+    takes it exclusively without waiting, so it never removes a snapshot
+    held here; a snapshot removed while this waited is an error, not an
+    empty read. A filesystem without flock (some NFS setups) gives no lock
+    and the read goes on unprotected: refusing to read would be worse.
+    """
+    path = os.fspath(snapshot_dir)
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        f = open(manifest, "rb")  # closed by the caller: that ends the hold
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: not an mqd snapshot (no {MANIFEST})") from None
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        except OSError:
+            return f
+        # The remover renames the snapshot away before it deletes it: a
+        # manifest no longer at its path is one that was removed meanwhile.
+        held = os.fstat(f.fileno())
+        try:
+            now = os.stat(manifest)
+        except FileNotFoundError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise SnapshotError(f"{path}: the snapshot was removed")
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def remove_snapshot(snapshot_dir: str | os.PathLike) -> bool:
+    """Remove a finished snapshot unless a reader holds it: True once it is gone.
+
+    Only a directory with a `manifest.json` is removed, and only while the
+    exclusive lock on that file is ours (taken without waiting: False if
+    a reader holds it). It is first renamed to a hidden name, so a reader
+    arriving meanwhile finds it gone rather than half deleted, and a
+    removal cut short leaves a hidden directory, never a broken snapshot.
+    """
+    path = os.path.abspath(os.fspath(snapshot_dir))
+    try:
+        fd = os.open(os.path.join(path, MANIFEST), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return not os.path.lexists(path)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            # Held by a reader (EWOULDBLOCK), or no flock here: not provably unread.
+            return False
+        parent, name = os.path.split(path)
+        doomed = os.path.join(parent, f".{name}.{os.urandom(4).hex()}.removing")
+        try:
+            os.rename(path, doomed)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            # No room even for the new name (a full disk): delete it where it
+            # is; a reader waiting on the lock then finds no manifest.
+            doomed = path
+        else:
+            _fsync_dir(parent)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return not os.path.lexists(path)
+    finally:
+        os.close(fd)

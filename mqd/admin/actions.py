@@ -15,7 +15,10 @@ with the same paths, bodies, error texts and fan-out:
   every lookupd forgets it, then every producer deletes it. Lookupds go first
   so a broker does not re-register it in between (nsq#1009).
 * `DELETE /api/nodes/:node {"topic"}`: tombstone on every lookupd, then
-  `/topic/delete` on that broker.
+  `/topic/delete` on that broker. Only a node of the cluster: one no
+  lookupd (or configured broker) reports is `404 NODE_NOT_FOUND` and
+  nothing is asked of anyone (nsqadmin asks whatever address it is given
+  for `/info` and deletes the topic there).
 
 A target that fails does not stop the others: every answer carries
 nsqadmin's `"message"` (empty, or `WARNING: ...` naming each failure) and,
@@ -32,7 +35,10 @@ failing the action.
 
 mqd additions: `GET /api/peek/:topic/:channel` (every producer's
 `/channel/peek`, per node; reads nothing away) and `POST /api/snapshot/:node`
-(the broker's `/snapshot`, whose answer or error is passed on).
+(the broker's `/snapshot`, whose answer or error is passed on). Both pass
+the request's `Authorization: Bearer` header on to the brokers, which ask
+it when they have auth configured (mqd.http.authorization), and hand a
+broker's 401 or 403 back.
 `GET/PUT /config/:opt` are nsqadmin's, for clients in
 `--allow-config-from-cidr` only.
 """
@@ -51,7 +57,7 @@ from twisted.web.server import Request
 
 from ..http.args import query_of
 from ..http.config import addresses_of, config_name, log_level_of, option_value
-from ..http.peek import STATES, count_arg, state_arg
+from ..http.peek import STATES, count_arg, max_body_arg, state_arg
 from ..http.response import dumps
 from ..logs import get_logger, set_log_level
 from ..names import is_valid_name
@@ -74,6 +80,9 @@ MAX_PENDING_NOTIFICATIONS = 1000
 # How long a snapshot proxy waits for the broker (its own CLI's default):
 # the copy of a store of many GB takes far longer than an admin action.
 SNAPSHOT_TIMEOUT = 600.0
+# The most of one broker's peek answer mqadmin reads (4 times a broker's default
+# --peek-max-bytes); a longer one is that node's error.
+PEEK_ANSWER_MAX = 16 << 20
 
 
 def routes(admin: Admin) -> dict[str, AdminEndpoint]:
@@ -98,8 +107,12 @@ Target = tuple[str, str]
 
 
 def _url(base: str, path: str, params: Mapping[str, str] | None = None) -> str:
-    """`BASE/path?query`, the query escaped as Go's QueryEscape does."""
-    return base + path + ("?" + urlencode(params) if params else "")
+    """`BASE/path?query`, the query escaped as Go's QueryEscape does.
+
+    A name from a request's path keeps its undecodable bytes as surrogates
+    (mqd.http.api decodes paths so): they are sent as those bytes.
+    """
+    return base + path + ("?" + urlencode(params, errors="surrogateescape") if params else "")
 
 
 def _reason(error: BaseException) -> str:
@@ -159,6 +172,21 @@ async def _post_all(admin: Admin, target: str, targets: Iterable[Target], path: 
 def _warning(problems: Sequence[str]) -> str:
     """nsqadmin's `message`: empty, or every failure after `WARNING: `."""
     return "WARNING: " + "; ".join(problems) if problems else ""
+
+
+def _bearer(request: Request) -> dict[bytes, list[bytes]] | None:
+    """The request's one `Authorization: Bearer` header, passed on to the brokers (no other credential is)."""
+    values = request.requestHeaders.getRawHeaders(b"authorization") or []
+    if len(values) == 1 and values[0][:7].lower() == b"bearer ":
+        return {b"Authorization": values}
+    return None
+
+
+def _broker_refusal(request: Request, code: int, message: str) -> ApiError:
+    """A broker's own error answer as mqadmin's; a 401 asks for a bearer secret as the broker did."""
+    if code == 401:
+        request.setHeader(b"WWW-Authenticate", b"Bearer")
+    return ApiError(code, message)
 
 
 class _Run:
@@ -312,6 +340,18 @@ class ActionEndpoint(AdminEndpoint):
         """A broker by node name, reached where the cluster reaches it (its configured address, if any)."""
         return node, self.admin.cluster.node_url(node)
 
+    async def known_node(self, node: str) -> None:
+        """404 NODE_NOT_FOUND unless `node` is a broker the cluster reports; 502 when none could be asked.
+
+        The same check for every action on one node, so a request cannot make
+        mqadmin POST to an address of its choosing.
+        """
+        producers, errors = await self.admin.cluster.producers()
+        if node not in {node_id(p) for p in producers or ()}:
+            if errors and not producers:
+                raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
+            raise ApiError(404, "NODE_NOT_FOUND")
+
     async def producers_of(self, run: _Run, topic: str) -> list[Target]:
         """The topic's producers (lookupds' /lookup, or each broker's /stats)."""
         producers, errors = await self.admin.cluster.topic_producers(topic)
@@ -422,6 +462,7 @@ class TombstoneNode(ActionEndpoint):
         return Deferred.fromCoroutine(self.tombstone(request, topic, params["node"]))
 
     async def tombstone(self, request: Request, topic: str, node: str) -> dict[str, Any]:
+        await self.known_node(node)
         run = _Run("tombstone node for topic")
         run.add(await _post_all(self.admin, "lookupd", self.lookupds(), "/topic/tombstone",
                                 {"topic": topic, "node": node}))
@@ -432,47 +473,71 @@ class TombstoneNode(ActionEndpoint):
 
 
 class Peek(AdminEndpoint):
-    """`GET /api/peek/:topic/:channel[?state=S][&n=N]`: each producer's first messages, nothing consumed.
+    """`GET /api/peek/:topic/:channel[?state=S][&n=N][&max_body=B]`: each producer's first messages.
 
-    `state` and `n` are checked as the brokers check them (400 INVALID_STATE,
-    INVALID_N) and passed on; each node answers its own `total` and
-    `messages` (mqd's /channel/peek), or an `error` (a broker that is down,
-    or a real nsqd, which has no peek: `404 NOT_FOUND`).
+    Nothing is consumed. The names, `state`, `n` and `max_body` are checked
+    as the brokers check them (400 INVALID_ARG_TOPIC, INVALID_ARG_CHANNEL,
+    INVALID_STATE, INVALID_N, INVALID_MAX_BODY) and
+    passed on, with the request's bearer secret; each node answers its own
+    `total`, `messages` and `more` (mqd's /channel/peek, bounded by the
+    broker's --peek-max-bytes; mqadmin reads at most PEEK_ANSWER_MAX of
+    it), or an `error` (a broker that is down, or a real nsqd, which has no
+    peek: `404 NOT_FOUND`). When no node answered and one refused the
+    secret, its 401 or 403 is the answer.
     """
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Deferred:
+        # The names as the brokers check them: a name no broker could hold is not asked about.
+        if not is_valid_name(params["topic"]):
+            raise ApiError(400, "INVALID_ARG_TOPIC")
+        if not is_valid_name(params["channel"]):
+            raise ApiError(400, "INVALID_ARG_CHANNEL")
         query = query_of(request)
-        count = count_arg(query)
-        state = state_arg(query, STATES)
-        return Deferred.fromCoroutine(self.peek(params["topic"], params["channel"], state, count))
+        wanted = {"state": state_arg(query, STATES), "n": str(count_arg(query))}
+        max_body = max_body_arg(query, None)
+        if max_body is not None:
+            wanted["max_body"] = str(max_body)
+        return Deferred.fromCoroutine(self.peek(request, params["topic"], params["channel"], wanted))
 
-    async def peek(self, topic: str, channel: str, state: str, count: int) -> dict[str, Any]:
+    async def peek(self, request: Request, topic: str, channel: str, wanted: dict[str, str]) -> dict[str, Any]:
         producers, errors = await self.admin.cluster.topic_producers(topic)
         problems = list(errors)
         if not producers and problems:
             raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(problems))
         nodes = [node_id(p) for p in producers or ()]
-        query = {"topic": topic, "channel": channel, "state": state, "n": str(count)}
-        answers = await gatherResults([self._peek_one(node, query) for node in nodes])
-        for entry in answers:
+        query = {"topic": topic, "channel": channel, **wanted}
+        answers = await gatherResults([self._peek_one(node, query, _bearer(request)) for node in nodes])
+        for entry, _ in answers:
             if entry["error"] is not None:
                 problems.append(f"nsqd {entry['node']}: {entry['error']}")
-        if answers and all(entry["error"] is not None for entry in answers):
+        if answers and all(entry["error"] is not None for entry, _ in answers):
+            refusals = sorted((code, entry["error"]) for entry, code in answers if code in (401, 403))
+            if refusals:
+                code, text = refusals[0]
+                raise _broker_refusal(request, code, text.partition(" ")[2])
             raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(problems))
-        return {"topic": topic, "channel": channel, "state": state, "nodes": answers,
-                "message": _warning(problems)}
+        return {"topic": topic, "channel": channel, "state": wanted["state"],
+                "nodes": [entry for entry, _ in answers], "message": _warning(problems)}
 
-    def _peek_one(self, node: str, query: Mapping[str, str]) -> Deferred[dict[str, Any]]:
+    def _peek_one(self, node: str, query: Mapping[str, str],
+                  headers: dict[bytes, list[bytes]] | None) -> Deferred[tuple[dict[str, Any], int | None]]:
+        """One node's entry, and the status of its error answer (None if it answered or gave none)."""
         url = _url(self.admin.cluster.node_url(node), "/channel/peek", query)
-        d = maybeDeferred(self.admin.upstream.get_json, url)
+        d = maybeDeferred(self.admin.upstream.get_json, url, headers=headers, max_bytes=PEEK_ANSWER_MAX)
 
-        def answered(data: Any) -> dict[str, Any]:
+        def entry(total: Any = None, messages: list | None = None, more: Any = None,
+                  error: str | None = None) -> dict[str, Any]:
+            return {"node": node, "total": total, "messages": messages or [], "more": more, "error": error}
+
+        def answered(data: Any) -> tuple[dict[str, Any], None]:
             if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
-                return {"node": node, "total": None, "messages": [], "error": "not a peek answer"}
-            return {"node": node, "total": data.get("total"), "messages": data["messages"], "error": None}
+                return entry(error="not a peek answer"), None
+            return entry(data.get("total"), data["messages"], data.get("more")), None
 
-        d.addCallbacks(answered, lambda f: {"node": node, "total": None, "messages": [],
-                                            "error": _failure_text(f, url)})
+        def failed(failure) -> tuple[dict[str, Any], int | None]:
+            return entry(error=_failure_text(failure, url)), getattr(failure.value, "code", None)
+
+        d.addCallbacks(answered, failed)
         return d
 
 
@@ -482,7 +547,8 @@ class SnapshotNode(ActionEndpoint):
     Only a node of the cluster (404 NODE_NOT_FOUND otherwise, as
     /api/nodes/:node), so the route cannot be used to make mqadmin POST
     to any address. The broker's own error (507 SNAPSHOT_LIMIT, 503
-    STORE_FAILED, 404 NOT_FOUND from a real nsqd) is answered as it is.
+    STORE_FAILED, 404 NOT_FOUND from a real nsqd, 401/403 from a broker
+    with auth configured) is answered as it is.
     """
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
@@ -490,21 +556,18 @@ class SnapshotNode(ActionEndpoint):
         return Deferred.fromCoroutine(self.snapshot(request, params["node"]))
 
     async def snapshot(self, request: Request, node: str) -> dict[str, Any]:
-        producers, errors = await self.admin.cluster.producers()
-        if node not in {node_id(p) for p in producers or ()}:
-            if errors and not producers:
-                raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
-            raise ApiError(404, "NODE_NOT_FOUND")
+        await self.known_node(node)
         url = _url(self.admin.cluster.node_url(node), "/snapshot")
         try:
-            status, body = await maybeDeferred(self.admin.upstream.post, url, timeout=SNAPSHOT_TIMEOUT)
+            status, body = await maybeDeferred(self.admin.upstream.post, url, timeout=SNAPSHOT_TIMEOUT,
+                                               headers=_bearer(request))
         except Exception as e:
             code = getattr(e, "code", None)
             if code is not None and code >= 400:
-                # The broker's own refusal (507 SNAPSHOT_LIMIT, 503 STORE_FAILED), passed on as it is.
+                # The broker's own refusal (507 SNAPSHOT_LIMIT, 503 STORE_FAILED, 401/403), passed on as it is.
                 message = _reason(e).partition(" ")[2]
                 log.warn("snapshot of {node} refused: {code} {message}", node=node, code=code, message=message)
-                raise ApiError(code, message) from None
+                raise _broker_refusal(request, code, message) from None
             log.error("snapshot of {node} failed: {error}", node=node, error=_reason(e))
             raise ApiError(502, f"UPSTREAM_ERROR: {_reason(e)}") from None
         if status != 200:

@@ -60,7 +60,8 @@ def _none_if_all_failed(result: Any, good: list, errors: list[str]) -> Any:
 
 
 def _query(params: Mapping[str, Any]) -> str:
-    return urlencode([(k, v) for k, v in params.items() if v is not None])
+    # A name from a request's path keeps its undecodable bytes as surrogates: sent back as those bytes.
+    return urlencode([(k, v) for k, v in params.items() if v is not None], errors="surrogateescape")
 
 
 class Cluster:

@@ -19,6 +19,7 @@ are verified and which client certificate is shown.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -38,6 +39,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from ..http_body import read_bounded
 from ..logs import get_logger
 from ..options import ConfigError
 
@@ -50,6 +52,9 @@ ACCEPT = b"application/vnd.nsq; version=1.0"
 USER_AGENT = b"mqadmin"
 # Error bodies quoted in an UpstreamError are cut to this many bytes.
 _QUOTE = 200
+
+# Request headers by name: {b"Authorization": [b"Bearer ..."]}.
+Headers = Mapping[bytes, list[bytes]]
 
 
 class UpstreamError(Exception):
@@ -219,9 +224,13 @@ class Upstream:
         return self._request(b"GET", url, b"")
 
     @defer.inlineCallbacks
-    def get_json(self, url: str):
-        """The JSON document of a 200 answer; anything else is an UpstreamError."""
-        code, body = yield self._request(b"GET", url, b"")
+    def get_json(self, url: str, headers: Headers | None = None, max_bytes: int | None = None):
+        """The JSON document of a 200 answer; anything else is an UpstreamError.
+
+        `headers` are sent besides mqadmin's own (a browser's Authorization,
+        passed on); an answer of more than `max_bytes` is not read further.
+        """
+        code, body = yield self._request(b"GET", url, b"", headers=headers, max_bytes=max_bytes)
         if code != 200:
             raise UpstreamError(url, f"got response {code} {body[:_QUOTE]!r}", code, body)
         try:
@@ -231,14 +240,16 @@ class Upstream:
 
     @defer.inlineCallbacks
     def post(self, url: str, body: bytes = b"", content_type: bytes = b"application/json",
-             timeout: float | None = None):
+             timeout: float | None = None, headers: Headers | None = None):
         """`(status, body)` of a 2xx answer to a POST (nsqd's and lookupd's actions); else UpstreamError.
 
         A body (mqadmin only sends JSON: notifications) goes with `content_type`.
         `timeout` replaces --http-client-request-timeout for a request known
-        to take long (a broker's snapshot copies its whole store).
+        to take long (a broker's snapshot copies its whole store); `headers`
+        are sent besides mqadmin's own.
         """
-        code, answer = yield self._request(b"POST", url, body, content_type if body else None, timeout)
+        code, answer = yield self._request(b"POST", url, body, content_type if body else None, timeout,
+                                           headers)
         if not 200 <= code < 300:
             raise UpstreamError(url, f"got response {code} {answer[:_QUOTE]!r}", code, answer)
         return code, answer
@@ -246,8 +257,13 @@ class Upstream:
     # -- machinery ----------------------------------------------------------------------
 
     def _request(self, method: bytes, url: str, body: bytes, content_type: bytes | None = None,
-                 timeout: float | None = None) -> defer.Deferred:
-        d = self._exchange(method, url, body, content_type)
+                 timeout: float | None = None, headers: Headers | None = None,
+                 max_bytes: int | None = None) -> defer.Deferred:
+        sent = {b"Accept": [ACCEPT], b"User-Agent": [USER_AGENT]}
+        if content_type:
+            sent[b"Content-Type"] = [content_type]
+        sent.update(headers or {})
+        d = self._exchange(method, url, body, sent, max_bytes)
         # The whole exchange (connect, headers, body, an HTTPS retry) within the request timeout.
         d.addTimeout(self.request_timeout if timeout is None else timeout, self.reactor,
                      onTimeoutCancel=_timed_out(url))
@@ -255,24 +271,24 @@ class Upstream:
         return d
 
     @defer.inlineCallbacks
-    def _exchange(self, method: bytes, url: str, body: bytes, content_type: bytes | None):
-        code, answer = yield self._once(method, url, body, content_type)
+    def _exchange(self, method: bytes, url: str, body: bytes, headers: Headers, max_bytes: int | None):
+        code, answer = yield self._once(method, url, body, headers, max_bytes)
         if code == 403:
             retry = _https_retry_url(url, answer)
             if retry is not None:
                 log.debug("{url} wants TLS: retrying on {retry}", url=url, retry=retry)
-                code, answer = yield self._once(method, retry, body, content_type)
+                code, answer = yield self._once(method, retry, body, headers, max_bytes)
         return code, answer
 
     @defer.inlineCallbacks
-    def _once(self, method: bytes, url: str, body: bytes, content_type: bytes | None = None):
-        headers = {b"Accept": [ACCEPT], b"User-Agent": [USER_AGENT]}
-        if content_type:
-            headers[b"Content-Type"] = [content_type]
+    def _once(self, method: bytes, url: str, body: bytes, headers: Headers, max_bytes: int | None):
         client = self.post_client if method == b"POST" else self.client
         response = yield client.request(method.decode(), url, headers=headers,
                                         data=body if method == b"POST" else None, allow_redirects=False)
-        answer = yield response.content()
+        if max_bytes is None:
+            answer = yield response.content()
+        else:
+            answer = yield read_bounded(response, max_bytes, lambda why: UpstreamError(url, why))
         return response.code, answer
 
     @staticmethod

@@ -2,7 +2,8 @@
 
 An endpoint is one route. Its `handle_<METHOD>(request, params)` methods
 return what nsqd's handler would (a string, None, a JSON-able structure,
-a Deferred of one, or `LATER` when the handler answers later itself) or
+a Deferred of one, or `LATER`, or a Deferred of it, when the handler
+answers later itself) or
 raise `ApiError`; the
 base turns that into a V1 response, so every endpoint gets the same
 headers and error bodies without writing any. The methods an endpoint
@@ -61,10 +62,16 @@ class Endpoint:
         if result is LATER:
             return NOT_DONE_YET
         if isinstance(result, Deferred):
-            result.addCallbacks(lambda value: finish_v1(request, 200, value),
+            result.addCallbacks(lambda value: _succeeded(request, value),
                                 lambda failure: _failed(request, failure))
             return NOT_DONE_YET
         return respond_v1(request, 200, result)
+
+
+def _succeeded(request: Request, value: Any) -> None:
+    """A handler's Deferred fired: its value is the answer, unless LATER (the handler answers itself)."""
+    if value is not LATER:
+        finish_v1(request, 200, value)
 
 
 def _failed(request: Request, failure) -> None:

@@ -6,7 +6,8 @@ nsqd's `doPUB`/`doMPUB` step by step. The topic is created as soon as its
 name is valid, before the rest of the request is checked, as nsqd does.
 
 With `--durable` a publish is answered only once the store has committed
-it, the same promise a TCP PUB gets.
+it, the same promise a TCP PUB gets; a 500 then means nothing of it was
+stored nor delivered (a failed commit drops the publishes it held).
 
 A big /mpub (more than a chunk of mqd.publisher) is checked whole and then
 published a chunk per reactor turn, answered once the last chunk is in, so

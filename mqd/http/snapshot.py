@@ -17,15 +17,22 @@ that is failing (a full disk) cannot give a consistent cut:
 name in that directory (letters, digits and `._:+-`, at most 200, not
 starting with a dot: hidden names are the copies in progress), else
 `400 INVALID_OUT`; a name already taken is `400 OUT_EXISTS`. Like the
-rest of nsqd's HTTP API this is unauthenticated: expose the HTTP port only
-to operators. Even so the endpoint never writes through a symlink: a
+rest of nsqd's HTTP API this is unauthenticated unless auth is configured
+(then a bearer secret granted `subscribe` on every topic and channel,
+mqd.http.authorization): expose the HTTP port only to operators. Even so
+the endpoint never writes through a symlink: a
 snapshots directory that is one is refused (500 SNAPSHOT_FAILED, logged),
 and a symlink at the destination is a name taken.
 
-All snapshots together may use at most `--snapshot-max-bytes` of disk:
-when one more could pass it (its size estimated as the store's current
-size plus the held messages) the request is `507 SNAPSHOT_LIMIT`. The broker deletes no snapshot
-to make room, because a Spark job may be reading the oldest one.
+Snapshots must not fill the data filesystem (the store would then fail
+publishes), so each one is admitted first (mqd.snapshot_space), one at a
+time, with its estimate (an upper bound of its size, taken in a thread)
+reserved until it is written or has failed: the request is
+`507 SNAPSHOT_LIMIT`, logged with the limit in the way, when it could pass
+`--snapshot-max-bytes` (all snapshots, those being written included) or
+leave less free space than `--snapshot-reserve-bytes`. With
+`--snapshot-keep` / `--snapshot-keep-age` older snapshots are removed
+(oldest first, never one a reader holds); by default none is.
 """
 
 from __future__ import annotations
@@ -33,18 +40,23 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Mapping
+import time
+from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
 
 from twisted.internet import threads
+from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
-from spark_bridge.live import LiveState, write_live_snapshot
+from spark_bridge.live import LiveState, snapshot_estimate, write_live_snapshot
 from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists
 
+from ..auth import AuthState
 from ..capture import StoreNotReady, capture
 from ..logs import get_logger
+from ..snapshot_space import Limits, SnapshotLimit, Survey, disk_use, remove_all, space_of, survey
 from .args import query_of
+from .authorization import require_grant, sees_every_queue
 from .endpoint import LATER, Endpoint, finish_v1
 from .response import ApiError
 
@@ -55,28 +67,6 @@ log = get_logger(__name__)
 # One plain name: no separator, no dot first (".", "..", the hidden copies in
 # progress), short enough for mkdtemp's ".<name>.XXXXXXXX.tmp" to fit NAME_MAX.
 _OUT_NAME = re.compile(r"[A-Za-z0-9_:+-][A-Za-z0-9._:+-]{0,199}")
-
-
-class SnapshotLimit(SnapshotError):
-    """One more snapshot could pass --snapshot-max-bytes."""
-
-
-def disk_use(path: str) -> int:
-    """Bytes the files under `path` take on disk, symlinks not followed."""
-    total = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += disk_use(entry.path)
-            else:
-                total += entry.stat(follow_symlinks=False).st_blocks * 512
-        except OSError:
-            continue
-    return total
 
 
 def _real_directory(path: str) -> None:
@@ -94,27 +84,24 @@ def _real_directory(path: str) -> None:
         raise SnapshotError(f"{path}: not a directory")
 
 
-def snapshot_into(state: LiveState, env, txn, base: str, name: str, max_bytes: int,
+def measure(state: LiveState, env, base: str, writing: Collection[str]) -> Survey:
+    """The snapshots directory and the new snapshot's estimate, for its admission (run in a thread)."""
+    _real_directory(base)
+    return survey(base, writing, snapshot_estimate(state, env))
+
+
+def snapshot_into(state: LiveState, env, txn, base: str, name: str,
                   broker_id: str | None, node_id: int | None) -> Manifest:
     """Write the snapshot of a capture, named `name` in `base` (run in a thread: it reads the disk).
 
     `txn` (the store's read transaction of the capture's instant, or None)
-    is aborted whatever happens.
+    is aborted whatever happens. Run once the snapshot is admitted.
     """
     try:
         _real_directory(base)
         out = os.path.join(base, name)
         if os.path.lexists(out):
             raise SnapshotExists(f"{out}: already exists")
-        if max_bytes:
-            # A compact copy is never larger than the pages the store uses.
-            estimate = state.held_bytes
-            if env is not None:
-                estimate += (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            used = disk_use(base)
-            if used + estimate > max_bytes:
-                raise SnapshotLimit(f"snapshots use {used} bytes; one more of up to {estimate} bytes "
-                                    f"could pass --snapshot-max-bytes={max_bytes}")
     except BaseException:
         if txn is not None:
             txn.abort()
@@ -122,9 +109,50 @@ def snapshot_into(state: LiveState, env, txn, base: str, name: str, max_bytes: i
     return write_live_snapshot(state, out, env=env, txn=txn, broker_id=broker_id, node_id=node_id)
 
 
+async def admit_and_write(broker, state: LiveState, env, txn, base: str, name: str) -> Manifest:
+    """Admit the snapshot (mqd.snapshot_space), write it in a thread, then apply retention.
+
+    `txn` is aborted whatever happens, here if the snapshot is refused.
+    Nothing here touches the broker but its options and its SnapshotSpace.
+    """
+    space = space_of(broker)
+    opts = broker.options
+    limits = Limits.of(opts)
+
+    def remove(names: list[str]):
+        return threads.deferToThread(remove_all, base, names)
+
+    try:
+        admission = await space.admit(
+            name, limits, time.time(),
+            lambda writing: threads.deferToThread(measure, state, env, base, writing), remove)
+    except BaseException:
+        if txn is not None:
+            txn.abort()
+        raise
+    try:
+        manifest = await threads.deferToThread(snapshot_into, state, env, txn, base, name,
+                                               broker_id=opts.broadcast_address, node_id=opts.node_id)
+    except BaseException:
+        space.settle(name, written=False)
+        raise
+    space.settle(name, written=True)
+    if admission.later:
+        await space.prune(admission.later, limits, remove)
+    return manifest
+
+
 class Snapshot(Endpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
+        # With auth configured, a secret granted every queue's bodies first (mqd.http.authorization).
+        return self.broker.http_auth.guard(request, lambda auth: self.take(request, auth))
+
+    def take(self, request: Request, auth: AuthState | None) -> object:
+        """The snapshot, for a request authenticated as `auth` (None: auth is not configured)."""
         broker = self.broker
+        if auth is not None:
+            # In the reactor turn of the capture below: what it writes is what was checked.
+            require_grant(sees_every_queue(auth, broker.topics))
         store = broker.store
         base = os.path.join(broker.data_path, "snapshots")
         name = query_of(request).first("out")
@@ -142,14 +170,11 @@ class Snapshot(Endpoint):
         except StoreNotReady as e:
             log.warn("snapshot {path} refused: the store is failing: {error}", path=out, error=e)
             raise ApiError(503, "STORE_FAILED") from None
-        opts = broker.options
-        # Everything the thread needs is taken now: it must not touch the broker.
-        # The store must not resize its map while the thread reads it.
+        # Everything the threads need is taken now: they must not touch the broker.
+        # The store must not resize its map while a thread reads it.
         if env is not None:
             store.copies += 1
-        d = threads.deferToThread(snapshot_into, state, env, txn, os.path.abspath(base), name,
-                                  opts.snapshot_max_bytes, broker_id=opts.broadcast_address,
-                                  node_id=opts.node_id)
+        d = Deferred.fromCoroutine(admit_and_write(broker, state, env, txn, os.path.abspath(base), name))
         broker.background.add(d)
 
         def done(manifest) -> None:

@@ -185,9 +185,10 @@ def test_snapshot_on_a_full_disk_answers_an_error_and_changes_nothing(small_disk
     assert before == {"full:c": (40, 0, 0)}
     filler = _fill(small_disk)
 
-    # The copy cannot be written: an error, no snapshot (nor half of one), the broker as it was.
+    # No room for the copy: refused before writing (the free space the store
+    # keeps), no snapshot (nor half of one), the broker as it was.
     status, body = raw_http(broker, "POST", "/snapshot?out=on-full-disk", None)
-    assert (status, json.loads(body)) == (500, {"message": "SNAPSHOT_FAILED"}), (status, body)
+    assert (status, json.loads(body)) == (507, {"message": "SNAPSHOT_LIMIT"}), (status, body)
     snapshots = data / "snapshots"
     assert not snapshots.exists() or list(snapshots.iterdir()) == []
     assert _queue_stats(broker) == before

@@ -88,10 +88,10 @@ def _snapshots_in_line(sync_threads):
 class Harness:
     """A broker on a Clock with a control channel full of acknowledged messages."""
 
-    def __init__(self, path: str, n: int = 5) -> None:
+    def __init__(self, path: str, n: int = 5, **flags) -> None:
         self.clock = Clock()
         self.clock.advance(START_TIME)
-        self.broker = new_broker(path, self.clock)
+        self.broker = new_broker(path, self.clock, **flags)
         self.http = HTTPClient(self.broker)
         self.publisher = Client(self.broker, port=1)
         assert self.publisher.request(identify(heartbeat_interval=-1)) == [ok()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import zlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -64,6 +65,7 @@ def test_defect06_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
     class _Topic:
         exiting = False
         name = "t"
+        broker = SimpleNamespace(store=SimpleNamespace(durable=False), clock=clock)
 
         def publish(self, bodies, defer=0.0) -> None:  # as Topic.publish
             pass

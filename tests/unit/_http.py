@@ -101,6 +101,23 @@ class HTTPClient:
         transport.protocol.connectionLost(Failure(ConnectionDone()))
         return response
 
+    def turned(self, method: str, path: str, body: bytes | None = None,
+               headers: dict[str, str] | None = None, turns: int = 10_000) -> Response:
+        """As `request`, the broker's clock turned (`advance(0)`) until the answer is complete.
+
+        For a handler that answers over several reactor turns: a large peek,
+        built a slice at a time.
+        """
+        transport = self.send(method, path, body, headers)
+        clock = self.site.broker.clock
+        for _ in range(turns):
+            response = parse_response(transport.value(), head=method == "HEAD")
+            if response is not None:
+                transport.protocol.connectionLost(Failure(ConnectionDone()))
+                return response
+            clock.advance(0)
+        raise AssertionError(f"{method} {path}: no complete answer after {turns} turns")
+
     def get(self, path: str, **kw: Any) -> Response:
         return self.request("GET", path, **kw)
 

@@ -61,6 +61,9 @@ class FakeUpstream:
         self.hold = False
         self.waiting: list[tuple[str, Deferred]] = []
         self.timeouts: list = []
+        # The extra headers of each request, and the answer bound of each GET.
+        self.headers: list = []
+        self.max_bytes: list = []
 
     def _answer(self, url: str, default: Any) -> Deferred:
         answer = self.answers.get(urlsplit(url).netloc, default)
@@ -71,17 +74,20 @@ class FakeUpstream:
             return fail(UpstreamError(url, f"got response {code} {body!r}", code, body))
         return succeed(answer)
 
-    def post(self, url: str, body: bytes = b"", timeout: float | None = None) -> Deferred:
+    def post(self, url: str, body: bytes = b"", timeout: float | None = None, headers=None) -> Deferred:
         self.events.append(("POST", url, body))
         self.timeouts.append(timeout)
+        self.headers.append(headers)
         if self.hold:
             d = Deferred()
             self.waiting.append((url, d))
             return d
         return self._answer(url, (200, b""))
 
-    def get_json(self, url: str) -> Deferred:
+    def get_json(self, url: str, headers=None, max_bytes=None) -> Deferred:
         self.events.append(("GET", url, None))
+        self.headers.append(headers)
+        self.max_bytes.append(max_bytes)
         return self._answer(url, {})
 
     def release(self) -> list[str]:
@@ -627,7 +633,7 @@ def test_peek_defaults_and_a_node_down(cluster):
     r = cluster.request("GET", "/api/peek/t/c")
     assert [url for kind, url, _ in cluster.events if kind == "GET"][0].endswith("state=queued&n=20")
     nodes = r.json()["nodes"]
-    assert nodes[1] == {"node": N2, "total": None, "messages": [], "error": "connection refused"}
+    assert nodes[1] == {"node": N2, "total": None, "messages": [], "more": None, "error": "connection refused"}
     assert r.json()["message"] == f"WARNING: nsqd {N2}: connection refused"
 
 

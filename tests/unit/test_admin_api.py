@@ -598,10 +598,10 @@ def test_upstream_retries_over_https_on_tls_required(server):
     tried = []
     real_once = upstream._once
 
-    def once(method, url, body, content_type=None):
+    def once(method, url, *rest):
         tried.append(url)
         # The retry goes to https://; answer it from the plain test server instead.
-        return real_once(method, url.replace("https://", "http://"), body, content_type)
+        return real_once(method, url.replace("https://", "http://"), *rest)
 
     upstream._once = once
     try:

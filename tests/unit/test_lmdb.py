@@ -128,11 +128,11 @@ def test_read_spans_committed_and_uncommitted(tmp_path, clock, durable):
     first = q.read(2)
     assert bodies(first) == expected(2)
     assert q.depth() == 4
-    span = q.read(3)  # one committed, two uncommitted
-    assert bodies(span) == expected(3, 2)
-    assert q.depth() == 1
+    span = q.read(3)  # one committed, two uncommitted: durable hands out only the committed one
+    assert bodies(span) == (expected(1, 2) if durable else expected(3, 2))
+    assert q.depth() == (3 if durable else 1)
     clock.advance(0)
-    assert bodies(q.read(10)) == [b"m5"]
+    assert bodies(q.read(10)) == (expected(3, 3) if durable else [b"m5"])
     assert q.depth() == 0
     store.close()
 
@@ -146,8 +146,13 @@ def test_read_spans_stored_records_and_cache_after_restart(tmp_path, clock, dura
     assert q.depth() == 4
     q.put(msgs(2, 4))  # after four records on disk, before the commit
     assert q.depth() == 6
-    assert bodies(q.read(5)) == expected(5)
-    assert bodies(q.read(5)) == [b"m5"]
+    if durable:  # only committed messages are handed out
+        assert bodies(q.read(5)) == expected(4)
+        clock.advance(0)
+        assert bodies(q.read(5)) == expected(2, 4)
+    else:
+        assert bodies(q.read(5)) == expected(5)
+        assert bodies(q.read(5)) == [b"m5"]
     store.close()
 
 
@@ -254,8 +259,19 @@ def test_durable_read_keeps_record_until_finish(tmp_path, clock):
     store.close()
 
 
+def test_durable_reads_only_committed_messages(tmp_path, clock):
+    """Nothing put is handed out before the commit holding it: a failed commit may still drop it."""
+    store, q = queue_t(tmp_path, clock, 3, durable=True)
+    assert q.depth() == 3 and q.read(10) == [] and q.peek(10) == []
+    clock.advance(0)
+    assert bodies(q.peek(10)) == expected(3)
+    assert bodies(q.read(10)) == expected(3)
+    store.close()
+
+
 def test_durable_finish_before_commit_never_writes(tmp_path, clock):
     store, q = queue_t(tmp_path, clock, 3, durable=True)
+    clock.advance(0)
     got = q.read(2)
     q.finish(got)
     clock.advance(0)
@@ -283,6 +299,7 @@ def test_durable_update_rewrites_attempts_and_deferral(tmp_path, clock):
 
 def test_durable_update_before_commit_writes_latest_state(tmp_path, clock):
     store, q = queue_t(tmp_path, clock, 1, durable=True)
+    clock.advance(0)
     (m,) = q.read(1)
     m.attempts = 3
     q.update([m])
@@ -300,10 +317,11 @@ def test_durable_hold_is_hidden_until_restart(tmp_path, clock):
     assert later[0].key is not None
     q.put(msgs(1, 2))
     assert q.depth() == 2
-    assert bodies(q.read(10)) == [b"m0", b"m2"]
     clock.advance(0)
+    assert bodies(q.read(10)) == [b"m0", b"m2"]
     # Also hidden once read from disk rather than from the cache.
     q.put(msgs(1, 3))
+    clock.advance(0)
     assert bodies(q.read(10)) == [b"m3"]
     clock.advance(0)
     assert [r[2] for r in records(store)] == [b"m0", b"m1", b"m2", b"m3"]
@@ -342,6 +360,7 @@ def test_durable_many_messages_beyond_read_cache(tmp_path, clock, monkeypatch):
     clock.advance(0)
     assert len(q._tail) == 10
     q.put(msgs(5, 50))
+    clock.advance(0)
     got = []
     while batch := q.read(7):
         got.extend(batch)

@@ -950,11 +950,16 @@
   }
 
   var BODY_LIMIT = 512;
+  // Bytes of each body the brokers send (max_body): enough for BODY_LIMIT characters of any UTF-8.
+  var PEEK_MAX_BODY = 4 * BODY_LIMIT;
 
   function bodyText(m, format) {
-    if (format === 'hex') return hex(base64Bytes(m.body), BODY_LIMIT);
-    if (m.body_text === null || m.body_text === undefined) return '(not UTF-8) ' + hex(base64Bytes(m.body), BODY_LIMIT);
-    return m.body_text.length > BODY_LIMIT ? m.body_text.slice(0, BODY_LIMIT) + ' …' : m.body_text;
+    var text;
+    if (format === 'hex') text = hex(base64Bytes(m.body), BODY_LIMIT);
+    else if (m.body_text === null || m.body_text === undefined) text = '(not UTF-8) ' + hex(base64Bytes(m.body), BODY_LIMIT);
+    else text = m.body_text.length > BODY_LIMIT ? m.body_text.slice(0, BODY_LIMIT) + ' …' : m.body_text;
+    // The broker cut the body (the row's size is the whole body's).
+    return m.truncated && text.slice(-2) !== ' …' ? text + ' …' : text;
   }
 
   function nsToMs(ns) { return typeof ns === 'number' ? ns / 1e6 : null; }
@@ -1009,7 +1014,7 @@
           var msgs = answer.messages || [];
           li.setAttribute('data-total', String(answer.total));
           li.textContent = answer.node + ': ' + commafy(answer.total) + ' ' + last.state.replace('_', ' ') +
-            ' (showing ' + msgs.length + ')';
+            ' (showing ' + msgs.length + (answer.more ? ': the broker\'s answer was full' : '') + ')';
           msgs.forEach(function (m) {
             // Ids are unique per broker; two brokers may happen to use the same one.
             var key = keys.has(m.id) ? m.id + '@' + answer.node : m.id;
@@ -1025,7 +1030,7 @@
     function load() {
       var wanted = state.value;
       nodes.replaceChildren(h('li', {text: 'Peeking…'}));
-      return api('api/peek/' + enc(topic) + '/' + enc(channel) + query({state: wanted, n: n.value || 20})).then(function (data) {
+      return api('api/peek/' + enc(topic) + '/' + enc(channel) + query({state: wanted, n: n.value || 20, max_body: PEEK_MAX_BODY})).then(function (data) {
         fetchedAt = Date.now();
         last = Object.assign({state: wanted}, data || {});
         draw();
