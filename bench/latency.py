@@ -16,18 +16,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import shlex
 import signal
 import sys
 from array import array
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from bench import wire
 from bench.broker import Broker, BrokerError, Sampler
-from bench.run import BenchError, Result, Session, machine, parse_args, percentile, result_line
+from bench.run import (
+    BenchError,
+    Result,
+    Session,
+    machine,
+    parse_args,
+    percentile,
+    result_line,
+    save_json,
+)
 from bench.writer import WriterConfig
 
 QUANTILES = (0.50, 0.99, 0.999)
@@ -217,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown(runs, args, own))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
-                       "args": vars(args), "runs": [asdict(r) for r in runs]}, f, indent=2)
+        save_json(args.json, args, "runs", runs)
     return 0
 
 

@@ -34,11 +34,11 @@ import statistics
 import struct
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.broker import Broker, BrokerError
-from bench.run import machine
+from bench.run import machine, save_json
 from bench.wire import parse_address
 
 PROBE_TOPIC = "probe"
@@ -340,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results, args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
-                       "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=2)
+        save_json(args.json, args, "results", results)
     return 0
 
 

@@ -47,7 +47,7 @@ from pathlib import Path
 from bench import wire
 from bench.broker import Broker, BrokerError
 from bench.client import channel_counts
-from bench.run import machine
+from bench.run import machine, save_json
 from bench.writer import WriterConfig, publish
 
 TOPIC = "mem"
@@ -604,10 +604,7 @@ def peaks_main(argv: list[str]) -> int:
     print()
     print(peaks_report(runs, args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
-                       "args": vars(args), "runs": [asdict(r) for r in runs]},
-                      f, indent=2)
+        save_json(args.json, args, "runs", runs)
     return 0
 
 

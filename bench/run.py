@@ -335,6 +335,13 @@ class Session:
 # -- reporting ---------------------------------------------------------------
 
 
+def save_json(path: str, args: Any, key: str, rows: list) -> None:
+    """The date, the machine, the arguments and the rows (dataclasses) under `key`, as JSON at `path`."""
+    with open(path, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
+                   "args": vars(args), key: [asdict(r) for r in rows]}, f, indent=2)
+
+
 def machine() -> str:
     """'N cores, CPU model' as ``nproc`` and /proc/cpuinfo see it."""
     cores = len(os.sched_getaffinity(0))
