@@ -35,6 +35,7 @@ from .logs import get_logger, set_log_level
 from .names import is_valid_name
 from .options import MQD_OPTIONS, ConfigError, Settings
 from .overflow import OverflowQueue
+from .snapshot_space import SnapshotSpace
 from .topic import Topic
 
 __all__ = ["Broker", "METADATA_FILE"]
@@ -104,6 +105,8 @@ class Broker:
         # cached (mqd.http.authorization), and what peek answers hold (mqd.http.peek).
         self.http_auth = AuthCache(self.auth, clock)
         self.peeks = PeekWork(clock)
+        # Snapshot admissions (mqd.snapshot_space): one at a time, each reserving its estimate.
+        self.snapshots = SnapshotSpace()
         # The server TLS context (tlsconfig.ServerTLS) IDENTIFY upgrades
         # with, and whose policy may require it; set by tap.build_service.
         self.tls = None

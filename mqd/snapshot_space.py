@@ -38,7 +38,6 @@ import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from twisted.internet.defer import Deferred, DeferredLock
 
@@ -58,7 +57,6 @@ __all__ = [
     "disk_use",
     "remove_all",
     "retention_victims",
-    "space_of",
     "survey",
 ]
 
@@ -329,14 +327,3 @@ class SnapshotSpace:
             else:
                 log.info("snapshot {name} kept for now: beyond {retention}, but a reader holds it",
                          name=name, retention=limits.retention())
-
-
-_spaces: WeakKeyDictionary = WeakKeyDictionary()
-
-
-def space_of(broker: Any) -> SnapshotSpace:
-    """The broker's SnapshotSpace (one per broker, however many HTTP listeners it has)."""
-    space = _spaces.get(broker)
-    if space is None:
-        space = _spaces[broker] = SnapshotSpace()
-    return space

@@ -54,7 +54,7 @@ from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists
 from ..auth import AuthState
 from ..capture import StoreNotReady, capture
 from ..logs import get_logger
-from ..snapshot_space import Limits, SnapshotLimit, Survey, disk_use, remove_all, space_of, survey
+from ..snapshot_space import Limits, SnapshotLimit, Survey, disk_use, remove_all, survey
 from .args import query_of
 from .authorization import require_grant, sees_every_queue
 from .endpoint import LATER, Endpoint, finish_v1
@@ -115,7 +115,7 @@ async def admit_and_write(broker, state: LiveState, env, txn, base: str, name: s
     `txn` is aborted whatever happens, here if the snapshot is refused.
     Nothing here touches the broker but its options and its SnapshotSpace.
     """
-    space = space_of(broker)
+    space = broker.snapshots
     opts = broker.options
     limits = Limits.of(opts)
 
