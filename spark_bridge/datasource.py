@@ -1,4 +1,9 @@
-"""`spark.read.format("mqd").load(SNAPDIR)`: a Spark 4 Python data source over a snapshot.
+"""The `mqd` format: snapshots read in batch, topics read and written as streams.
+
+`spark.read.format("mqd").load(SNAPDIR)` reads a snapshot (below);
+`spark.readStream.format("mqd").option("topic", ...)` consumes a topic's
+channel (stream_source.py); `df.write` / `df.writeStream.format("mqd")`
+publish rows (sink.py).
 
 Registered per session with `register(spark)` (Spark has no entry point
 for Python data sources outside `pyspark_*` packages). Spark pickles the
@@ -129,7 +134,30 @@ class MqdDataSource(DataSource):
         return FORMAT_NAME
 
     def schema(self) -> str:
+        # A streaming read names a topic; a snapshot read names a path.
+        if self.options.get("topic") and not self.options.get("path"):
+            from .stream_source import STREAM_SCHEMA_DDL
+
+            return STREAM_SCHEMA_DDL
         return SPARK_SCHEMA_DDL
+
+    def streamReader(self, schema):
+        """`spark.readStream.format("mqd")`: a topic's channel as a stream (stream_source.py)."""
+        from .stream_source import TopicStreamReader
+
+        return TopicStreamReader(self.options)
+
+    def writer(self, schema, overwrite: bool):
+        """`df.write.format("mqd")`: each row's body published to a topic (sink.py)."""
+        from .sink import TopicWriter
+
+        return TopicWriter(self.options, schema)
+
+    def streamWriter(self, schema, overwrite: bool):
+        """`df.writeStream.format("mqd")`: each micro-batch's rows published (sink.py)."""
+        from .sink import TopicStreamWriter
+
+        return TopicStreamWriter(self.options, schema)
 
     def reader(self, schema) -> SnapshotReader:
         path = self.options.get("path")

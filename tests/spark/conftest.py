@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from mqd.message import Message
-from tests.integration.conftest import start_broker
+from tests.integration.conftest import start_broker, start_lookupd
 
 from ._snapshots import STANDARD_QUEUES, build_snapshot, expected_rows
 
-__all__ = ["KnownSnapshot", "known_snapshot", "spark", "start_broker"]
+__all__ = ["KnownSnapshot", "known_snapshot", "spark", "start_broker", "start_lookupd"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""Runnable examples of mqd with Spark (see events_pipeline.py and publish_events.py)."""

@@ -1,0 +1,223 @@
+"""`spark.readStream.format("mqd")` against real brokers: exactly once, through crashes of either side.
+
+Every test runs a real query (source -> filter/transform -> Parquet file
+sink) on local Spark and checks the sink's committed output, read back by
+Spark (the file sink's own log decides which files count), and the
+broker's /stats: at the end nothing is left queued or in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration._client_support import free_port
+from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env, http_request
+
+from ._stream_query import SKIP, channel_counts, start_query
+
+TOPIC = "events"
+CHANNEL = "spark"
+
+
+def publish(http_address: str, bodies: list[bytes], topic: str = TOPIC) -> None:
+    """Publish through /mpub in chunks; each chunk must be answered OK (acknowledged)."""
+    for at in range(0, len(bodies), 5000):
+        status, answer = http_request(http_address, "POST", f"/mpub?topic={topic}",
+                                      b"\n".join(bodies[at:at + 5000]))
+        assert (status, answer) == (200, b"OK"), answer
+
+
+def drained(http_address: str, topic: str = TOPIC, channel: str = CHANNEL) -> bool:
+    """The channel exists and holds nothing: queued, in flight or deferred."""
+    try:
+        return channel_counts(http_address, topic, channel) == (0, 0, 0)
+    except OSError:  # a broker being restarted
+        return False
+
+
+def wait_until(condition, timeout: float, what: str, query=None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if query is not None and query.exception() is not None:
+            raise AssertionError(f"the query failed: {query.exception()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def sink_rows(spark, out: Path) -> list:
+    return spark.read.parquet(str(out)).select("body", "message_id", "nsqd").collect()
+
+
+def assert_exactly_once(rows: list, expected_bodies: set[bytes]) -> None:
+    bodies = [r.body for r in rows]
+    duplicates = len(bodies) - len(set(bodies))
+    assert duplicates == 0, f"{duplicates} messages arrived more than once"
+    want = {b.upper().decode() for b in expected_bodies if not b.startswith(SKIP)}
+    got = set(bodies)
+    assert got == want, f"missing {len(want - got)}, unexpected {len(got - want)}"
+    assert len({r.message_id for r in rows}) == len(rows)
+
+
+def test_a_query_gets_every_message_exactly_once(spark, start_broker, tmp_path):
+    broker = start_broker(*FAST_SCAN)
+    bodies = [(b"skip-%d" if n % 20 == 0 else b"event-%d") % n for n in range(100_000)]
+    publish(broker.http_address, bodies)
+    query = start_query(spark, checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "out"),
+                        topic=TOPIC, channel=CHANNEL, nsqd=broker.tcp_address,
+                        maxMessagesPerTrigger="25000")
+    try:
+        wait_until(lambda: drained(broker.http_address), 180, "the channel to drain", query)
+    finally:
+        query.stop()
+    rows = sink_rows(spark, tmp_path / "out")
+    assert_exactly_once(rows, set(bodies))
+    assert {r.nsqd for r in rows} == {broker.tcp_address}
+    # Committed batches are removed from the write-ahead log once their FINs are read.
+    assert (tmp_path / "ckpt" / "mqd-source" / "source.json").exists()
+
+
+def _start_driver(checkpoint: Path, out: Path, log: Path, **options: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "tests.spark._stream_query", "--checkpoint", str(checkpoint),
+            "--out", str(out), *(f"--option={k}={v}" for k, v in options.items())]
+    with open(log, "ab") as sink:
+        # Its own session: SIGKILL of the group kills the whole driver, JVM and Python workers.
+        return subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=sink,
+                                start_new_session=True)
+
+
+def _kill_driver(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+def _committed_batches(checkpoint: Path) -> int:
+    commits = checkpoint / "commits"
+    return len([p for p in commits.iterdir() if p.name.isdigit()]) if commits.exists() else 0
+
+
+def test_a_driver_killed_with_sigkill_resumes_exactly_once(spark, start_broker, tmp_path):
+    broker = start_broker(*FAST_SCAN)
+    bodies = [b"event-%d" % n for n in range(20_000)]
+    publish(broker.http_address, bodies)
+    checkpoint, out, log = tmp_path / "ckpt", tmp_path / "out", tmp_path / "driver.log"
+    options = {"topic": TOPIC, "channel": CHANNEL, "nsqd": broker.tcp_address,
+               "maxMessagesPerTrigger": "3000", "msgTimeout": "4000"}
+    driver = _start_driver(checkpoint, out, log, **options)
+    try:
+        wait_until(lambda: _committed_batches(checkpoint) >= 2 or driver.poll() is not None,
+                   120, "two committed batches")
+        assert driver.poll() is None, log.read_text()[-3000:]
+        depth, in_flight, _ = channel_counts(broker.http_address, TOPIC, CHANNEL)
+        assert depth + in_flight > 0, "the stream should still be running when the driver dies"
+        _kill_driver(driver)
+        driver = _start_driver(checkpoint, out, log, **options)
+        wait_until(lambda: drained(broker.http_address) or driver.poll() is not None, 180,
+                   "the channel to drain after the restart")
+        assert driver.poll() is None, log.read_text()[-3000:]
+    finally:
+        _kill_driver(driver)
+    assert_exactly_once(sink_rows(spark, out), set(bodies))
+    assert channel_counts(broker.http_address, TOPIC, CHANNEL) == (0, 0, 0)
+
+
+def test_a_durable_broker_killed_mid_stream_loses_nothing_acknowledged(spark, start_broker, tmp_path):
+    tcp, http = free_port(), free_port()
+    broker = start_broker(*FAST_SCAN, "--durable", f"--tcp-address=127.0.0.1:{tcp}",
+                          f"--http-address=127.0.0.1:{http}", addresses=False)
+    bodies = [b"event-%d" % n for n in range(12_000)]
+    publish(broker.http_address, bodies)
+    query = start_query(spark, checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "out"),
+                        topic=TOPIC, channel=CHANNEL, nsqd=broker.tcp_address,
+                        maxMessagesPerTrigger="1500", msgTimeout="4000")
+    try:
+        wait_until(lambda: (query.lastProgress or {}).get("batchId", 0) >= 3, 120,
+                   "three batches", query)
+        depth, in_flight, _ = channel_counts(broker.http_address, TOPIC, CHANNEL)
+        assert depth + in_flight > 0, "the stream should still be running when the broker dies"
+        broker.crash()
+        broker.start()
+        wait_until(lambda: drained(broker.http_address), 180,
+                   "the channel to drain after the broker's restart", query)
+    finally:
+        query.stop()
+    assert_exactly_once(sink_rows(spark, tmp_path / "out"), set(bodies))
+
+
+def test_lookupd_discovery_drains_every_broker_with_the_topic(spark, start_broker, start_lookupd,
+                                                              tmp_path):
+    lookupd = start_lookupd()
+    flags = (*FAST_SCAN, "--broadcast-address=127.0.0.1",
+             f"--lookupd-tcp-address={lookupd.tcp_address}")
+    brokers = [start_broker(*flags) for _ in range(2)]
+    bodies = []
+    for i, broker in enumerate(brokers):
+        mine = [b"broker%d-%d" % (i, n) for n in range(5_000)]
+        publish(broker.http_address, mine)
+        bodies += mine
+    query = start_query(spark, checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "out"),
+                        topic=TOPIC, channel=CHANNEL, lookupd=lookupd.http_address,
+                        maxMessagesPerTrigger="4000")
+    try:
+        wait_until(lambda: all(drained(b.http_address) for b in brokers), 120,
+                   "both brokers to drain", query)
+    finally:
+        query.stop()
+    rows = sink_rows(spark, tmp_path / "out")
+    assert_exactly_once(rows, set(bodies))
+    assert {r.nsqd for r in rows} == {f"127.0.0.1:{b.tcp_port}" for b in brokers}
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"nsqd": "127.0.0.1:{closed}"}, "mqd: no broker reachable: 127.0.0.1:{closed}"),
+    ({"nsqd": "127.0.0.1:{closed}", "topic": "no spaces!"}, "is not a valid NSQ name"),
+    ({"lookupd": "127.0.0.1:{closed}"}, "mqd: no lookupd reachable: 127.0.0.1:{closed}"),
+    ({"nsqd": "127.0.0.1:{closed}", "checkpointLocation": None}, "option checkpointLocation is required"),
+], ids=["no-broker", "bad-topic", "no-lookupd", "no-checkpoint"])
+def test_a_source_that_cannot_start_fails_the_query_with_one_clear_line(spark, tmp_path, options,
+                                                                        message):
+    closed = free_port()
+    settings = {"topic": TOPIC, "channel": CHANNEL, "checkpointLocation": str(tmp_path / "ckpt")}
+    settings.update({k: v.format(closed=closed) if v else v for k, v in options.items()})
+    reader = spark.readStream.format("mqd")
+    for key, value in settings.items():
+        if value is not None:
+            reader = reader.option(key, value)
+    with pytest.raises(Exception) as failure:  # noqa: PT011 - Spark wraps the source's error
+        query = reader.load().writeStream.format("noop").start()
+        try:
+            query.awaitTermination(60)
+        finally:
+            query.stop()
+    assert message.format(closed=closed) in str(failure.value)
+
+
+def test_a_checkpoint_of_another_topic_or_channel_is_refused(spark, start_broker, tmp_path):
+    broker = start_broker(*FAST_SCAN)
+    publish(broker.http_address, [b"one"])
+    checkpoint = str(tmp_path / "ckpt")
+    first = start_query(spark, checkpoint=checkpoint, out=str(tmp_path / "out"), topic=TOPIC,
+                        channel=CHANNEL, nsqd=broker.tcp_address)
+    try:
+        wait_until(lambda: drained(broker.http_address), 60, "the first query to drain", first)
+    finally:
+        first.stop()
+    other = start_query(spark, checkpoint=checkpoint, out=str(tmp_path / "out"), topic=TOPIC,
+                        channel="other", nsqd=broker.tcp_address)
+    try:
+        with pytest.raises(Exception) as failure:  # noqa: PT011 - Spark wraps the source's error
+            other.awaitTermination(60)
+    finally:
+        other.stop()
+    assert f"belongs to topic '{TOPIC}' channel '{CHANNEL}', not topic '{TOPIC}' channel 'other'" \
+        in str(failure.value)
