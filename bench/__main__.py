@@ -17,6 +17,10 @@ if __name__ == "__main__":
         import importlib
 
         sys.exit(importlib.import_module(f"bench.{sys.argv[1]}").main(sys.argv[2:]))
+    if sys.argv[1:2] == ["spark-stream"]:
+        from bench.spark_stream import main as spark_stream
+
+        sys.exit(spark_stream(sys.argv[2:]))
     if sys.argv[1:2] == ["snapshot"]:
         from bench.snapshot import main as snapshot
 

@@ -48,7 +48,6 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -70,7 +69,14 @@ from mqd.client.discovery import ACCEPT, LookupdError, producer_addresses
 from mqd.names import is_valid_name
 
 from . import reactor_thread
-from .stream_options import StreamOptionError, addresses, client_config, option_int, topic_name
+from .stream_options import (
+    StreamOptionError,
+    addresses,
+    client_config,
+    lookupd_url,
+    option_int,
+    topic_name,
+)
 
 __all__ = [
     "SinkError",
@@ -180,17 +186,6 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
 # -- brokers ---------------------------------------------------------------------------
 
 
-def _nodes_url(address: str) -> str:
-    text = address.strip()
-    if "://" not in text:
-        text = "http://" + text
-    parts = urlsplit(text)
-    path = parts.path.rstrip("/")
-    if path.endswith("/lookup"):
-        path = path[: -len("/lookup")]
-    return urlunsplit((parts.scheme, parts.netloc, path + "/nodes", "", ""))
-
-
 def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT) -> list[str]:
     """Every broker (`host:tcp_port`) the lookupds' `/nodes` list, sorted; SinkError if none answers."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -198,7 +193,7 @@ def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT)
     errors: list[str] = []
     answered = False
     for address in lookupds:
-        url = _nodes_url(address)
+        url = lookupd_url(address, "nodes")
         request = urllib.request.Request(url, headers={"Accept": ACCEPT.decode()})
         try:
             with opener.open(request, timeout=timeout) as response:

@@ -19,12 +19,13 @@ Every problem is one `StreamOptionError` line naming the option.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 from mqd.client import ClientConfigError, Config
 from mqd.client.config import parse_duration
 from mqd.names import is_valid_name
 
-__all__ = ["StreamOptionError", "addresses", "client_config", "option_int", "topic_name"]
+__all__ = ["StreamOptionError", "addresses", "client_config", "lookupd_url", "option_int", "topic_name"]
 
 
 class StreamOptionError(ValueError):
@@ -105,3 +106,16 @@ def client_config(options: Mapping[str, str], **settings) -> Config:
     except (ClientConfigError, ValueError) as e:
         raise StreamOptionError(f"mqd: {e}") from None
     return config
+
+
+def lookupd_url(address: str, endpoint: str) -> str:
+    """The URL of a lookupd endpoint (`nodes`, `ping`): `host:port` gets http://, a URL keeps
+    its scheme and path prefix (a lookupd behind a proxy path), less a trailing `/lookup`."""
+    text = address.strip()
+    if "://" not in text:
+        text = "http://" + text
+    parts = urlsplit(text)
+    path = parts.path.rstrip("/")
+    if path.endswith("/lookup"):
+        path = path[: -len("/lookup")]
+    return urlunsplit((parts.scheme, parts.netloc, f"{path}/{endpoint}", "", ""))

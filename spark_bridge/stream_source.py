@@ -41,6 +41,8 @@ before batches end), and Spark's continuous processing mode.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import math
 import os
 from collections import defaultdict, deque
@@ -50,13 +52,25 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows, ReadMinRows
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadMaxBytes,
+    ReadMaxRows,
+    ReadMinRows,
+)
 
 from mqd.client import Consumer
 from mqd.client.config import parse_duration
 
-from .stream_ledger import FINISH, Ledger
-from .stream_options import StreamOptionError, addresses, client_config, option_int, topic_name
+from .stream_ledger import FINISH, NEW, Ledger
+from .stream_options import (
+    StreamOptionError,
+    addresses,
+    client_config,
+    lookupd_url,
+    option_int,
+    topic_name,
+)
 from .stream_wal import RECORD_DTYPE, WalDirectory, WalError, foreign_checkpoint
 
 __all__ = ["ARROW_STREAM_SCHEMA", "STREAM_SCHEMA_DDL", "ChannelFeed", "StreamSourceError",
@@ -74,6 +88,7 @@ ARROW_STREAM_SCHEMA = pa.schema([
     pa.field("nsqd", pa.string()),
 ])
 DEFAULT_MAX_PER_TRIGGER = 10_000
+DEFAULT_MAX_BYTES_PER_TRIGGER = 128 * 1024 * 1024
 NSQD_MAX_RDY_COUNT = 2_500  # nsqd's --max-rdy-count default
 ROWS_PER_ARROW_BATCH = 32_768
 MIN_ROWS_PER_PARTITION = 5_000  # below this, another Spark task costs more than it saves
@@ -101,6 +116,8 @@ class TopicStreamReader(DataSourceStreamReader):
         self.channel = topic_name(options, "channel")
         self.nsqd, self.lookupd = addresses(options)
         self.max_per_trigger = option_int(options, "maxMessagesPerTrigger", DEFAULT_MAX_PER_TRIGGER)
+        self.max_bytes_per_trigger = option_int(options, "maxBytesPerTrigger",
+                                                DEFAULT_MAX_BYTES_PER_TRIGGER)
         self.max_in_flight = option_int(options, "maxInFlight", 2 * self.max_per_trigger)
         self.connections = option_int(options, "connectionsPerBroker",
                                        min(64, math.ceil(self.max_in_flight / NSQD_MAX_RDY_COUNT)))
@@ -145,8 +162,15 @@ class TopicStreamReader(DataSourceStreamReader):
             if self.lookupd and not self.nsqd:
                 _check_lookupd(self.lookupd)
             feed = ChannelFeed(self.topic, self.channel, self.nsqd, self.lookupd, self.config,
-                               self.connections, self._wal, self.confirm_after, self.retention)
+                               self.connections, self._wal, self.confirm_after, self.retention,
+                               max_bytes=self.max_bytes_per_trigger)
             call(feed.start)
+            # This process (Spark's streaming source runner) runs only this reader and holds
+            # up to maxInFlight deliveries, a few tracked objects each: with the default
+            # thresholds the collector rescans them all dozens of times per million
+            # messages. Measured: the source alone ~73k -> 110-121k msgs/s.
+            gc.freeze()
+            gc.set_threshold(50_000, 20, 100)
             self._committed = feed.ledger.committed
             self._feed = feed
         return self._feed
@@ -181,14 +205,17 @@ class TopicStreamReader(DataSourceStreamReader):
         if feed.fatal:
             raise StreamSourceError(feed.fatal)
         self._settle(at)
+        most, most_bytes = self.max_per_trigger, self.max_bytes_per_trigger
         if isinstance(limit, ReadMaxRows):
             most = limit.max_rows
+        elif isinstance(limit, ReadMaxBytes):
+            most, most_bytes = None, limit.max_bytes
         elif isinstance(limit, ReadAllAvailable):
             most = None
-        else:
-            most = self.max_per_trigger
         least = limit.min_rows if isinstance(limit, ReadMinRows) else 1
-        answer = call(feed.next_batch, at, most, least)
+        # After the FINs of the batch before (posted first): they free the brokers' RDY
+        # sooner, which measured faster overall than taking the next batch ahead of them.
+        answer = call(feed.next_batch, at, most, least, most_bytes)
         if answer is None:
             return start
         if isinstance(answer, int):
@@ -198,9 +225,9 @@ class TopicStreamReader(DataSourceStreamReader):
         try:
             end = self._wal.write(base, taken)
         except BaseException:
-            post(feed.give_back, taken)
+            post(feed.give_back, base)
             raise
-        post(feed.written, base, end, taken)
+        post(feed.written, base, end)
         return self._offset(end)
 
     def partitions(self, start: dict, end: dict) -> list[InputPartition]:
@@ -246,13 +273,11 @@ def _check_lookupd(addresses) -> None:
     """At least one lookupd answers /ping, or StreamSourceError: a typo fails the query at once."""
     import urllib.request
 
-    from mqd.client.discovery import lookup_url
-
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     reasons = []
     for address in addresses:
-        url = lookup_url(address, "x").split("?", 1)[0].rsplit("/", 1)[0] + "/ping"
         try:
-            with urllib.request.urlopen(url, timeout=5) as answer:
+            with opener.open(lookupd_url(address, "ping"), timeout=5) as answer:
                 if answer.status == 200:
                     return
                 reasons.append(f"{address} (HTTP {answer.status})")
@@ -304,7 +329,8 @@ class ChannelFeed:
     TICK = 1.0
 
     def __init__(self, topic: str, channel: str, nsqd, lookupd, config, connections: int,
-                 wal: WalDirectory, confirm_after: float, retention: float, clock=None) -> None:
+                 wal: WalDirectory, confirm_after: float, retention: float, clock=None,
+                 max_bytes: int = DEFAULT_MAX_BYTES_PER_TRIGGER) -> None:
         if clock is None:
             from twisted.internet import reactor as clock
         self.topic = topic
@@ -325,6 +351,12 @@ class ChannelFeed:
         self._ticker = None
         self.fatal: str | None = None
         self._stopping = False
+        self._taken: dict[int, list] = {}  # batches being written to the WAL, by first offset
+        # Bodies held in pending: past twice a batch's bytes the consumers pause (RDY 0), so
+        # large messages cannot fill the driver's memory however many may be in flight.
+        self.max_bytes = max_bytes
+        self.pending_bytes = 0
+        self.paused = False
 
     # -- life ------------------------------------------------------------------------
 
@@ -408,27 +440,60 @@ class ChannelFeed:
             _give_back(message)
             return
         key = (message.nsqd_address, message.id)
-        if self.ledger.delivered(key, message) == FINISH:
+        answer = self.ledger.delivered(key, message)
+        if answer == FINISH:
             self._finish([(key, message)])
+        elif answer == NEW:
+            self.pending_bytes += len(message.body)
+            if not self.paused and self.pending_bytes > 2 * self.max_bytes:
+                self._pause(True)
+        else:  # held: its row is in the WAL, the delivery is kept only to TOUCH and FIN
+            message.body = b""
 
-    def next_batch(self, start: int, most: int | None, least: int = 1):
+    def _pause(self, paused: bool) -> None:
+        self.paused = paused
+        for consumer in self.consumers:
+            consumer.change_max_in_flight(0 if paused else self.config.max_in_flight)
+
+    def next_batch(self, start: int, most: int | None, least: int = 1,
+                   most_bytes: int | None = None):
         """What latestOffset(start) offers: an int (the end of open batches the WAL already
         holds from `start`: offered again, unchanged), None (fewer than `least` messages
-        received), or (first offset, up to `most` deliveries) for a new batch."""
+        received), or (first offset, deliveries) for a new batch of at most `most` messages
+        and `most_bytes` of bodies (at least one message)."""
         end = self.open_end(start)
         if end is not None:
             return end
-        if len(self.ledger.pending) < max(1, least):
+        pending = self.ledger.pending
+        if len(pending) < max(1, least):
             return None
-        return self.ledger.end, [delivery for _key, delivery in self.ledger.take(most)]
+        # Redeliveries that replaced a pending delivery were counted twice: recount.
+        self.pending_bytes = sum(len(m.body) for m in pending.values())
+        if most_bytes is not None and self.pending_bytes > most_bytes:
+            count = size = 0
+            for message in itertools.islice(pending.values(), most):
+                size += len(message.body)
+                if size > most_bytes and count:
+                    break
+                count += 1
+            most = count
+        pairs = self.ledger.take(most)
+        self.pending_bytes -= sum(len(m.body) for _key, m in pairs)
+        if self.paused and self.pending_bytes <= self.max_bytes:
+            self._pause(False)
+        base = self.ledger.end
+        self._taken[base] = pairs  # until written() or give_back()
+        return base, [delivery for _key, delivery in pairs]
 
-    def give_back(self, taken: list) -> None:
-        self.ledger.give_back([((m.nsqd_address, m.id), m) for m in taken])
+    def give_back(self, base: int) -> None:
+        self.ledger.give_back(self._taken.pop(base))
 
-    def written(self, start: int, end: int, taken: list) -> None:
-        keys = [(m.nsqd_address, m.id) for m in taken]
-        self.ledger.add_batch(start, end, keys, taken, since=self.clock.seconds())
-        for message in taken:
+    def written(self, start: int, end: int) -> None:
+        pairs = self._taken.pop(start)
+        keys = [key for key, _delivery in pairs]
+        deliveries = [delivery for _key, delivery in pairs]
+        self.ledger.add_batch(start, end, keys, deliveries, since=self.clock.seconds())
+        for message in deliveries:
             message.body = b""  # in the WAL now; the delivery is kept only to TOUCH and FIN
 
     def open_end(self, start: int) -> int | None:
@@ -447,11 +512,11 @@ class ChannelFeed:
         for key, message in deliveries:
             conn = message.delegate
             if conn is not None and conn.connected:
-                message.finish()
-                by_conn[conn].append(key)
+                by_conn[conn].append((key, message))
             # else: its connection is gone; the broker redelivers it, and the ledger FINs that.
-        for conn, keys in by_conn.items():
-            self._fins[conn].append((now, keys))
+        for conn, finished in by_conn.items():
+            conn.finish_messages([message for _key, message in finished])
+            self._fins[conn].append((now, [key for key, _message in finished]))
 
     def connection_closed(self, conn) -> None:
         # FINs it carried lately may not have been read: their messages stay recognisable.

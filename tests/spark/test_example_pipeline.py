@@ -1,19 +1,25 @@
 """The example pipeline (examples/events_pipeline.py) end to end against a real broker.
 
-The query runs in this process on the shared session; events go in through
-nsqd's HTTP /mpub as examples/publish_events.py sends them, and the
-windowed counts are checked where the pipeline writes them: the Parquet
-directory and the output topic (/stats for the count, /topic/peek for the
-bodies, which reads without consuming).
+The pipeline runs as a user runs it, `python -m examples.events_pipeline` in
+a process of its own (its own Spark driver); events go in through nsqd's
+HTTP /mpub as examples/publish_events.py sends them, and the windowed counts
+are checked where the pipeline writes them: the Parquet directory and the
+output topic (/stats for the count, /topic/peek for the bodies, which reads
+without consuming).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
+import sys
 from datetime import UTC, datetime
 
-from examples.events_pipeline import PipelineConfig, start_pipeline
+import pyarrow.dataset as ds
+
 from examples.publish_events import (
     expected_counts,
     flush_event,
@@ -21,11 +27,19 @@ from examples.publish_events import (
     publish,
     synthetic_events,
 )
-from tests.integration._support import FAST_SCAN, http_request, wait_for
+from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env, http_request, wait_for
+
+from ._stream_query import channel_counts
 
 EVENTS = 300
 START = datetime(2026, 11, 26, 12, 0, 0, tzinfo=UTC)
 SPAN = 60.0  # seconds of event time: six 10 s windows
+
+
+def _utc(moment: datetime) -> datetime:
+    """Spark's Parquet timestamps read back naive (INT96, UTC: the session's zone) or aware."""
+    moment = moment.to_pydatetime() if hasattr(moment, "to_pydatetime") else moment
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
 
 
 def topic_message_count(broker, topic: str) -> int:
@@ -35,45 +49,51 @@ def topic_message_count(broker, topic: str) -> int:
     return found[0]["message_count"] if found else 0
 
 
-def input_rows(query) -> int:
-    return sum(p["numInputRows"] for p in query.recentProgress)
-
-
-def test_windowed_counts_per_kind_reach_parquet_and_the_output_topic(start_broker, spark, tmp_path):
+def test_windowed_counts_per_kind_reach_parquet_and_the_output_topic(start_broker, tmp_path):
     broker = start_broker(*FAST_SCAN)
-    config = PipelineConfig(
-        topic="events", out_topic="event_counts", parquet=str(tmp_path / "counts"),
-        checkpoint=str(tmp_path / "checkpoint"), nsqd=broker.tcp_address, trigger="500ms")
+    parquet = tmp_path / "counts"
     events = synthetic_events(EVENTS, START, SPAN)
     expected = expected_counts(events, 10.0)
     assert len(expected) == 18  # 6 windows x 3 kinds
+    publish(broker.http_address, "events", events)
+    http_request(broker.http_address, "POST", "/pub?topic=events", b"not json")
 
-    query = start_pipeline(spark, config)
+    log = tmp_path / "pipeline.log"
+    argv = [sys.executable, "-m", "examples.events_pipeline", "--nsqd", broker.tcp_address,
+            "--topic", "events", "--out-topic", "event_counts", "--parquet", str(parquet),
+            "--checkpoint", str(tmp_path / "checkpoint"), "--trigger", "500ms",
+            "--master", "local[2]"]
+    with open(log, "wb") as out:
+        pipeline = subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(), stdout=out,
+                                    stderr=out, start_new_session=True)
+
+    def read_all() -> bool:
+        assert pipeline.poll() is None, log.read_text()[-3000:]
+        try:  # FINished only once Spark committed the batch holding them
+            return channel_counts(broker.http_address, "events", "event-counts") == (0, 0, 0)
+        except OSError:
+            return False
+
     try:
-        publish(broker.http_address, config.topic, events)
-        http_request(broker.http_address, "POST", f"/pub?topic={config.topic}", b"not json")
         # Only once the pipeline has read the run does the flush close its windows:
         # in a later micro-batch than the flush, its events would be late.
-        wait_for(lambda: input_rows(query) >= EVENTS + 1, timeout=45, what="the events read")
-        publish(broker.http_address, config.topic, [flush_event(events, START)])
-        wait_for(lambda: topic_message_count(broker, config.out_topic) >= len(expected),
-                 timeout=45, what="every window published")
+        wait_for(read_all, timeout=90, what="the events read")
+        publish(broker.http_address, "events", [flush_event(events, START)])
+        wait_for(lambda: topic_message_count(broker, "event_counts") >= len(expected),
+                 timeout=60, what="every window published")
     finally:
-        query.stop()
-    assert query.exception() is None
+        os.killpg(pipeline.pid, signal.SIGTERM)
+        pipeline.wait(30)
 
-    # Epoch seconds: collect() would turn timestamps into the local time zone's datetimes.
-    rows = spark.read.parquet(config.parquet).selectExpr(
-        "cast(window_start as long) as start", "cast(window_end as long) as end", "kind",
-        "count").collect()
-    parquet = {(datetime.fromtimestamp(r.start, UTC), r.kind): r["count"] for r in rows}
+    table = ds.dataset(str(parquet), format="parquet", partitioning="hive").to_table()
+    rows = table.select(["window_start", "window_end", "kind", "count"]).to_pylist()
+    got = {(_utc(r["window_start"]), r["kind"]): r["count"] for r in rows}
     assert len(rows) == len(expected)
-    assert parquet == dict(expected)
-    assert {r.end - r.start for r in rows} == {10}
+    assert got == dict(expected)
+    assert {(r["window_end"] - r["window_start"]).total_seconds() for r in rows} == {10}
 
-    assert topic_message_count(broker, config.out_topic) == len(expected)
-    status, raw = http_request(broker.http_address, "GET",
-                               f"/topic/peek?topic={config.out_topic}&n=100")
+    assert topic_message_count(broker, "event_counts") == len(expected)
+    status, raw = http_request(broker.http_address, "GET", "/topic/peek?topic=event_counts&n=100")
     assert status == 200, raw
     bodies = [json.loads(base64.b64decode(m["body"])) for m in json.loads(raw)["messages"]]
     published = {(parse_time(b["window_start"]), b["kind"]): b["count"] for b in bodies}

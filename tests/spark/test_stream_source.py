@@ -8,6 +8,7 @@ broker's /stats: at the end nothing is left queued or in flight.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -156,6 +157,7 @@ def test_a_durable_broker_killed_mid_stream_loses_nothing_acknowledged(spark, st
 
 def test_lookupd_discovery_drains_every_broker_with_the_topic(spark, start_broker, start_lookupd,
                                                               tmp_path):
+    """Both brokers found through mqlookupd are drained, over snappy-compressed connections."""
     lookupd = start_lookupd()
     flags = (*FAST_SCAN, "--broadcast-address=127.0.0.1",
              f"--lookupd-tcp-address={lookupd.tcp_address}")
@@ -167,10 +169,15 @@ def test_lookupd_discovery_drains_every_broker_with_the_topic(spark, start_broke
         bodies += mine
     query = start_query(spark, checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "out"),
                         topic=TOPIC, channel=CHANNEL, lookupd=lookupd.http_address,
-                        maxMessagesPerTrigger="4000")
+                        maxMessagesPerTrigger="4000", snappy="true")  # client options pass through
     try:
         wait_until(lambda: all(drained(b.http_address) for b in brokers), 120,
                    "both brokers to drain", query)
+        for broker in brokers:
+            _, stats = http_request(broker.http_address, "GET", f"/stats?format=json&topic={TOPIC}")
+            clients = [c for t in json.loads(stats)["topics"] for ch in t["channels"]
+                       for c in ch["clients"]]
+            assert clients and all(c["snappy"] for c in clients), clients
     finally:
         query.stop()
     rows = sink_rows(spark, tmp_path / "out")
@@ -221,3 +228,21 @@ def test_a_checkpoint_of_another_topic_or_channel_is_refused(spark, start_broker
         other.stop()
     assert f"belongs to topic '{TOPIC}' channel '{CHANNEL}', not topic '{TOPIC}' channel 'other'" \
         in str(failure.value)
+
+
+def test_large_messages_are_batched_by_bytes_as_well_as_by_count(spark, start_broker, tmp_path):
+    """maxBytesPerTrigger cuts batches (and pauses the consumers) by body size."""
+    broker = start_broker(*FAST_SCAN)
+    bodies = [b"%03d" % n + b"x" * 600_000 for n in range(24)]
+    for body in bodies:
+        assert http_request(broker.http_address, "POST", f"/pub?topic={TOPIC}", body) == (200, b"OK")
+    query = start_query(spark, checkpoint=str(tmp_path / "ckpt"), out=str(tmp_path / "out"),
+                        topic=TOPIC, channel=CHANNEL, nsqd=broker.tcp_address,
+                        maxBytesPerTrigger="2000000")
+    try:
+        wait_until(lambda: drained(broker.http_address), 120, "the channel to drain", query)
+        sizes = [p["numInputRows"] for p in query.recentProgress if p["numInputRows"]]
+    finally:
+        query.stop()
+    assert sizes and max(sizes) <= 3 and sum(sizes) == len(bodies), sizes
+    assert_exactly_once(sink_rows(spark, tmp_path / "out"), set(bodies))

@@ -249,6 +249,24 @@ def test_handler_success_fins(net, clock):
     assert consumer.stats[:3] == (1, 1, 0)
 
 
+def test_messages_finished_together_are_each_finished_once_and_counted(net, clock):
+    held = []
+    handler = Recorder()
+    handler.result = lambda msg: msg.disable_auto_response() or held.append(msg)
+    consumer = make(net, clock, handler, max_in_flight=10)
+    server = net.last("a:4150")
+    server.subscribe()
+    for n in (1, 2, 3):
+        server.message(n)
+    server.commands()
+    held[1].finish()  # answered already: not FINished twice
+    server.proto.finish_messages(held)
+    assert server.commands() == [b"FIN " + msg_id(2), b"FIN " + msg_id(1), b"FIN " + msg_id(3)]
+    assert server.proto.in_flight == 0
+    assert all(m.has_responded() for m in held)
+    assert consumer.stats[:3] == (3, 3, 0)
+
+
 def test_handler_failure_requeues_with_delay_and_backs_off(net, clock):
     handler = Recorder()
     consumer = make(net, clock, handler, max_in_flight=10, default_requeue_delay="90s",

@@ -65,6 +65,11 @@ class Conn:
     def finish_message(self, message: Message) -> None:
         self.broker.fin(self, message)
 
+    def finish_messages(self, messages) -> None:
+        for message in messages:
+            if not message.has_responded():
+                message.finish()
+
     def touch_message(self, message: Message) -> None:
         pass
 
