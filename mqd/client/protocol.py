@@ -45,8 +45,8 @@ from twisted.internet.error import ConnectionDone
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
+from ..endpoints import client_endpoint as _endpoint
 from ..logs import get_logger
-from ..lookup.peer import client_endpoint as _endpoint
 from ..protocol.compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
 from ..protocol.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE
 from .config import Config

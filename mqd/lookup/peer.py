@@ -40,12 +40,12 @@ from typing import Any
 
 from twisted.application import service
 from twisted.application.internet import ClientService, backoffPolicy
-from twisted.internet import defer, endpoints
-from twisted.internet.abstract import isIPAddress
+from twisted.internet import defer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
+from ..endpoints import client_endpoint
 from ..logs import get_logger
 from ..names import is_valid_name
 from ..protocol.errors import GoStruct
@@ -218,26 +218,6 @@ class _PeerFactory(Factory):
         proto = LookupPeerProtocol(self.peer)
         proto.factory = self
         return proto
-
-
-def client_endpoint(reactor, address: str, timeout: float = COMMAND_TIMEOUT, bind_address=None):
-    """`host:port` or `[v6]:port` as a client endpoint with nsqd's 1 s dial timeout.
-
-    Also the NSQ client's (mqd.client), with its dial_timeout and local_addr.
-    """
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad address {address!r}: want host:port or [v6]:port")
-    if host.startswith("[") and host.endswith("]"):
-        return endpoints.TCP6ClientEndpoint(reactor, host[1:-1], int(port), timeout=timeout,
-                                            bindAddress=bind_address)
-    if isIPAddress(host):
-        # No name to resolve: HostnameEndpoint would still go through its
-        # happy-eyeballs delay and report a refused connection ~0.3 s late.
-        return endpoints.TCP4ClientEndpoint(reactor, host, int(port), timeout=timeout,
-                                            bindAddress=bind_address)
-    return endpoints.HostnameEndpoint(reactor, host, int(port), timeout=timeout,
-                                      bindAddress=bind_address)
 
 
 class LookupPeer:
