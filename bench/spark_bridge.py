@@ -43,8 +43,8 @@ import time
 
 from bench.broker import REPO, checkout_env
 from bench.run import machine
+from mqd.snapshot_format import take_snapshot
 from spark_bridge.sample import MAX_MESSAGES, write_sample
-from spark_bridge.snapshot import take_snapshot
 
 TARGET_SNAPSHOT_MBS = 500.0
 TARGET_ANALYZE_S = 25.0

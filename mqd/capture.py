@@ -1,7 +1,7 @@
 """The broker's whole queue state at one reactor instant, for a snapshot.
 
 `capture(broker)` runs on the reactor and returns plain data
-(`spark_bridge.live.LiveState`) plus, on an LMDB store, a read transaction
+(`mqd.snapshot_live.LiveState`) plus, on an LMDB store, a read transaction
 opened right after a commit: together they are every message the broker
 holds at that instant, each exactly once. Nothing can run between the
 commit, the transaction and the capture (one reactor call), so a message
@@ -26,7 +26,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from backends import BackendError
-from spark_bridge.live import FIELDS, LiveQueue, LiveState
+from mqd.snapshot_live import FIELDS, LiveQueue, LiveState
 
 if TYPE_CHECKING:
     import lmdb

@@ -27,7 +27,7 @@ the broker deletes nothing unless told to): snapshots beyond the newest
 first. Those needed to make room for the new snapshot go before it is
 written; the others once it is written, so a snapshot that fails never
 costs an old one that was not in its way. A snapshot a reader holds
-(`spark_bridge.snapshot.hold_snapshot`, a shared flock: per host, readers
+(`mqd.snapshot_format.hold_snapshot`, a shared flock: per host, readers
 on other hosts are not seen) is never removed; it is tried again at the
 next admission.
 """
@@ -41,7 +41,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredLock
 
-from spark_bridge.snapshot import MANIFEST, SnapshotError, SnapshotExists, remove_snapshot
+from mqd.snapshot_format import MANIFEST, SnapshotError, SnapshotExists, remove_snapshot
 
 from .logs import get_logger
 

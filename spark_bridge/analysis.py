@@ -35,9 +35,10 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from mqd.snapshot_format import STATES, Manifest, read_manifest
+
 from .datasource import FORMAT_NAME, register
 from .records import SPARK_SCHEMA_DDL
-from .snapshot import STATES, Manifest, read_manifest
 
 __all__ = [
     "AGE_BUCKETS",

@@ -46,6 +46,8 @@ from pyspark.sql.datasource import (
     IsNull,
 )
 
+from mqd.snapshot_format import MANIFEST, SnapshotError, read_manifest
+
 from .records import (
     SPARK_SCHEMA_DDL,
     KeyRange,
@@ -55,7 +57,6 @@ from .records import (
     read_ranges,
     snapshot_ranges,
 )
-from .snapshot import MANIFEST, SnapshotError, read_manifest
 
 __all__ = ["FORMAT_NAME", "MqdDataSource", "register"]
 

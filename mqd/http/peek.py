@@ -56,7 +56,7 @@ from twisted.internet.task import Cooperator
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from spark_bridge.snapshot import STATES
+from mqd.snapshot_format import STATES
 
 from ..logs import get_logger
 from .admin import ChannelEndpoint, TopicEndpoint

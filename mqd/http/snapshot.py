@@ -48,8 +48,8 @@ from twisted.internet import threads
 from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
-from spark_bridge.live import LiveState, snapshot_estimate, write_live_snapshot
-from spark_bridge.snapshot import Manifest, SnapshotError, SnapshotExists
+from mqd.snapshot_format import Manifest, SnapshotError, SnapshotExists
+from mqd.snapshot_live import LiveState, snapshot_estimate, write_live_snapshot
 
 from ..auth import AuthState
 from ..capture import StoreNotReady, capture

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 
-from spark_bridge.snapshot import read_manifest
+from mqd.snapshot_format import read_manifest
 
 from ._support import FAST_SCAN, REPO_ROOT, child_env
 

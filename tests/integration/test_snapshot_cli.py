@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from spark_bridge.snapshot import read_manifest
+from mqd.snapshot_format import read_manifest
 
 from ._support import FAST_SCAN, REPO_ROOT, RawConn, child_env, command, wait_for
 from .test_snapshot import call, create, publish, queue_stats

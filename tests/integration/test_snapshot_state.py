@@ -23,8 +23,8 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 
+from mqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.records import ARROW_SCHEMA, open_snapshot, read_ranges, snapshot_ranges
-from spark_bridge.snapshot import Manifest, read_manifest
 
 from ._support import FAST_SCAN, FRAME_RESPONSE, RawConn, command, wait_for
 from ._traffic import Traffic, consumer, http_publisher, number, tcp_publisher

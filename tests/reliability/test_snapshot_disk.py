@@ -26,10 +26,10 @@ from twisted.python.failure import Failure
 
 from mqd.capture import capture
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
+from mqd.snapshot_format import MANIFEST, SnapshotError, hold_snapshot
+from mqd.snapshot_live import snapshot_estimate
 from mqd.snapshot_space import Entry, disk_use, retention_victims
-from spark_bridge.live import snapshot_estimate
 from spark_bridge.records import open_snapshot
-from spark_bridge.snapshot import MANIFEST, SnapshotError, hold_snapshot
 from tests.integration._support import FRAME_RESPONSE, RawConn, command, mpub_body
 from tests.unit._http import HTTPClient, error, parse_response
 

@@ -32,10 +32,10 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
+from mqd.snapshot_format import MANIFEST, STATES, read_manifest
 from spark_bridge import analysis as mq
 from spark_bridge.__main__ import main
 from spark_bridge.report import format_age, render_html, render_text, write_html
-from spark_bridge.snapshot import MANIFEST, STATES, read_manifest
 from tests.ensure_browser import BROWSER, DRIVER
 from tests.integration._support import REPO_ROOT, child_env
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mqd.snapshot_format import QueueInfo, SnapshotError, read_manifest
 from spark_bridge import records
 from spark_bridge.records import (
     ARROW_SCHEMA,
@@ -20,7 +21,6 @@ from spark_bridge.records import (
     read_ranges,
     snapshot_ranges,
 )
-from spark_bridge.snapshot import QueueInfo, SnapshotError, read_manifest
 
 from ._snapshots import Held, build_snapshot, expected_rows, message, messages
 

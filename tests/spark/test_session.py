@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from mqd.snapshot_format import read_manifest
 from spark_bridge import jvm_archive, python_launcher
 from spark_bridge.__main__ import _shut_down, main
 from spark_bridge.sample import write_sample_snapshot
 from spark_bridge.session import JAVA_OPTIONS, PUSHDOWN_CONF, session_conf
-from spark_bridge.snapshot import read_manifest
 from tests.integration._support import child_env
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
+from mqd.snapshot_format import HELD_BIT, read_manifest
 from spark_bridge.records import open_snapshot, read_ranges, snapshot_ranges
-from spark_bridge.snapshot import HELD_BIT, read_manifest
 
 from ._http import HTTPClient, error, parse_response
 from .conftest import Client, Msg, cmd, dpub, identify, new_broker, ok, scan

@@ -1,8 +1,9 @@
-"""Which parts may load which: the NSQ client stands on the shared modules alone.
+"""Which parts may load which: dependencies point one way.
 
 The client (txnsq) runs in the tools and in Spark's executors and
 streaming-source process, none of which has any use for the broker,
-LMDB or the Spark bridge. Each check imports a package in a fresh
+LMDB or the Spark bridge. The broker writes the snapshot format the Spark
+bridge reads, and needs neither the bridge nor Spark nor Arrow. Each check imports a package in a fresh
 interpreter and lists what came with it, so an import added anywhere
 along the way (not only in the package itself) fails here.
 """
@@ -34,4 +35,16 @@ def test_the_client_loads_no_broker_backend_or_spark_module():
     loaded = modules_loaded_by("mqd.client")
     forbidden = sorted(m for m in loaded
                        if any(m == p or m.startswith(p + ".") for p in NOT_FOR_THE_CLIENT))
+    assert forbidden == []
+
+
+# The broker with everything its daemon builds: HTTP API, peek, snapshots, capture.
+BROKER_MODULES = ("mqd.service", "mqd.http.api", "mqd.http.snapshot", "mqd.http.peek",
+                  "mqd.capture", "mqd.snapshot_space")
+
+
+def test_the_broker_loads_neither_the_spark_bridge_nor_spark():
+    loaded = modules_loaded_by(", ".join(BROKER_MODULES))
+    forbidden = sorted(m for m in loaded
+                       if m.split(".")[0] in ("spark_bridge", "pyspark", "pyarrow"))
     assert forbidden == []

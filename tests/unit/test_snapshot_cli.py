@@ -15,8 +15,8 @@ import socket
 
 import pytest
 
+from mqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.__main__ import data_path_in_use, main, stats_mismatches, summary
-from spark_bridge.snapshot import Manifest, read_manifest
 
 from .conftest import lmdb_store, msgs
 

@@ -34,7 +34,7 @@ import lmdb
 
 from backends.lmdb import FORMAT, KEY, RECORD
 
-from .snapshot import (
+from .snapshot_format import (
     DEFERRED,
     HELD,
     HELD_BIT,

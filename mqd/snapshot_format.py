@@ -1,5 +1,8 @@
 """Point-in-time copies of the broker's LMDB environment, with a manifest.
 
+The broker writes this format and the Spark bridge reads it: it lives with
+the broker, and the bridge depends on it, never the reverse.
+
 Spark (and anything else analysing the queues) reads a snapshot, never the
 live environment: the broker's process holds the only handle it may have
 on its environment (lmdb refuses a second open in one process), a long
@@ -9,8 +12,7 @@ gives every reader the same consistent cut.
 `Environment.copy(compact=True, txn=...)` runs the copy inside one read transaction,
 so the copy is a consistent cut of every queue at one commit, and LMDB
 readers never block the writer: the broker keeps committing throughout
-(measured at ~800 MB/s while a writer fsyncs, see
-/work/shared/spec/spark-notes.md). The manifest is computed from the copy
+(measured at ~800 MB/s while a writer fsyncs). The manifest is computed from the copy
 in the very read transaction the copy was taken in, so its counts are
 exactly what the snapshot holds.
 
@@ -270,7 +272,7 @@ def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: st
     (a stopped or running broker, from another process). Safe to call from
     a thread other than the one committing. This copies the store's files
     only: a running broker's memory queues, in-flight and deferred messages
-    are not in them (`spark_bridge.live` takes those).
+    are not in them (`mqd.snapshot_live` takes those).
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     tmp = new_snapshot_dir(out_dir)
