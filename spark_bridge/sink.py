@@ -64,7 +64,6 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from mqd.client.config import parse_duration
 from mqd.client.discovery import ACCEPT, LookupdError, producer_addresses
 from mqd.names import is_valid_name
 
@@ -74,6 +73,7 @@ from .stream_options import (
     addresses,
     client_config,
     lookupd_url,
+    option_duration,
     option_int,
     topic_name,
 )
@@ -158,16 +158,7 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
     topic = topic_name(options, "topic", required=topic_field is None)
     if topic is None and topic_field is None:  # pragma: no cover - topic_name raised
         raise StreamOptionError("mqd: option topic is required")
-    timeout_text = options.get("publishTimeout") or options.get("publishtimeout")
-    timeout = DEFAULT_PUBLISH_TIMEOUT
-    if timeout_text:
-        try:
-            timeout = parse_duration(str(timeout_text))
-        except ValueError:
-            raise StreamOptionError(
-                f"mqd: option publishTimeout: {timeout_text!r} is not a duration (30s, 2m)") from None
-        if timeout <= 0:
-            raise StreamOptionError("mqd: option publishTimeout must be positive")
+    timeout = option_duration(options, "publishTimeout", DEFAULT_PUBLISH_TIMEOUT)
     plain = {str(k): str(v) for k, v in options.items() if v is not None}
     client_config(plain)  # fails here, on the driver, with the option's name
     return _Plan(
@@ -258,9 +249,6 @@ class _Publisher:
             return producer
 
         self.producer = reactor_thread.call(start)
-        from twisted.internet import reactor
-
-        self._reactor = reactor
 
     def _take_slot(self) -> None:
         if not self._slots.acquire(timeout=self.timeout):
@@ -276,11 +264,11 @@ class _Publisher:
 
     def mpub(self, topic: str, bodies: list[bytes]) -> None:
         self._take_slot()
-        self._reactor.callFromThread(self._send, "MPUB", topic, bodies, 0)
+        reactor_thread.post(self._send, "MPUB", topic, bodies, 0)
 
     def dpub(self, topic: str, body: bytes, delay_ms: int) -> None:
         self._take_slot()
-        self._reactor.callFromThread(self._send, "DPUB", topic, body, delay_ms)
+        reactor_thread.post(self._send, "DPUB", topic, body, delay_ms)
 
     def _send(self, verb: str, topic: str, payload: Any, delay_ms: int) -> None:
         """On the reactor thread: the command, and what to do with its answer."""

@@ -25,7 +25,8 @@ from mqd.client import ClientConfigError, Config
 from mqd.client.config import parse_duration
 from mqd.names import is_valid_name
 
-__all__ = ["StreamOptionError", "addresses", "client_config", "lookupd_url", "option_int", "topic_name"]
+__all__ = ["StreamOptionError", "addresses", "client_config", "lookupd_url", "option_duration",
+           "option_int", "topic_name"]
 
 
 class StreamOptionError(ValueError):
@@ -85,6 +86,20 @@ def option_int(options: Mapping[str, str], name: str, default: int, minimum: int
         raise StreamOptionError(f"mqd: option {name}: {text!r} is not a whole number") from None
     if value < minimum:
         raise StreamOptionError(f"mqd: option {name} must be at least {minimum}, got {value}")
+    return value
+
+
+def option_duration(options: Mapping[str, str], name: str, default: float) -> float:
+    """A positive duration option in seconds: a Go duration ("30s", "1h"), a bare number of seconds."""
+    text = _get(options, name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        value = parse_duration(text)
+    except ValueError:
+        raise StreamOptionError(f"mqd: option {name}: {text!r} is not a duration (e.g. 30s, 1h)") from None
+    if value <= 0:
+        raise StreamOptionError(f"mqd: option {name} must be positive")
     return value
 
 

@@ -60,7 +60,6 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from mqd.client import Consumer
-from mqd.client.config import parse_duration
 
 from .stream_ledger import FINISH, NEW, Ledger
 from .stream_options import (
@@ -68,6 +67,7 @@ from .stream_options import (
     addresses,
     client_config,
     lookupd_url,
+    option_duration,
     option_int,
     topic_name,
 )
@@ -94,16 +94,6 @@ ROWS_PER_ARROW_BATCH = 32_768
 MIN_ROWS_PER_PARTITION = 5_000  # below this, another Spark task costs more than it saves
 
 
-def _seconds(options, name: str, default: float) -> float:
-    text = options.get(name)
-    if text is None or str(text).strip() == "":
-        return default
-    try:
-        return parse_duration(str(text))
-    except ValueError:
-        raise StreamOptionError(f"mqd: option {name}: {text!r} is not a duration (e.g. 10s, 1h)") from None
-
-
 class StreamSourceError(RuntimeError):
     """The source cannot go on: no broker reachable, or one refused it (a one-line message)."""
 
@@ -122,8 +112,8 @@ class TopicStreamReader(DataSourceStreamReader):
         self.connections = option_int(options, "connectionsPerBroker",
                                        min(64, math.ceil(self.max_in_flight / NSQD_MAX_RDY_COUNT)))
         self.partitions_wanted = option_int(options, "partitions", os.cpu_count() or 1)
-        self.retention = _seconds(options, "walRetention", 3600.0)
-        self.confirm_after = _seconds(options, "finConfirm", 5.0)
+        self.retention = option_duration(options, "walRetention", 3600.0)
+        self.confirm_after = option_duration(options, "finConfirm", 5.0)
         self.checkpoint = options.get("checkpointLocation") or options.get("checkpointlocation")
         if not self.checkpoint:
             raise StreamOptionError(
@@ -311,10 +301,10 @@ def rows_of(value: tuple) -> Iterator[pa.RecordBatch]:
 
 
 def _repeat(text: str, n: int) -> pa.Array:
+    """`text` n times, built from buffers (topic and channel names are never empty)."""
     data = text.encode()
     return pa.Array.from_buffers(pa.string(), n, [
-        None, pa.py_buffer(np.arange(0, len(data) * (n + 1), len(data) or 1, dtype="<i4")
-                           if data else np.zeros(n + 1, "<i4")),
+        None, pa.py_buffer(np.arange(0, len(data) * (n + 1), len(data), dtype="<i4")),
         pa.py_buffer(data * n)])
 
 
@@ -545,10 +535,7 @@ class ChannelFeed:
         now = self.clock.seconds()
         settled = []
         horizon = now - self.confirm_after
-        for conn, log in list(self._fins.items()):
-            if not conn.connected:
-                del self._fins[conn]
-                continue
+        for conn, log in list(self._fins.items()):  # a closed connection's log is gone already
             while log and log[0][0] <= horizon:
                 settled.extend(log.popleft()[1])
             if not log:
