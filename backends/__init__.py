@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .dummy import DummyStore
-from .interface import BackendError, IBackendQueue, IBackendStore
-from .lmdb import LmdbStore, StoreOpenError
-from .memory import MemoryStore
+from backends.dummy import DummyStore
+from backends.interface import BackendError, IBackendQueue, IBackendStore
+from backends.lmdb import LmdbStore, StoreOpenError
+from backends.memory import MemoryStore
 
 __all__ = [
     "BackendError",

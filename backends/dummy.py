@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from zope.interface import implementer
 
-from .interface import IBackendQueue, IBackendStore
+from backends.interface import IBackendQueue, IBackendStore
 
 
 @implementer(IBackendQueue)

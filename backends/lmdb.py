@@ -48,10 +48,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
+from backends.interface import BackendError, IBackendQueue, IBackendStore, IPiecewisePeek
 from mqd.logs import get_logger
 from mqd.message import Message
-
-from .interface import BackendError, IBackendQueue, IBackendStore, IPiecewisePeek
 
 __all__ = ["LmdbStore", "LmdbQueue", "StoreOpenError", "ENV_DIR", "SPILL_FILE"]
 
@@ -165,7 +164,7 @@ class LmdbQueue:
         self._staged_held: list[Message] = []
         # Durable: called after a commit made staged messages readable, with
         # the held ones among them (their owner keeps those outside the
-        # queue, from then on). Set by the queue's owner (mqd.channel, mqd.topic).
+        # queue, from then on). Set by the queue's owner (mqd.nsqd.channel, mqd.nsqd.topic).
         self.on_stored = None
         # Keys of records stored by `hold` (deferred messages), so past the
         # read position while their messages live outside the queue: in the
@@ -486,7 +485,7 @@ class LmdbStore:
         self._spilled: dict[int, list[Message]] = {}
         self._spill_loaded = False
         self.health_listener = None
-        # Set while a publisher's new messages are put (mqd.topic.Topic.publish):
+        # Set while a publisher's new messages are put (mqd.nsqd.topic.Topic.publish):
         # durable, what is put meanwhile goes into _fresh, and a failed commit
         # drops it, as its publishers are answered with the error.
         self.publishing = False

@@ -7,14 +7,14 @@ from itertools import islice
 
 from zope.interface import implementer
 
-from .interface import IBackendQueue, IBackendStore
+from backends.interface import IBackendQueue, IBackendStore
 
 
 def take(items: deque, n: int) -> list:
     """Pop up to `n` items from the left of a deque, as a list.
 
     Here because the memory backend is a deque; the broker's own memory
-    queues (mqd.overflow, mqd.channel) take from theirs the same way.
+    queues (mqd.nsqd.overflow, mqd.nsqd.channel) take from theirs the same way.
     """
     if n >= len(items):
         batch = list(items)

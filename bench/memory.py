@@ -181,8 +181,8 @@ def _build(count: int, size: int, batch: int) -> list:
     """Two channels' queues of ``count`` messages, made as MPUB + Topic._fan_out make them."""
     from backends.memory import MemoryQueue
     from mqd.message import IdFactory, Message
-    from mqd.overflow import OverflowQueue
-    from mqd.publisher import walk_binary
+    from mqd.nsqd.batches import walk_binary
+    from mqd.nsqd.overflow import OverflowQueue
 
     ids_factory = IdFactory(1)
     queues = [OverflowQueue(count * 2, MemoryQueue(f"{TOPIC}:c{i}")) for i in range(2)]

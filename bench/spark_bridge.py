@@ -43,7 +43,7 @@ import time
 
 from bench.broker import REPO, checkout_env
 from bench.run import machine
-from mqd.snapshot_format import take_snapshot
+from mqd.nsqd.snapshot_format import take_snapshot
 from spark_bridge.sample import MAX_MESSAGES, write_sample
 
 TARGET_SNAPSHOT_MBS = 500.0

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from .latency import parse_percentiles
-from .message import default_node_id
+from mqd.latency import parse_percentiles
+from mqd.message import default_node_id
 
 __all__ = [
     "ConfigError",

@@ -10,8 +10,8 @@ from twisted.internet import endpoints
 from twisted.internet.defer import DeferredList
 from twisted.python.failure import Failure
 
-from .logs import get_logger
-from .options import ConfigError, to_endpoint
+from mqd.logs import get_logger
+from mqd.options import ConfigError, to_endpoint
 
 __all__ = ["BrokerService", "ListeningService", "listen_endpoint", "with_backlog"]
 

@@ -1,27 +1,21 @@
-"""`twistd mqd`: command-line options and the service tree of a broker."""
+"""What the three twistd plugins share: nsqd's flag forms over an option table.
+
+Each daemon (`twistd mqd`, `twistd mqlookupd`, `twistd mqadmin`) builds its
+usage.Options from its own table in mqd.options, so flags, YAML keys and
+their errors read the same everywhere.
+"""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
 
-from twisted.application import service
 from twisted.python import usage
 
-from . import __version__
-from .broker import Broker
-from .gcpolicy import GCPolicy
-from .http.api import NsqdSite
-from .logs import set_log_level
-from .lookup.peer import LookupService
-from .options import MQD_OPTIONS, ConfigError, Option, Settings, resolve
-from .protocol.v2 import NSQ_VERSION, V2Factory
-from .queuescan import QueueScanner
-from .service import BrokerService, ListeningService, listen_endpoint
-from .statsd import StatsdService
-from .tlsconfig import server_tls
+from mqd import NSQ_VERSION, __version__
+from mqd.options import ConfigError, Option, Settings, resolve
 
-__all__ = ["Options", "makeService", "make_options_class", "settings_from"]
+__all__ = ["make_options_class", "settings_from"]
 
 
 def make_options_class(table: Sequence[Option], program: str) -> type[usage.Options]:
@@ -110,9 +104,6 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
     return _Options
 
 
-Options = make_options_class(MQD_OPTIONS, "mqd")
-
-
 def settings_from(options: usage.Options, table: Sequence[Option], program: str) -> Settings:
     """Resolve flags > YAML > defaults, or stop with one line saying what is wrong."""
     try:
@@ -120,56 +111,3 @@ def settings_from(options: usage.Options, table: Sequence[Option], program: str)
     except ConfigError as e:
         print(f"{program}: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-
-
-def build_service(settings: Settings, reactor=None) -> service.MultiService:
-    """The broker's services: storage first, listeners last (so they stop first)."""
-    if reactor is None:
-        from twisted.internet import reactor
-    set_log_level(settings.log_level)
-    try:
-        tls = server_tls(settings)
-    except ConfigError as e:
-        print(f"mqd: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    broker = Broker(settings, clock=reactor)
-    # The V2 protocol reads it for IDENTIFY's tls_v1 and the TLS-required policy.
-    broker.tls = tls
-    top = service.MultiService()
-    top.broker = broker
-    BrokerService(broker).setServiceParent(top)
-    QueueScanner(broker).setServiceParent(top)
-    # Keeps the cyclic GC from traversing the whole backlog at every 25% of growth.
-    GCPolicy(reactor).setServiceParent(top)
-    ports: dict[str, int] = {}
-    backlog = settings.listen_backlog
-    tcp = listen_endpoint(reactor, settings.tcp_address, backlog)
-    ListeningService("TCP", tcp, V2Factory(broker), ports, reactor,
-                     settings.tcp_address).setServiceParent(top)
-    if settings.http_address:
-        http = listen_endpoint(reactor, settings.http_address, backlog)
-        site = NsqdSite(broker, ports, reactor,
-                        tls_required=tls is not None and tls.http_required)
-        ListeningService("HTTP", http, site, ports, reactor,
-                         settings.http_address).setServiceParent(top)
-    if tls is not None and settings.https_address:
-        # The same API over TLS; the TLS layer wraps the site's factory, so
-        # any endpoint form (host:port, unix socket) works as for HTTP.
-        from twisted.protocols.tls import TLSMemoryBIOFactory
-
-        https = listen_endpoint(reactor, settings.https_address, backlog)
-        https_site = TLSMemoryBIOFactory(tls, False, NsqdSite(broker, ports, reactor))
-        https_site.noisy = False
-        ListeningService("HTTPS", https, https_site, ports, reactor,
-                         settings.https_address).setServiceParent(top)
-    # After the listeners, so IDENTIFY can announce the ports they bound;
-    # always present, as lookupds can be added at run time (PUT /config).
-    LookupService(broker, ports, reactor).setServiceParent(top)
-    if settings.statsd_address:
-        # Last, so it stops first: its final datagrams go out before the broker closes.
-        StatsdService(broker, ports, reactor).setServiceParent(top)
-    return top
-
-
-def makeService(options: usage.Options) -> service.MultiService:
-    return build_service(settings_from(options, MQD_OPTIONS, "mqd"))

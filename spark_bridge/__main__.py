@@ -33,7 +33,7 @@ import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from mqd.snapshot_format import DATA_FILE, Manifest, SnapshotError, take_snapshot
+from mqd.nsqd.snapshot_format import DATA_FILE, Manifest, SnapshotError, take_snapshot
 
 # How long `--broker` waits for the answer by default: a store of many GB takes a while to copy.
 BROKER_TIMEOUT = 600.0
@@ -313,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from mqd.snapshot_format import read_manifest
+    from mqd.nsqd.snapshot_format import read_manifest
     from spark_bridge.analysis import DEFAULT_POISON_ATTEMPTS, analyze
     from spark_bridge.jvm_archive import java_options
     from spark_bridge.report import load_charting, render_text, write_html

@@ -35,10 +35,9 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from mqd.snapshot_format import STATES, Manifest, read_manifest
-
-from .datasource import FORMAT_NAME, register
-from .records import SPARK_SCHEMA_DDL
+from mqd.nsqd.snapshot_format import STATES, Manifest, read_manifest
+from spark_bridge.datasource import FORMAT_NAME, register
+from spark_bridge.records import SPARK_SCHEMA_DDL
 
 __all__ = [
     "AGE_BUCKETS",

@@ -46,9 +46,8 @@ from pyspark.sql.datasource import (
     IsNull,
 )
 
-from mqd.snapshot_format import MANIFEST, SnapshotError, read_manifest
-
-from .records import (
+from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError, read_manifest
+from spark_bridge.records import (
     SPARK_SCHEMA_DDL,
     KeyRange,
     QueueFilter,
@@ -137,26 +136,26 @@ class MqdDataSource(DataSource):
     def schema(self) -> str:
         # A streaming read names a topic; a snapshot read names a path.
         if self.options.get("topic") and not self.options.get("path"):
-            from .stream_source import STREAM_SCHEMA_DDL
+            from spark_bridge.stream_source import STREAM_SCHEMA_DDL
 
             return STREAM_SCHEMA_DDL
         return SPARK_SCHEMA_DDL
 
     def streamReader(self, schema):
         """`spark.readStream.format("mqd")`: a topic's channel as a stream (stream_source.py)."""
-        from .stream_source import TopicStreamReader
+        from spark_bridge.stream_source import TopicStreamReader
 
         return TopicStreamReader(self.options)
 
     def writer(self, schema, overwrite: bool):
         """`df.write.format("mqd")`: each row's body published to a topic (sink.py)."""
-        from .sink import TopicWriter
+        from spark_bridge.sink import TopicWriter
 
         return TopicWriter(self.options, schema)
 
     def streamWriter(self, schema, overwrite: bool):
         """`df.writeStream.format("mqd")`: each micro-batch's rows published (sink.py)."""
-        from .sink import TopicStreamWriter
+        from spark_bridge.sink import TopicStreamWriter
 
         return TopicStreamWriter(self.options, schema)
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import pyarrow.parquet as pq
 
-from .records import ARROW_SCHEMA, QueueFilter, open_snapshot, read_ranges, snapshot_ranges
+from spark_bridge.records import (
+    ARROW_SCHEMA,
+    QueueFilter,
+    open_snapshot,
+    read_ranges,
+    snapshot_ranges,
+)
 
 __all__ = ["ExportResult", "export_parquet"]
 

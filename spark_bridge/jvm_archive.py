@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .cache import cache_dir
+from spark_bridge.cache import cache_dir
 
 __all__ = ["archive_path", "build_archive", "java_options"]
 
@@ -82,7 +82,7 @@ def _launch_classpath(stderr: str) -> list[str]:
 
 def build_archive(out: Path | None = None) -> Path:
     """Run a small analysis to list the classes Spark loads, then dump them into an archive."""
-    from .sample import write_sample_snapshot
+    from spark_bridge.sample import write_sample_snapshot
 
     target = out or archive_path()
     java = _java()

@@ -26,7 +26,7 @@ import os
 import shlex
 import sys
 
-from .cache import cache_dir
+from spark_bridge.cache import cache_dir
 
 __all__ = ["launcher_path", "sparks_python_path"]
 

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from backends.lmdb import KEY, RECORD
-from mqd.snapshot_format import (
+from mqd.nsqd.snapshot_format import (
     DATA_FILE,
     HELD,
     HELD_BIT,

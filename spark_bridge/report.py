@@ -17,7 +17,14 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from .analysis import AGE_BUCKETS, DUE_BUCKETS, PERCENTILES, SIZE_BUCKETS, STATES, Analysis
+from spark_bridge.analysis import (
+    AGE_BUCKETS,
+    DUE_BUCKETS,
+    PERCENTILES,
+    SIZE_BUCKETS,
+    STATES,
+    Analysis,
+)
 
 __all__ = ["format_age", "format_bytes", "load_charting", "render_html", "render_text", "write_html"]
 

@@ -21,7 +21,7 @@ from twisted.internet.task import Clock
 
 from backends.lmdb import LmdbStore
 from mqd.message import Message
-from mqd.snapshot_format import take_snapshot
+from mqd.nsqd.snapshot_format import take_snapshot
 
 __all__ = ["MAX_MESSAGES", "write_sample", "write_sample_snapshot"]
 

@@ -25,9 +25,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from .datasource import PUSHDOWN_CONF, register
-from .jvm_archive import java_options
-from .python_launcher import launcher_path
+from spark_bridge.datasource import PUSHDOWN_CONF, register
+from spark_bridge.jvm_archive import java_options
+from spark_bridge.python_launcher import launcher_path
 
 __all__ = ["DEFAULT_MASTER", "build_session", "session_conf"]
 

@@ -66,9 +66,8 @@ from pyspark.sql.types import (
 
 from mqd.client.discovery import ACCEPT, LookupdError, producer_addresses
 from mqd.names import is_valid_name
-
-from . import reactor_thread
-from .stream_options import (
+from spark_bridge import reactor_thread
+from spark_bridge.stream_options import (
     StreamOptionError,
     addresses,
     client_config,

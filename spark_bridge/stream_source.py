@@ -60,9 +60,8 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from mqd.client import Consumer
-
-from .stream_ledger import FINISH, NEW, Ledger
-from .stream_options import (
+from spark_bridge.stream_ledger import FINISH, NEW, Ledger
+from spark_bridge.stream_options import (
     StreamOptionError,
     addresses,
     client_config,
@@ -71,7 +70,7 @@ from .stream_options import (
     option_int,
     topic_name,
 )
-from .stream_wal import RECORD_DTYPE, WalDirectory, WalError, foreign_checkpoint
+from spark_bridge.stream_wal import RECORD_DTYPE, WalDirectory, WalError, foreign_checkpoint
 
 __all__ = ["ARROW_STREAM_SCHEMA", "STREAM_SCHEMA_DDL", "ChannelFeed", "StreamSourceError",
            "TopicStreamReader", "rows_of"]
@@ -146,7 +145,7 @@ class TopicStreamReader(DataSourceStreamReader):
 
     def _started(self) -> ChannelFeed:
         if self._feed is None:
-            from .reactor_thread import call
+            from spark_bridge.reactor_thread import call
 
             self._wal = WalDirectory(self.checkpoint, self.topic, self.channel)
             if self.lookupd and not self.nsqd:
@@ -172,7 +171,7 @@ class TopicStreamReader(DataSourceStreamReader):
         on planning the next batch while they are written, and whatever the
         reader asks the reactor next runs after them.
         """
-        from .reactor_thread import post
+        from spark_bridge.reactor_thread import post
 
         feed = self._started()
         if offset > self._committed:
@@ -188,7 +187,7 @@ class TopicStreamReader(DataSourceStreamReader):
         return ReadMaxRows(self.max_per_trigger)
 
     def latestOffset(self, start: dict, limit=None) -> dict:
-        from .reactor_thread import call, post
+        from spark_bridge.reactor_thread import call, post
 
         at = self._position(start)
         feed = self._started()
@@ -253,7 +252,7 @@ class TopicStreamReader(DataSourceStreamReader):
 
     def stop(self) -> None:
         if self._feed is not None:
-            from .reactor_thread import call
+            from spark_bridge.reactor_thread import call
 
             feed, self._feed = self._feed, None
             call(feed.stop, timeout=30)

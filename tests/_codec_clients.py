@@ -1,6 +1,6 @@
 """The client side of NSQ's compressed streams, for tests of the broker's codecs.
 
-Written apart from mqd/protocol/compression.py on purpose, the way pynsq's
+Written apart from mqd/wire/compression.py on purpose, the way pynsq's
 DeflateSocket and SnappySocket are: a test client must not share the code
 it checks.
 """

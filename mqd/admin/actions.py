@@ -37,7 +37,7 @@ mqd additions: `GET /api/peek/:topic/:channel` (every producer's
 `/channel/peek`, per node; reads nothing away) and `POST /api/snapshot/:node`
 (the broker's `/snapshot`, whose answer or error is passed on). Both pass
 the request's `Authorization: Bearer` header on to the brokers, which ask
-it when they have auth configured (mqd.http.authorization), and hand a
+it when they have auth configured (mqd.nsqd.http.authorization), and hand a
 broker's 401 or 403 back.
 `GET/PUT /config/:opt` are nsqadmin's, for clients in
 `--allow-config-from-cidr` only.
@@ -55,16 +55,15 @@ from urllib.parse import urlencode
 from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succeed
 from twisted.web.server import Request
 
-from ..http.args import query_of
-from ..http.config import addresses_of, config_name, log_level_of, option_value
-from ..http.peek import STATES, count_arg, max_body_arg, state_arg
-from ..http.response import dumps
-from ..logs import get_logger, set_log_level
-from ..names import is_valid_name
-from ..options import MQADMIN_OPTIONS
-from .aggregate import node_id
-from .endpoint import Admin, AdminEndpoint, ApiError
-from .upstream import UpstreamError, base_url
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.clusterinfo.aggregate import node_id
+from mqd.clusterinfo.upstream import UpstreamError, base_url
+from mqd.http.args import count_arg, max_body_arg, query_of, state_arg
+from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
+from mqd.http.response import dumps
+from mqd.logs import get_logger, set_log_level
+from mqd.names import QUEUE_STATES, is_valid_name
+from mqd.options import MQADMIN_OPTIONS
 
 __all__ = ["Notifier", "decode_go_object", "routes"]
 
@@ -110,7 +109,7 @@ def _url(base: str, path: str, params: Mapping[str, str] | None = None) -> str:
     """`BASE/path?query`, the query escaped as Go's QueryEscape does.
 
     A name from a request's path keeps its undecodable bytes as surrogates
-    (mqd.http.api decodes paths so): they are sent as those bytes.
+    (mqd.nsqd.http.site decodes paths so): they are sent as those bytes.
     """
     return base + path + ("?" + urlencode(params, errors="surrogateescape") if params else "")
 
@@ -493,7 +492,7 @@ class Peek(AdminEndpoint):
         if not is_valid_name(params["channel"]):
             raise ApiError(400, "INVALID_ARG_CHANNEL")
         query = query_of(request)
-        wanted = {"state": state_arg(query, STATES), "n": str(count_arg(query))}
+        wanted = {"state": state_arg(query, QUEUE_STATES), "n": str(count_arg(query))}
         max_body = max_body_arg(query, None)
         if max_body is not None:
             wanted["max_body"] = str(max_body)

@@ -21,8 +21,8 @@ from typing import Any
 from twisted.internet import defer
 from twisted.web.server import Request
 
-from ..http.args import query_of
-from .aggregate import (
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.clusterinfo.aggregate import (
     channel_stats,
     counter_stats,
     node_id,
@@ -30,7 +30,7 @@ from .aggregate import (
     topic_stats,
     warning,
 )
-from .endpoint import Admin, AdminEndpoint, ApiError
+from mqd.http.args import query_of
 
 __all__ = ["routes"]
 

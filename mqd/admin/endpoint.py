@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..http.endpoint import Endpoint
-from ..http.response import ApiError
+from mqd.http.endpoint import Endpoint
+from mqd.http.response import ApiError
 
 __all__ = ["Admin", "AdminEndpoint", "ApiError"]
 

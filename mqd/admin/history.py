@@ -42,10 +42,10 @@ from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
 from twisted.internet.task import LoopingCall
 from twisted.web.server import Request
 
-from ..http.args import query_of
-from ..logs import get_logger
-from .aggregate import node_id
-from .endpoint import Admin, AdminEndpoint, ApiError
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.clusterinfo.aggregate import node_id
+from mqd.http.args import query_of
+from mqd.logs import get_logger
 
 __all__ = ["CLUSTER", "History", "HistoryEndpoint", "NodeSample", "Point", "routes", "sampler"]
 

@@ -14,16 +14,16 @@ import sys
 from twisted.application import service
 from twisted.python import usage
 
-from ..logs import set_log_level
-from ..options import MQADMIN_OPTIONS, ConfigError, Settings
-from ..service import ListeningService, listen_endpoint
-from ..tap import make_options_class, settings_from
-from .actions import Notifier
-from .cluster import Cluster
-from .endpoint import Admin
-from .history import History, sampler
-from .upstream import Upstream
-from .web import AdminSite
+from mqd.admin.actions import Notifier
+from mqd.admin.endpoint import Admin
+from mqd.admin.history import History, sampler
+from mqd.admin.web import AdminSite
+from mqd.clusterinfo.cluster import Cluster
+from mqd.clusterinfo.upstream import Upstream
+from mqd.logs import set_log_level
+from mqd.options import MQADMIN_OPTIONS, ConfigError, Settings
+from mqd.service import ListeningService, listen_endpoint
+from mqd.tap import make_options_class, settings_from
 
 __all__ = ["Options", "UpstreamService", "build_service", "check_settings", "makeService"]
 

@@ -1,6 +1,6 @@
 """mqadmin's site: nsqadmin's routes under --base-path, the pages and their static files.
 
-Routing is nsqd's (mqd.http.api.Router: httprouter's 404, 405 with
+Routing is nsqd's (mqd.http.router.Router: httprouter's 404, 405 with
 `Allow`, redirects of near-miss paths) extended with httprouter's
 patterns, because nsqadmin's API names its objects in the path
 (`/api/topics/:topic/:channel`) and scripts written against nsqadmin
@@ -24,12 +24,12 @@ from twisted.python.filepath import FilePath, InsecurePath
 from twisted.web import static
 from twisted.web.server import Request
 
-from ..http.api import ApiSite, CappedBody, Router
-from ..http.response import respond_plain, respond_v1
-from ..logs import get_logger
-from ..lookup.http import Ping
-from . import actions, api, history
-from .endpoint import Admin
+from mqd.admin import actions, api, history
+from mqd.admin.endpoint import Admin
+from mqd.http.endpoint import Ping
+from mqd.http.response import respond_plain, respond_v1
+from mqd.http.router import ApiSite, CappedBody, Router
+from mqd.logs import get_logger
 
 __all__ = ["AdminSite", "PatternRouter", "STATIC_DIR", "UI_ROUTES", "default_routes", "merge_routes"]
 

@@ -6,9 +6,9 @@ and name rules: one implementation of each, checked against the broker's
 own tests. It speaks only NSQ's protocol and works against any nsqd.
 """
 
-from .config import Config
-from .consumer import Consumer
-from .errors import (
+from mqd.client.config import Config
+from mqd.client.consumer import Consumer
+from mqd.client.errors import (
     AuthRefusedError,
     ClientConfigError,
     ConnectionClosed,
@@ -18,8 +18,8 @@ from .errors import (
     ServerProtocolError,
     StoppedError,
 )
-from .message import Message
-from .producer import Producer
+from mqd.client.message import Message
+from mqd.client.producer import Producer
 
 __all__ = [
     "AuthRefusedError",

@@ -20,9 +20,9 @@ import socket
 from collections import OrderedDict
 from typing import Any
 
-from .. import __version__
-from ..options import parse_duration as _parse_go_duration
-from .errors import ClientConfigError
+from mqd import __version__
+from mqd.client.errors import ClientConfigError
+from mqd.options import parse_duration as _parse_go_duration
 
 __all__ = ["Config", "OPTIONS", "parse_duration", "format_duration"]
 

@@ -44,14 +44,25 @@ from twisted.logger import LogLevel
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from ..logs import get_logger
-from ..names import is_valid_name
-from .config import Config
-from .discovery import LookupdPoller
-from .errors import AuthRefusedError, ClientConfigError, ConnectionClosed, NSQError, StoppedError
-from .message import Message
-from .protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol, client_endpoint
-from .ready import ReadyController
+from mqd.client.config import Config
+from mqd.client.discovery import LookupdPoller
+from mqd.client.errors import (
+    AuthRefusedError,
+    ClientConfigError,
+    ConnectionClosed,
+    NSQError,
+    StoppedError,
+)
+from mqd.client.message import Message
+from mqd.client.protocol import (
+    ConnectionDelegate,
+    ConnectionFactory,
+    NSQClientProtocol,
+    client_endpoint,
+)
+from mqd.client.ready import ReadyController
+from mqd.logs import get_logger
+from mqd.names import is_valid_name
 
 __all__ = ["Consumer", "ConsumerStats", "STOP_TIMEOUT"]
 

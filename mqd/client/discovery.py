@@ -40,9 +40,9 @@ from twisted.internet import defer, task
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from ..http_body import read_bounded
-from ..logs import get_logger
-from .errors import ClientConfigError
+from mqd.client.errors import ClientConfigError
+from mqd.http_body import read_bounded
+from mqd.logs import get_logger
 
 __all__ = ["LookupdPoller", "lookup_url", "producer_addresses", "join_host_port", "ACCEPT"]
 

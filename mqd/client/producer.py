@@ -6,7 +6,7 @@ many publishes can be on the wire at once with nothing but a FIFO of
 Deferreds (kept by the connection). Unlike go-nsq, which dials lazily on
 the first publish, the connection is a Twisted `ClientService` that
 reconnects with backoff after any loss, as the broker's own lookupd peers
-do (`mqd.lookup.peer`).
+do (`mqd.nsqd.lookup_peer`).
 
 Memory stays bounded: at most `max_outstanding` commands are on the wire
 and at most `max_queued` wait behind them (or for a connection); beyond
@@ -44,12 +44,17 @@ from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from ..logs import get_logger
-from ..names import is_valid_name
-from ..protocol.errors import go_quote
-from .config import Config
-from .errors import NSQError, ProducerFullError, StoppedError, error_from_frame
-from .protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol, client_endpoint
+from mqd.client.config import Config
+from mqd.client.errors import NSQError, ProducerFullError, StoppedError, error_from_frame
+from mqd.client.protocol import (
+    ConnectionDelegate,
+    ConnectionFactory,
+    NSQClientProtocol,
+    client_endpoint,
+)
+from mqd.logs import get_logger
+from mqd.names import is_valid_name
+from mqd.wire.errors import go_quote
 
 __all__ = ["Producer"]
 

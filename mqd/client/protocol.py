@@ -17,7 +17,7 @@ Frames are parsed in one loop over the bytes read with `unpack_from`, no
 per-frame allocation beyond the payload; a frame split across reads is
 kept as chunks until its size has arrived (not re-joined per read).
 Compressed input is decoded in bounded steps with the broker's codecs
-(mqd/protocol/compression.py), each step parsed before the next.
+(mqd/wire/compression.py), each step parsed before the next.
 
 A broken or hostile server gets a clean close, never an exception out of
 `dataReceived`: a frame declaring more than `max_msg_size` (plus a
@@ -45,12 +45,8 @@ from twisted.internet.error import ConnectionDone
 from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 
-from ..endpoints import client_endpoint as _endpoint
-from ..logs import get_logger
-from ..protocol.compression import CompressedTransport, CompressionError, DeflateCodec, SnappyCodec
-from ..protocol.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE
-from .config import Config
-from .errors import (
+from mqd.client.config import Config
+from mqd.client.errors import (
     AuthRequiredError,
     ConnectionClosed,
     HeartbeatTimeout,
@@ -59,7 +55,16 @@ from .errors import (
     auth_refused,
     error_from_frame,
 )
-from .message import Message
+from mqd.client.message import Message
+from mqd.endpoints import client_endpoint as _endpoint
+from mqd.logs import get_logger
+from mqd.wire.compression import (
+    CompressedTransport,
+    CompressionError,
+    DeflateCodec,
+    SnappyCodec,
+)
+from mqd.wire.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE, MAGIC_V2
 
 __all__ = [
     "MAGIC_V2",
@@ -72,7 +77,6 @@ __all__ = [
 
 log = get_logger("mqd.client")
 
-MAGIC_V2 = b"  V2"
 DEFAULT_MAX_RDY_COUNT = 2500
 # Compressed input is inflated at most this much at a time, each step
 # parsed before the next, so a small input that inflates to gigabytes does

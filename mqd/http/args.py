@@ -13,15 +13,20 @@ from urllib.parse import unquote_to_bytes
 
 from twisted.web.server import Request
 
-from ..names import is_valid_name
-from .response import ApiError
+from mqd.http.response import ApiError
+from mqd.names import is_valid_name
 
 __all__ = [
     "BAD_ESCAPE",
+    "DEFAULT_PEEK",
+    "MAX_PEEK",
     "Query",
+    "count_arg",
     "go_parse_bool",
+    "max_body_arg",
     "parse_query",
     "query_of",
+    "state_arg",
     "topic_arg",
     "topic_channel_args",
 ]
@@ -116,3 +121,54 @@ def topic_channel_args(query: Query) -> tuple[str, str]:
     if not is_valid_name(channel):
         raise ApiError(400, "INVALID_ARG_CHANNEL")
     return topic, channel
+
+
+# Peek arguments (the broker's /channel/peek and /topic/peek, and mqadmin's
+# proxy of them, which checks them the same way before asking any broker).
+DEFAULT_PEEK = 20
+MAX_PEEK = 1000
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _digits_value(raw: str) -> int:
+    """The value of a string of digits, at most 10**18: more is "beyond any bound" here.
+
+    Python refuses to convert strings of over 4,300 digits (and a long one
+    costs quadratic time), so a number that long is not converted at all.
+    """
+    digits = raw.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else 10**18
+
+
+def count_arg(query: Query) -> int:
+    """`n`: how many to answer, at most MAX_PEEK; 400 INVALID_N unless a positive integer."""
+    raw = query.first("n")
+    if raw is None:
+        return DEFAULT_PEEK
+    if not _DIGITS.fullmatch(raw) or _digits_value(raw) <= 0:
+        raise ApiError(400, "INVALID_N")
+    return min(_digits_value(raw), MAX_PEEK)
+
+
+def state_arg(query: Query, allowed: tuple[str, ...]) -> str:
+    state = query.first("state")
+    if state is None:
+        return "queued"
+    if state not in allowed:
+        raise ApiError(400, "INVALID_STATE")
+    return state
+
+
+def max_body_arg(query: Query, cap: int | None) -> int | None:
+    """`max_body`: bytes of each body to show, at most `cap`; 400 INVALID_MAX_BODY unless a number.
+
+    Absent, it is `cap` (None when the caller has none: mqadmin passes the
+    brokers' own cap on by saying nothing).
+    """
+    raw = query.first("max_body")
+    if raw is None:
+        return cap
+    if not _DIGITS.fullmatch(raw):
+        raise ApiError(400, "INVALID_MAX_BODY")
+    value = _digits_value(raw)
+    return value if cap is None else min(value, cap)

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.web.server import NOT_DONE_YET, Request
 
-from ..logs import get_logger
-from .response import ApiError, respond_plain, respond_v1
+from mqd.http.response import ApiError, respond_plain, respond_v1
+from mqd.logs import get_logger
 
-if TYPE_CHECKING:
-    from ..broker import Broker
-
-__all__ = ["Endpoint", "LATER", "PlainTextEndpoint", "client_gone", "finish_v1", "read_body"]
+__all__ = ["Endpoint", "LATER", "Ping", "PlainTextEndpoint", "client_gone", "finish_v1", "read_body"]
 
 log = get_logger(__name__)
 
@@ -36,7 +33,14 @@ LATER = object()
 
 
 class Endpoint:
-    def __init__(self, broker: Broker) -> None:
+    """One route's handlers (`handle_GET`, ...), given the daemon object they serve.
+
+    The attribute is `broker` for the broker's endpoints, whose handlers
+    read it most; nsqlookupd's endpoints get their registry, mqadmin's its
+    Admin.
+    """
+
+    def __init__(self, broker: Any) -> None:
         self.broker = broker
 
     @cached_property
@@ -123,3 +127,10 @@ def read_body(request: Request, limit: int) -> bytes:
         return b""
     content.seek(0)
     return content.read(limit)
+
+
+class Ping(PlainTextEndpoint):
+    """`GET /ping` of mqlookupd and mqadmin: `OK` as plain text (health checks compare the text)."""
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
+        return "OK"

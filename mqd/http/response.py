@@ -110,3 +110,8 @@ def _text_or_nothing(request: Request, body: bytes) -> None:
         request.setHeader(b"Content-Type", TEXT_CONTENT_TYPE)
     else:
         request.defaultContentType = None
+
+
+def nanoseconds(seconds: float) -> int:
+    """Seconds as integer nanoseconds: a time.Duration in Go's JSON, or a time's UnixNano."""
+    return round(seconds * 1e9)

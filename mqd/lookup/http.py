@@ -33,14 +33,13 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 from zope.interface import implementer
 
-from ..http.api import ApiSite, CappedBody, Router
-from ..http.args import query_of, topic_arg, topic_channel_args
-from ..http.endpoint import LATER, Endpoint, PlainTextEndpoint, client_gone
-from ..http.response import ApiError, dumps, respond_v1
-from ..http.status import nanoseconds
-from ..logs import get_logger
-from .protocol import LOOKUPD_VERSION
-from .registry import GO_ZERO_TIME_NS, PeerInfo, Producer, Registration, RegistrationDB
+from mqd.http.args import query_of, topic_arg, topic_channel_args
+from mqd.http.endpoint import LATER, Endpoint, Ping, client_gone
+from mqd.http.response import ApiError, dumps, nanoseconds, respond_v1
+from mqd.http.router import ApiSite, CappedBody, Router
+from mqd.logs import get_logger
+from mqd.lookup.protocol import LOOKUPD_VERSION
+from mqd.lookup.registry import GO_ZERO_TIME_NS, PeerInfo, Producer, Registration, RegistrationDB
 
 __all__ = ["JsonStreamer", "LookupdAPI", "LookupdSite"]
 
@@ -219,13 +218,6 @@ class _LookupdEndpoint(Endpoint):
         super().__init__(db)
         self.db = db
         self.stream = stream
-
-
-class Ping(PlainTextEndpoint):
-    """`GET /ping`: `OK` as plain text (health checks compare the text)."""
-
-    def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
-        return "OK"
 
 
 class Info(_LookupdEndpoint):

@@ -30,16 +30,16 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from zope.interface import implementer
 
-from ..logs import get_logger
-from ..names import EPHEMERAL_SUFFIX, is_valid_name
-from ..protocol.errors import GoStruct
-from .registry import PeerInfo, Producer, Registration, RegistrationDB
+from mqd.logs import get_logger
+from mqd.lookup.registry import PeerInfo, Producer, Registration, RegistrationDB
+from mqd.names import EPHEMERAL_SUFFIX, is_valid_name
+from mqd.wire.errors import GoStruct
+from mqd.wire.framing import MAGIC_V1
 
 __all__ = ["LOOKUPD_VERSION", "LookupdFactory", "LookupdProtocol", "MAGIC_V1", "frame"]
 
 log = get_logger(__name__)
 
-MAGIC_V1 = b"  V1"
 # What brokers and tools compare against (nsqlookupd's version.Binary).
 LOOKUPD_VERSION = "1.3.0"
 # nsqd's IDENTIFY is a few hundred bytes; a megabyte leaves room for any real one.

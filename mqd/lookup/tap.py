@@ -10,13 +10,13 @@ from __future__ import annotations
 from twisted.application import service
 from twisted.python import usage
 
-from ..logs import set_log_level
-from ..options import LOOKUPD_OPTIONS, Settings
-from ..service import ListeningService, listen_endpoint
-from ..tap import make_options_class, settings_from
-from .http import LookupdSite
-from .protocol import LookupdFactory
-from .registry import RegistrationDB
+from mqd.logs import set_log_level
+from mqd.lookup.http import LookupdSite
+from mqd.lookup.protocol import LookupdFactory
+from mqd.lookup.registry import RegistrationDB
+from mqd.options import LOOKUPD_OPTIONS, Settings
+from mqd.service import ListeningService, listen_endpoint
+from mqd.tap import make_options_class, settings_from
 
 __all__ = ["Options", "build_service", "makeService"]
 

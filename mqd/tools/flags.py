@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
-from .. import __version__
-from ..options import parse_duration
+from mqd import __version__
+from mqd.options import parse_duration
 
 __all__ = [
     "ToolError",
@@ -214,7 +214,7 @@ def split_config_opt(opt: str) -> tuple[str, str]:
 
 def apply_config_opts(config: Any, opts: Iterable[str]) -> None:
     """`config.set` each `--consumer-opt`/`--producer-opt`; a bad one is a ToolError."""
-    from ..client.errors import ClientConfigError
+    from mqd.client.errors import ClientConfigError
 
     for opt in opts:
         name, value = split_config_opt(opt)
@@ -231,8 +231,8 @@ def make_config(tool: str, opts: Iterable[str], **after: Any) -> Any:
     after the pass-through options and so win over them. The user agent
     names the tool, as nsq's tools do ("nsq_tail/1.2.1 go-nsq/1.1.0").
     """
-    from ..client.config import Config
-    from ..client.errors import ClientConfigError
+    from mqd.client.config import Config
+    from mqd.client.errors import ClientConfigError
 
     config = Config()
     try:
@@ -268,7 +268,7 @@ def run(main: Callable[..., Any], *args: Any, log_level: str = "info") -> NoRetu
         textFileLogObserver,
     )
 
-    from ..logs import LEVELS, set_log_level
+    from mqd.logs import LEVELS, set_log_level
 
     set_log_level(log_level)
     # Twisted's own chatter ("Starting factory ...", "Main loop terminated")

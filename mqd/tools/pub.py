@@ -20,8 +20,8 @@ from typing import Any
 
 from twisted.internet import protocol
 
-from ..logs import get_logger
-from .flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.logs import get_logger
+from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
 
 __all__ = ["LineSplitter", "Publisher", "build_parser", "main"]
 
@@ -185,7 +185,7 @@ class Publisher:
 async def _main(reactor: Any, args: Any) -> None:
     from twisted.internet import defer, stdio
 
-    from ..client.producer import Producer
+    from mqd.client.producer import Producer
 
     config = make_config(TOOL, args.producer_opt)
     try:

@@ -34,9 +34,9 @@ from typing import IO, Any, NoReturn
 
 from twisted.internet import defer, task
 
-from ..admin.cluster import Cluster
-from ..admin.upstream import Upstream
-from .flags import ToolError, ToolParser, fatal, go_duration, run
+from mqd.clusterinfo.cluster import Cluster
+from mqd.clusterinfo.upstream import Upstream
+from mqd.tools.flags import ToolError, ToolParser, fatal, go_duration, run
 
 __all__ = ["ChannelTotals", "StatTable", "channel_totals", "format_row", "header", "main", "parse_args"]
 

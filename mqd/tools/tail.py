@@ -21,8 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from ..logs import get_logger
-from .flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.logs import get_logger
+from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
 
 __all__ = ["Printer", "build_parser", "main"]
 
@@ -102,7 +102,7 @@ class Printer:
 async def _main(reactor: Any, args: Any) -> None:
     from twisted.internet import defer
 
-    from ..client.consumer import Consumer
+    from mqd.client.consumer import Consumer
 
     config = make_config(TOOL, args.consumer_opt, max_in_flight=args.max_in_flight)
     done: defer.Deferred = defer.Deferred()

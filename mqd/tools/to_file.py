@@ -40,8 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ..logs import LEVELS, get_logger
-from .flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.logs import LEVELS, get_logger
+from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
 
 __all__ = [
     "BatchingWriter",
@@ -459,7 +459,7 @@ class TopicLogger:
                  on_fatal: Callable[[str, Exception], Any] | None = None) -> None:
         from twisted.internet import task
 
-        from ..client.consumer import Consumer
+        from mqd.client.consumer import Consumer
 
         self.topic = topic
         self.sync_interval = args.sync_interval
@@ -601,7 +601,7 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
 
     import treq
 
-    from ..client.discovery import ACCEPT
+    from mqd.client.discovery import ACCEPT
 
     topics: set[str] = set()
     errors: list[str] = []

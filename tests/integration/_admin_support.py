@@ -34,8 +34,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from tests.ensure_browser import BROWSER, DRIVER
-
-from ._support import (
+from tests.integration._support import (
     _LISTENING,
     _NO_PROXY,
     REPO_ROOT,

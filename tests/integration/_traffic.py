@@ -17,7 +17,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
-from ._support import (
+from tests.integration._support import (
     FRAME_RESPONSE,
     BrokerProcess,
     RawConn,
@@ -25,7 +25,7 @@ from ._support import (
     mpub_body,
     select_sockets,
 )
-from .test_snapshot import call
+from tests.integration.test_snapshot import call
 
 
 def number(body: bytes) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from ._support import FAST_SCAN, BrokerProcess, LookupdProcess, Loop
+from tests.integration._support import FAST_SCAN, BrokerProcess, LookupdProcess, Loop
 
 _names = itertools.count(1)
 

@@ -26,8 +26,8 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from ._admin_support import Cluster, NotificationSink, Page, chromium
-from ._support import RawConn, command, http_request, wait_for
+from tests.integration._admin_support import Cluster, NotificationSink, Page, chromium
+from tests.integration._support import RawConn, command, http_request, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ._support import FRAME_ERROR, FRAME_RESPONSE, Collector, RawConn, command
+from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, Collector, RawConn, command
 
 PUBLISH = {"topic": ".*", "channels": [".*"], "permissions": ["publish"]}
 SUBSCRIBE = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}

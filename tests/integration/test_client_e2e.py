@@ -19,9 +19,8 @@ from twisted.internet import defer, reactor, threads
 from mqd.client.consumer import Consumer
 from mqd.client.errors import AuthFailedError, ConnectionClosed, UnauthorizedError
 from mqd.client.producer import Producer
-
-from ._certs import make_certs
-from ._client_support import (
+from tests.integration._certs import make_certs
+from tests.integration._client_support import (
     Recorder,
     channel_stats,
     free_port,
@@ -29,9 +28,9 @@ from ._client_support import (
     sleep,
     wait_until,
 )
-from ._support import FAST_SCAN
-from .test_auth import PUBLISH, SUBSCRIBE, AuthServer, grant
-from .test_tls_compression import tls_flags
+from tests.integration._support import FAST_SCAN
+from tests.integration.test_auth import PUBLISH, SUBSCRIBE, AuthServer, grant
+from tests.integration.test_tls_compression import tls_flags
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ from twisted.logger import formatEvent, globalLogPublisher
 
 from mqd.client.errors import BadMessageError, ConnectionClosed, StoppedError
 from mqd.client.producer import Producer
-
-from ._client_support import channel_stats, free_port, wait_until
-from ._support import FAST_SCAN, Collector
+from tests.integration._client_support import channel_stats, free_port, wait_until
+from tests.integration._support import FAST_SCAN, Collector
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ import asyncnsq
 import pytest
 from asyncnsq.tcp.protocol import DeflateReader, SnappyReader
 
-from ._support import FAST_SCAN
+from tests.integration._support import FAST_SCAN
 
 DEFER_MS = 500
 REQUEUE_DELAY_MS = 300

@@ -20,9 +20,9 @@ import subprocess
 
 import pytest
 
-from ..ensure_node import NODE_DIR, ensure
-from ._support import FAST_SCAN
-from .test_clients_asyncio import DEFER_MS, REQUEUE_DELAY_MS, check
+from tests.ensure_node import NODE_DIR, ensure
+from tests.integration._support import FAST_SCAN
+from tests.integration.test_clients_asyncio import DEFER_MS, REQUEUE_DELAY_MS, check
 
 SCRIPT_TIMEOUT = 30.0
 

@@ -11,7 +11,7 @@ import json
 import nsq
 import pytest
 
-from ._support import FAST_SCAN, Collector, http_request
+from tests.integration._support import FAST_SCAN, Collector, http_request
 
 
 def producers(lookupd, topic: str) -> set[tuple[str, int, int]]:

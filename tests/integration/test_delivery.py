@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
 
 
 @pytest.fixture

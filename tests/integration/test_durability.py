@@ -23,8 +23,7 @@ import lmdb
 import pytest
 
 from backends.lmdb import ENV_DIR, KEY, RECORD
-
-from ._support import (
+from tests.integration._support import (
     FAST_SCAN,
     FRAME_ERROR,
     FRAME_MESSAGE,

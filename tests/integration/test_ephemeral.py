@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._support import FAST_SCAN, Collector, RawConn, command, mpub_body
+from tests.integration._support import FAST_SCAN, Collector, RawConn, command, mpub_body
 
 
 def _wait_for_metadata(loop, broker, topic: str, channels: list[str]) -> None:

@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 
-from ._support import FAST_SCAN, FRAME_ERROR, FRAME_RESPONSE, RawConn, command, mpub_body, wait_for
+from tests.integration._support import (
+    FAST_SCAN,
+    FRAME_ERROR,
+    FRAME_RESPONSE,
+    RawConn,
+    command,
+    mpub_body,
+    wait_for,
+)
 
 V1 = "nsq; version=1.0"
 JSON_TYPE = "application/json; charset=utf-8"

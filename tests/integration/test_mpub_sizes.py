@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
 
 I32 = struct.Struct(">i")
 MAX_BODY = 1000

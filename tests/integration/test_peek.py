@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, command, http_request, wait_for
+from tests.integration._support import FAST_SCAN, RawConn, command, http_request, wait_for
 
 MODES = {
     "lmdb": (),

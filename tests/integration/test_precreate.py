@@ -7,7 +7,7 @@ mqadmin and nsqadmin do); the broker, connected to that lookupd, asks its
 
 from __future__ import annotations
 
-from ._support import FAST_SCAN, RawConn, command, http_request, wait_for
+from tests.integration._support import FAST_SCAN, RawConn, command, http_request, wait_for
 
 
 def _channels(broker, topic: str) -> dict[str, tuple[int, int]]:

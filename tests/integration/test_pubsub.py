@@ -7,7 +7,7 @@ from collections import Counter
 
 import nsq
 
-from ._support import Collector
+from tests.integration._support import Collector
 
 
 def test_pub_mpub_dpub_answer_ok(broker, loop, name):

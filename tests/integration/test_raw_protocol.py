@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
 
 
 @pytest.mark.parametrize("magic", [b"  V1", b"GET ", b"V2  "])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._support import FAST_SCAN, Collector
+from tests.integration._support import FAST_SCAN, Collector
 
 
 def test_restart_keeps_topics_and_channels(start_broker, loop, name):

@@ -13,9 +13,8 @@ import subprocess
 import sys
 import threading
 
-from mqd.snapshot_format import read_manifest
-
-from ._support import FAST_SCAN, REPO_ROOT, child_env
+from mqd.nsqd.snapshot_format import read_manifest
+from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env
 
 
 def create(broker, topic: str, channel: str) -> None:

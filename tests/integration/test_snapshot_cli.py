@@ -12,10 +12,9 @@ import sys
 
 import pytest
 
-from mqd.snapshot_format import read_manifest
-
-from ._support import FAST_SCAN, REPO_ROOT, RawConn, child_env, command, wait_for
-from .test_snapshot import call, create, publish, queue_stats
+from mqd.nsqd.snapshot_format import read_manifest
+from tests.integration._support import FAST_SCAN, REPO_ROOT, RawConn, child_env, command, wait_for
+from tests.integration.test_snapshot import call, create, publish, queue_stats
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -23,12 +23,11 @@ from datetime import UTC, datetime, timedelta
 import pyarrow as pa
 import pytest
 
-from mqd.snapshot_format import Manifest, read_manifest
+from mqd.nsqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.records import ARROW_SCHEMA, open_snapshot, read_ranges, snapshot_ranges
-
-from ._support import FAST_SCAN, FRAME_RESPONSE, RawConn, command, wait_for
-from ._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
-from .test_snapshot import call, create, queue_stats
+from tests.integration._support import FAST_SCAN, FRAME_RESPONSE, RawConn, command, wait_for
+from tests.integration._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
+from tests.integration.test_snapshot import call, create, queue_stats
 
 MODES = {
     "lmdb": (),

@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from ._support import FAST_SCAN, Collector, RawConn, child_env, command, mpub_body, twistd_command
+from tests.integration._support import (
+    FAST_SCAN,
+    Collector,
+    RawConn,
+    child_env,
+    command,
+    mpub_body,
+    twistd_command,
+)
 
 
 def _write_yaml(path, text: str):

@@ -7,7 +7,7 @@ import socket
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ._support import _NO_PROXY, FAST_SCAN, RawConn, command, mpub_body, wait_for
+from tests.integration._support import _NO_PROXY, FAST_SCAN, RawConn, command, mpub_body, wait_for
 
 
 def get(broker, path: str) -> tuple[int, dict[str, str], bytes]:

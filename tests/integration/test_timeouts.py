@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ._support import FAST_SCAN, Collector, RawConn, command
+from tests.integration._support import FAST_SCAN, Collector, RawConn, command
 
 
 @pytest.fixture

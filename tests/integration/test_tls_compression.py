@@ -16,9 +16,9 @@ import urllib.request
 
 import pytest
 
-from .._codec_clients import DeflateClient, SnappyClient
-from ._certs import make_certs
-from ._support import (
+from tests._codec_clients import DeflateClient, SnappyClient
+from tests.integration._certs import make_certs
+from tests.integration._support import (
     _NO_PROXY,
     FRAME_ERROR,
     FRAME_RESPONSE,

@@ -17,7 +17,14 @@ from urllib.parse import quote
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, child_env, command, http_request, wait_for
+from tests.integration._support import (
+    FAST_SCAN,
+    RawConn,
+    child_env,
+    command,
+    http_request,
+    wait_for,
+)
 
 HEADER = [
     "------rate------+----------------depth----------------+--------------metadata---------------",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ._support import FAST_SCAN, RawConn, command, wait_for
+from tests.integration._support import FAST_SCAN, RawConn, command, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from ._support import http_request, wait_for
-from .test_auth import SUBSCRIBE, AuthServer, grant
-from .test_tools import TIMEOUT, has_channel, tool
+from tests.integration._support import http_request, wait_for
+from tests.integration.test_auth import SUBSCRIBE, AuthServer, grant
+from tests.integration.test_tools import TIMEOUT, has_channel, tool
 
 pytestmark = pytest.mark.slow
 

@@ -25,9 +25,9 @@ import ssl
 
 import pytest
 
-from .._codec_clients import DeflateClient, SnappyClient
-from ._support import FRAME_RESPONSE, command
-from .test_tls_compression import UpgradingConn, certs, client_context, tls_flags  # noqa: F401
+from tests._codec_clients import DeflateClient, SnappyClient
+from tests.integration._support import FRAME_RESPONSE, command
+from tests.integration.test_tls_compression import UpgradingConn, certs, client_context, tls_flags  # noqa: F401
 
 CONNECTIONS = 20
 CODECS = {"snappy": SnappyClient, "deflate": DeflateClient}

@@ -3,7 +3,7 @@
 One MPUB of 1,048,575 one-byte messages kept every other client waiting
 ~2.5 s and grew the broker by ~320 MB; a text /mpub of 2.6 M lines, ~8 s
 and ~800 MB. Big batches are now checked whole, then published a chunk per
-reactor turn (mqd.publisher); these tests drive the broker turn by turn, as
+reactor turn (mqd.nsqd.batches); these tests drive the broker turn by turn, as
 the reactor runs it, and look at the order of events, never at timings.
 """
 
@@ -20,9 +20,9 @@ import urllib.request
 
 import pytest
 
-from mqd import publisher
-from mqd.http.publish import split_text_mpub
 from mqd.http.response import ApiError
+from mqd.nsqd import batches as publisher
+from mqd.nsqd.http.publish import split_text_mpub
 from tests.unit._http import HTTPClient, error, parse_response
 from tests.unit.conftest import (
     Client,

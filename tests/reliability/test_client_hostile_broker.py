@@ -5,7 +5,7 @@ bytes, frames of types that do not exist, truncated frames, JSON nested
 `[` × N or `{"a":` × N deep, sizes up to 2 GiB, OK and E_ answers where
 none belongs, a valid-looking handshake first or not, some of it dripped
 a byte at a time, then a close, an abort or silence. A Producer, a
-Consumer and the broker's own lookupd client (mqd.lookup.peer) connect
+Consumer and the broker's own lookupd client (mqd.nsqd.lookup_peer) connect
 to it at once; a LookupdPoller asks a fake lookupd (twisted.web, or the
 same raw server) whose answers are chosen the same way.
 
@@ -49,8 +49,8 @@ from mqd.client.discovery import LookupdPoller
 from mqd.client.errors import ConnectionClosed, NSQError, StoppedError
 from mqd.client.producer import Producer
 from mqd.client.protocol import NSQClientProtocol
-from mqd.lookup import peer as peer_module
-from mqd.lookup.peer import LookupPeer, LookupPeerProtocol
+from mqd.nsqd import lookup_peer as peer_module
+from mqd.nsqd.lookup_peer import LookupPeer, LookupPeerProtocol
 from tests.unit.conftest import new_broker
 
 _OVERRIDE = int(os.environ.get("MQD_FUZZ_EXAMPLES", "0"))

@@ -29,12 +29,12 @@ import lmdb
 import pytest
 from twisted.internet.testing import MemoryReactor
 
-import mqd.broker
+import mqd.nsqd.broker
 from backends.lmdb import SPILL_FILE, LmdbStore, StoreOpenError
 from mqd.lookup.tap import build_service as build_lookupd
+from mqd.nsqd.tap import build_service as build_mqd
 from mqd.options import LOOKUPD_OPTIONS, MQD_OPTIONS, ConfigError, resolve, system_backlog
 from mqd.service import ListeningService
-from mqd.tap import build_service as build_mqd
 from tests.integration._support import (
     FAST_SCAN,
     FRAME_ERROR,
@@ -356,7 +356,7 @@ def test_defect18_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monke
 
     # The disk is full: nsqd.dat cannot be written, and neither can LMDB.
     full = [True]
-    real_mkstemp, real_write = mqd.broker.tempfile.mkstemp, LmdbStore._write
+    real_mkstemp, real_write = mqd.nsqd.broker.tempfile.mkstemp, LmdbStore._write
 
     def mkstemp(*args, **kwargs):
         if full[0]:
@@ -368,7 +368,7 @@ def test_defect18_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monke
             raise lmdb.Error("mdb_txn_commit: No space left on device")
         return real_write(store)
 
-    monkeypatch.setattr(mqd.broker.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(mqd.nsqd.broker.tempfile, "mkstemp", mkstemp)
     monkeypatch.setattr(LmdbStore, "_write", write)
     broker = new_broker(tmp_path, clock, backend="lmdb", durable=True)
     lines = [line for line in log_lines if "cannot write metadata" in line]

@@ -30,8 +30,7 @@ from tests.integration._support import (
     wait_for,
 )
 from tests.integration.test_durability import check_body, drain, make_body
-
-from ._fault_support import (
+from tests.reliability._fault_support import (
     abuse_fin_flood,
     abuse_never_reading_consumer,
     abuse_slow_consumer,

@@ -25,8 +25,8 @@ import tracemalloc
 
 import pytest
 
-from mqd.protocol.compression import SNAPPY_STREAM_HEADER
-from mqd.protocol.v2 import UPGRADE_GAP
+from mqd.nsqd.protocol.v2 import UPGRADE_GAP
+from mqd.wire.compression import SNAPPY_STREAM_HEADER
 from tests._codec_clients import DeflateClient, SnappyClient
 from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, RawConn, command, select_sockets
 from tests.integration.test_auth import PUBLISH, authd, grant  # noqa: F401

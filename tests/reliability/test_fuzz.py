@@ -36,6 +36,21 @@ from mqd.lookup.protocol import LookupdFactory, frame
 from mqd.lookup.registry import RegistrationDB
 from mqd.message import IdFactory
 from tests.integration._support import FAST_SCAN
+from tests.reliability._fault_support import (
+    HTTP_BODIES,
+    HTTP_METHODS,
+    HTTP_PATHS,
+    HTTP_QUERY_KEYS,
+    HTTP_QUERY_VALUES,
+    LOOKUPD_TOKENS,
+    V2_TOKENS,
+    Control,
+    LogWatch,
+    fuzz_broker,
+    http_sweep,
+    log_problems,
+    queue_count,
+)
 from tests.unit._http import HTTPClient, parse_response
 from tests.unit.conftest import (
     MAGIC,
@@ -52,22 +67,6 @@ from tests.unit.conftest import (
 from tests.unit.test_lookupd_http import LookupdClient
 from tests.unit.test_lookupd_protocol import Conn
 from tests.unit.test_v2_fuzz import check_answer_or_close
-
-from ._fault_support import (
-    HTTP_BODIES,
-    HTTP_METHODS,
-    HTTP_PATHS,
-    HTTP_QUERY_KEYS,
-    HTTP_QUERY_VALUES,
-    LOOKUPD_TOKENS,
-    V2_TOKENS,
-    Control,
-    LogWatch,
-    fuzz_broker,
-    http_sweep,
-    log_problems,
-    queue_count,
-)
 
 _OVERRIDE = int(os.environ.get("MQD_FUZZ_EXAMPLES", "0"))
 

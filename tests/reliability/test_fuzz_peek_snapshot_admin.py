@@ -42,13 +42,13 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from mqd.admin.cluster import Cluster
 from mqd.admin.endpoint import Admin
 from mqd.admin.history import History, sampler
-from mqd.admin.upstream import UpstreamError
 from mqd.admin.web import AdminSite
-from mqd.auth import AuthClient, AuthError
-from mqd.http.authorization import AuthCache
+from mqd.clusterinfo.cluster import Cluster
+from mqd.clusterinfo.upstream import UpstreamError
+from mqd.nsqd.auth import AuthClient, AuthError
+from mqd.nsqd.http.authorization import AuthCache
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.integration._admin_support import AdminProcess
 from tests.integration._support import FRAME_RESPONSE, RawConn, command
@@ -57,19 +57,17 @@ from tests.integration.test_auth import SUBSCRIBE as SUBSCRIBE_ALL
 from tests.integration.test_auth import AuthServer as AuthServer_
 from tests.integration.test_auth import grant as auth_grant
 from tests.integration.test_auth import identify_auth
-from tests.unit._http import Response, parse_response
-from tests.unit.conftest import Client, cmd, sized
-from tests.unit.test_v2_auth import answer
-
-from ._fault_support import HTTP_BODIES, HTTP_METHODS, HTTP_QUERY_VALUES, LogWatch
-from .test_fuzz import (
+from tests.reliability._fault_support import HTTP_BODIES, HTTP_METHODS, HTTP_QUERY_VALUES, LogWatch
+from tests.reliability.test_fuzz import (
     _OVERRIDE,
     CONTROL_CHANNEL,
     CONTROL_TOPIC,
     Harness,
-    _snapshots_in_line,  # noqa: F401 - its autouse fixture: snapshots in line
     examples,
 )
+from tests.unit._http import Response, parse_response
+from tests.unit.conftest import Client, cmd, sized
+from tests.unit.test_v2_auth import answer
 
 # 5xx answers that are part of the API (everything else 5xx is a bug).
 DOCUMENTED_5XX = {(502, "UPSTREAM_ERROR"), (503, "PEEK_BUSY"), (503, "STORE_FAILED"), (507, "SNAPSHOT_LIMIT")}

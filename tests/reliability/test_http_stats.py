@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mqd.auth import AuthError, parse_auth_response
+from mqd.nsqd.auth import AuthError, parse_auth_response
 from tests.unit._http import HTTPClient, error
 from tests.unit.conftest import Client, cmd, err, new_broker, ok, sized
 
@@ -180,7 +180,7 @@ def snap_broker(tmp_path, clock, monkeypatch):
     """An lmdb broker whose snapshots run in the test's thread, and its HTTP client."""
     from twisted.internet import defer
 
-    import mqd.http.snapshot as endpoint
+    import mqd.nsqd.http.snapshot as endpoint
 
     monkeypatch.setattr(endpoint.threads, "deferToThread",
                         lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
@@ -236,7 +236,7 @@ def test_defect14_snapshot_never_writes_through_a_symlink(snap_broker, tmp_path)
 
 
 def test_defect14_snapshots_disk_use_is_bounded(snap_broker):
-    from mqd.http.snapshot import disk_use
+    from mqd.nsqd.http.snapshot import disk_use
 
     broker, http = snap_broker()
     assert http.post("/pub?topic=t", b"x" * 1000).status == 200
@@ -269,7 +269,7 @@ def _escape(value: str) -> str:
 
 @st.composite
 def _requests(draw):
-    from mqd.http.api import NsqdAPI
+    from mqd.nsqd.http.site import NsqdAPI
 
     paths = sorted(NsqdAPI(None, {}).routes) + ["/config/nsqlookupd_tcp_addresses", "/config/log_level",
                                                 "/config/" + draw(st.text(min_size=1, max_size=10).filter(

@@ -38,6 +38,7 @@ from twisted.python.failure import Failure
 from mqd.lookup.http import SLICE, LookupdSite
 from mqd.lookup.protocol import LookupdFactory, LookupdProtocol
 from mqd.lookup.registry import RegistrationDB
+from tests.reliability._fault_support import LogWatch
 from tests.unit._lookupd_reference import (
     NaiveRegistrationDB,
     StreamingClient,
@@ -50,8 +51,6 @@ from tests.unit._lookupd_reference import (
     naive_topics,
 )
 from tests.unit.conftest import START_TIME, sized
-
-from ._fault_support import LogWatch
 
 BROKERS = 1000
 TOPICS = [f"topic{t}" for t in range(5)]

@@ -19,8 +19,7 @@ import threading
 import time
 
 from tests.integration._support import FRAME_RESPONSE, RawConn, command, http_request
-
-from ._fault_support import measured
+from tests.reliability._fault_support import measured
 
 MB = 1 << 20
 BUDGET = 4 * MB

@@ -60,7 +60,7 @@ def test_defect06_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
     """The Cooperator drops a task's exception silently: a failing answer of a big batch must be logged."""
     from twisted.logger import globalLogPublisher
 
-    from mqd.publisher import publish_in_chunks
+    from mqd.nsqd.batches import publish_in_chunks
 
     class _Topic:
         exiting = False

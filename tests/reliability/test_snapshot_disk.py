@@ -24,16 +24,15 @@ import pytest
 from twisted.internet import defer, threads
 from twisted.python.failure import Failure
 
-from mqd.capture import capture
+from mqd.nsqd.capture import capture
+from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError, hold_snapshot
+from mqd.nsqd.snapshot_live import snapshot_estimate
+from mqd.nsqd.snapshot_space import Entry, disk_use, retention_victims
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from mqd.snapshot_format import MANIFEST, SnapshotError, hold_snapshot
-from mqd.snapshot_live import snapshot_estimate
-from mqd.snapshot_space import Entry, disk_use, retention_victims
 from spark_bridge.records import open_snapshot
 from tests.integration._support import FRAME_RESPONSE, RawConn, command, mpub_body
+from tests.reliability._fault_support import log_problems, raw_http
 from tests.unit._http import HTTPClient, error, parse_response
-
-from ._fault_support import log_problems, raw_http
 
 # -- in-process ------------------------------------------------------------------------------
 

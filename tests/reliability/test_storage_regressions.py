@@ -14,9 +14,10 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 
-from mqd import channel as channel_module
-from mqd.channel import Channel
-from mqd.queuescan import QueueScanner
+from mqd.nsqd import channel as channel_module
+from mqd.nsqd.channel import Channel
+from mqd.nsqd.queuescan import QueueScanner
+from tests.reliability.invariants import check_durable_invariant, stored_keys
 from tests.unit.conftest import (
     HEARTBEAT,
     Client,
@@ -34,8 +35,6 @@ from tests.unit.conftest import (
     pub,
     scan,
 )
-
-from .invariants import check_durable_invariant, stored_keys
 
 FULL = "LMDB write failed: No space left on device"
 
@@ -473,7 +472,7 @@ def test_defect11_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, c
     # dropped either: the store takes them and writes what fits in bounded
     # transactions (here all of it: only the one-transaction commit fails).
     assert broker.close() is None
-    lost = [e for e in logged.events if e.get("log_namespace") == "mqd.overflow"]
+    lost = [e for e in logged.events if e.get("log_namespace") == "mqd.nsqd.overflow"]
     assert lost == []
     broker = lmdb_broker(tmp_path, clock, mem_queue_size=10)  # the data path and LMDB were released
     assert {name: broker.topics[name].depth() for name in ("t", "u", "other")} == {

@@ -26,7 +26,7 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
-from mqd.protocol.v2 import V2Factory
+from mqd.nsqd.protocol.v2 import V2Factory
 from tests.integration._support import (
     FRAME_MESSAGE,
     FRAME_RESPONSE,

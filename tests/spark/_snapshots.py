@@ -26,8 +26,8 @@ from twisted.internet.task import Clock
 
 from backends.lmdb import LmdbStore
 from mqd.message import Message
-from mqd.snapshot_format import take_snapshot
-from mqd.snapshot_live import LiveQueue, LiveState, write_live_snapshot
+from mqd.nsqd.snapshot_format import take_snapshot
+from mqd.nsqd.snapshot_live import LiveQueue, LiveState, write_live_snapshot
 
 __all__ = ["Held", "STANDARD_QUEUES", "build_snapshot", "expected_rows", "message", "messages", "micros"]
 
@@ -81,7 +81,7 @@ def build_snapshot(tmp_path: str | os.PathLike, queues: Mapping[str, list[Messag
     names, per queue, sequence numbers removed again after the first commit
     (as FINs leave them in durable mode), so the snapshot's key ranges have
     gaps. With `held` the snapshot is a live broker's (manifest version 2,
-    written by mqd.snapshot_live): those messages are its held rows, in
+    written by mqd.nsqd.snapshot_live): those messages are its held rows, in
     flight ones held by `clients[client]`. The Message objects given are
     not modified.
     """

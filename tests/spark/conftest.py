@@ -17,8 +17,7 @@ import pytest
 
 from mqd.message import Message
 from tests.integration.conftest import start_broker, start_lookupd
-
-from ._snapshots import STANDARD_QUEUES, build_snapshot, expected_rows
+from tests.spark._snapshots import STANDARD_QUEUES, build_snapshot, expected_rows
 
 __all__ = ["KnownSnapshot", "known_snapshot", "spark", "start_broker", "start_lookupd"]
 

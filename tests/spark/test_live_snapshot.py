@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 
-from mqd.snapshot_format import read_manifest
+from mqd.nsqd.snapshot_format import read_manifest
 from tests.integration._support import FAST_SCAN, wait_for
 from tests.integration._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
 from tests.integration.test_snapshot import call, create, queue_stats

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.snapshot_format import QueueInfo, SnapshotError, read_manifest
+from mqd.nsqd.snapshot_format import QueueInfo, SnapshotError, read_manifest
 from spark_bridge import records
 from spark_bridge.records import (
     ARROW_SCHEMA,
@@ -21,8 +21,7 @@ from spark_bridge.records import (
     read_ranges,
     snapshot_ranges,
 )
-
-from ._snapshots import Held, build_snapshot, expected_rows, message, messages
+from tests.spark._snapshots import Held, build_snapshot, expected_rows, message, messages
 
 
 def read_all(path, ranges=None, **kwargs) -> list[pa.RecordBatch]:

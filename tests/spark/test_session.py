@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mqd.snapshot_format import read_manifest
+from mqd.nsqd.snapshot_format import read_manifest
 from spark_bridge import jvm_archive, python_launcher
 from spark_bridge.__main__ import _shut_down, main
 from spark_bridge.sample import write_sample_snapshot

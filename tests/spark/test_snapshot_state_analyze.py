@@ -16,7 +16,7 @@ import re
 import subprocess
 import sys
 
-from mqd.snapshot_format import read_manifest
+from mqd.nsqd.snapshot_format import read_manifest
 from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env
 from tests.integration.test_snapshot import call, create, queue_stats
 

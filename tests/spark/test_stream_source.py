@@ -20,8 +20,7 @@ import pytest
 
 from tests.integration._client_support import free_port
 from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env, http_request
-
-from ._stream_query import SKIP, channel_counts, start_query
+from tests.spark._stream_query import SKIP, channel_counts, start_query
 
 TOPIC = "events"
 CHANNEL = "spark"

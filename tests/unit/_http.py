@@ -17,7 +17,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from mqd.http.api import NsqdSite
+from mqd.nsqd.http.site import NsqdSite
 
 V1 = "nsq; version=1.0"
 

@@ -22,8 +22,7 @@ from twisted.python.failure import Failure
 from mqd.http.response import dumps
 from mqd.lookup.http import LookupdSite, _debug_entry
 from mqd.lookup.registry import Producer, Registration
-
-from ._http import Response, parse_response
+from tests.unit._http import Response, parse_response
 
 
 class NaiveRegistrationDB:

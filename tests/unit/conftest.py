@@ -22,11 +22,11 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from backends.lmdb import LmdbStore
-from mqd.broker import Broker
 from mqd.message import Message
+from mqd.nsqd.broker import Broker
+from mqd.nsqd.protocol.v2 import V2Factory
+from mqd.nsqd.queuescan import QueueScanner
 from mqd.options import MQD_OPTIONS, resolve
-from mqd.protocol.v2 import V2Factory
-from mqd.queuescan import QueueScanner
 
 MAGIC = b"  V2"
 RESPONSE, ERROR, MESSAGE = 0, 1, 2
@@ -331,7 +331,7 @@ def sync_threads(monkeypatch):
     The answer is then there when the request returns, and no snapshot
     thread outlives its test writing into a directory being removed.
     """
-    import mqd.http.snapshot as endpoint
+    import mqd.nsqd.http.snapshot as endpoint
 
     monkeypatch.setattr(endpoint.threads, "deferToThread",
                         lambda f, *a, **kw: defer.maybeDeferred(f, *a, **kw))
@@ -340,6 +340,6 @@ def sync_threads(monkeypatch):
 @pytest.fixture
 def http(broker, sync_threads):
     """An in-process HTTP client of the default broker's API."""
-    from ._http import HTTPClient
+    from tests.unit._http import HTTPClient
 
     return HTTPClient(broker)

@@ -24,12 +24,11 @@ from twisted.web import resource
 
 from mqd.admin.actions import Notifier, decode_go_object, routes
 from mqd.admin.endpoint import Admin
-from mqd.admin.upstream import UpstreamError
-from mqd.http.api import ApiSite
+from mqd.clusterinfo.upstream import UpstreamError
+from mqd.http.router import ApiSite
 from mqd.logs import set_log_level
 from mqd.options import MQADMIN_OPTIONS, resolve
-
-from ._http import Response, error, parse_response
+from tests.unit._http import Response, error, parse_response
 
 L1, L2 = "lookupd1:4161", "lookupd2:4161"
 N1, N2 = "10.0.0.1:4151", "10.0.0.2:4151"

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from mqd.admin.aggregate import (
+from mqd.clusterinfo.aggregate import (
     NodeStats,
     all_channel_stats,
     channel_stats,

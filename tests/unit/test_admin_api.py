@@ -21,14 +21,13 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from mqd.admin import api
-from mqd.admin.cluster import Cluster
 from mqd.admin.endpoint import Admin
-from mqd.admin.upstream import Upstream, UpstreamError, base_url
 from mqd.admin.web import AdminSite
+from mqd.clusterinfo.cluster import Cluster
+from mqd.clusterinfo.upstream import Upstream, UpstreamError, base_url
 from mqd.options import MQADMIN_OPTIONS, resolve
-
-from ._http import HTTPClient, error
-from .test_admin_aggregate import COUNTER_ROWS
+from tests.unit._http import HTTPClient, error
+from tests.unit.test_admin_aggregate import COUNTER_ROWS
 
 FIXTURES = pathlib.Path(__file__).parent / "admin_fixtures"
 NOW = 1_700_001_000
@@ -674,7 +673,7 @@ def test_upstream_https_verification(tmp_path):
 
 
 def test_tls_options_checked_at_start(tmp_path):
-    from mqd.admin.upstream import ClientTLS
+    from mqd.clusterinfo.upstream import ClientTLS
     from mqd.options import ConfigError
 
     with pytest.raises(ConfigError, match="cannot read --http-client-tls-root-ca-file"):

@@ -14,11 +14,10 @@ import pytest
 import pytest_twisted
 
 from mqd.admin.actions import PEEK_ANSWER_MAX
-from mqd.admin.upstream import UpstreamError
-
-from ._http import error
-from .test_admin_actions import N1, N2, Cluster, Down, peeked
-from .test_admin_api import real_upstream
+from mqd.clusterinfo.upstream import UpstreamError
+from tests.unit._http import error
+from tests.unit.test_admin_actions import N1, N2, Cluster, Down, peeked
+from tests.unit.test_admin_api import real_upstream
 
 AUTH = {"Authorization": "Bearer s3cret"}
 

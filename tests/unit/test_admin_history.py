@@ -12,12 +12,11 @@ import pytest
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.web.test.requesthelper import DummyRequest
 
-from mqd.admin.cluster import Cluster
 from mqd.admin.endpoint import Admin
 from mqd.admin.history import History, NodeSample, routes, sampler
-from mqd.admin.upstream import UpstreamError
-
-from .conftest import START_TIME
+from mqd.clusterinfo.cluster import Cluster
+from mqd.clusterinfo.upstream import UpstreamError
+from tests.unit.conftest import START_TIME
 
 A, B = "10.0.0.1:4151", "10.0.0.2:4151"
 BOOT = 1_699_999_000
@@ -400,7 +399,7 @@ def test_api_history_404s_and_400s(history, cluster):
     assert get(history, "topic=%zz") == (400, {"message": "INVALID_REQUEST"})
 
 
-# -- sampler over mqd.admin.cluster.Cluster ---------------------------------------------
+# -- sampler over mqd.clusterinfo.cluster.Cluster ---------------------------------------------
 
 
 class FakeUpstream:

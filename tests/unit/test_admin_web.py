@@ -21,8 +21,7 @@ from mqd.admin import tap
 from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
 from mqd.admin.web import STATIC_DIR, AdminSite, PatternRouter, merge_routes
 from mqd.options import MQADMIN_OPTIONS, ConfigError, resolve
-
-from ._http import HTTPClient, error, parse_response
+from tests.unit._http import HTTPClient, error, parse_response
 
 PAGE = b'<!doctype html><base href="{{BASE_PATH}}"><script>const BASE = "{{BASE_PATH}}";</script>'
 

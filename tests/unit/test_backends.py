@@ -9,9 +9,9 @@ import backends
 from backends import BackendError, IBackendQueue, IBackendStore
 from backends.dummy import DummyQueue, DummyStore
 from backends.memory import MemoryQueue, MemoryStore
-from mqd.consumer import IConsumer
 from mqd.message import Message
-from mqd.protocol.v2 import V2Protocol
+from mqd.nsqd.interfaces import IConsumer
+from mqd.nsqd.protocol.v2 import V2Protocol
 
 
 def msgs(n: int, start: int = 0) -> list[Message]:
@@ -113,7 +113,7 @@ def test_dummy_queue_drops_everything():
 
 
 def test_ephemeral_channel_overflow_dropped(make_broker):
-    from .conftest import Client, mpub, ok
+    from tests.unit.conftest import Client, mpub, ok
 
     broker = make_broker(mem_queue_size=2)
     c = Client(broker)
@@ -132,7 +132,7 @@ class FailingQueue(MemoryQueue):
 
 
 def test_backend_failure_is_pub_failed(make_broker):
-    from .conftest import Client, cmd, err, mpub, pub
+    from tests.unit.conftest import Client, cmd, err, mpub, pub
 
     broker = make_broker(mem_queue_size=0)
     broker.topic("t")._queue.backend = FailingQueue("t")
@@ -149,7 +149,7 @@ def test_backend_failure_is_pub_failed(make_broker):
 
 
 def test_requeue_survives_backend_failure(make_broker):
-    from .conftest import Client, cmd, mpub, ok
+    from tests.unit.conftest import Client, cmd, mpub, ok
 
     broker = make_broker(mem_queue_size=1)
     c = Client(broker)

@@ -12,8 +12,19 @@ import pytest
 from twisted.internet.testing import StringTransport
 
 from bench.probe import ProbeFactory
-
-from .conftest import CLOSE_WAIT, MAGIC, Frame, Msg, cmd, err, identify, mpub, ok, parse_frames, pub
+from tests.unit.conftest import (
+    CLOSE_WAIT,
+    MAGIC,
+    Frame,
+    Msg,
+    cmd,
+    err,
+    identify,
+    mpub,
+    ok,
+    parse_frames,
+    pub,
+)
 
 
 class TcpTransport(StringTransport):

@@ -17,9 +17,9 @@ from bench.memory import nsqd_estimate, per_message, pymalloc_block
 from bench.writer import due_commands
 
 COLLAPSED = """\
-<module> (twistd:8);run (twisted/base.py:1);doRead (twisted/tcp.py:10);_parse (mqd/protocol/v2.py:400) 6
-<module> (twistd:8);run (twisted/base.py:1);doRead (twisted/tcp.py:12);_parse (mqd/protocol/v2.py:410) 2
-<module> (twistd:8);run (twisted/base.py:1);deliver (mqd/channel.py:200);send (libc.so.6) 1
+<module> (twistd:8);run (twisted/base.py:1);doRead (twisted/tcp.py:10);_parse (mqd/nsqd/protocol/v2.py:400) 6
+<module> (twistd:8);run (twisted/base.py:1);doRead (twisted/tcp.py:12);_parse (mqd/nsqd/protocol/v2.py:410) 2
+<module> (twistd:8);run (twisted/base.py:1);deliver (mqd/nsqd/channel.py:200);send (libc.so.6) 1
 <module> (twistd:8);run (twisted/base.py:2);f (a.py:1);f (a.py:2);f (a.py:3) 1
 <module> (twistd:8);0x7f00aa (libc.so.6) 3
 <module> (twistd:8);0x7f00bb (libc.so.6) 1
@@ -28,7 +28,7 @@ garbage line without a count
 
 
 def test_frame_name_drops_line_numbers_and_merges_unresolved_addresses():
-    assert frame_name("_parse (mqd/protocol/v2.py:400)") == "_parse (mqd/protocol/v2.py)"
+    assert frame_name("_parse (mqd/nsqd/protocol/v2.py:400)") == "_parse (mqd/nsqd/protocol/v2.py)"
     assert frame_name("send (libc.so.6)") == "send (libc.so.6)"
     assert frame_name("0x7f00aa (libc.so.6)") == "? (libc.so.6)"
     assert frame_name("0x7f00aa") == "?"
@@ -38,7 +38,7 @@ def test_frame_counts_self_and_total():
     own, total, samples = frame_counts(COLLAPSED)
     assert samples == 14
     # One function's lines add up, for self and total alike.
-    assert own["_parse (mqd/protocol/v2.py)"] == 8
+    assert own["_parse (mqd/nsqd/protocol/v2.py)"] == 8
     assert total["doRead (twisted/tcp.py)"] == 8
     assert own["send (libc.so.6)"] == 1
     assert own["? (libc.so.6)"] == 4
@@ -52,7 +52,7 @@ def test_frame_counts_self_and_total():
 def test_top_orders_by_samples_and_leaves_out_the_trunk():
     own, total, samples = frame_counts(COLLAPSED)
     assert top(own, samples, 2) == [
-        ("_parse (mqd/protocol/v2.py)", 8, pytest.approx(100 * 8 / 14)),
+        ("_parse (mqd/nsqd/protocol/v2.py)", 8, pytest.approx(100 * 8 / 14)),
         ("? (libc.so.6)", 4, pytest.approx(100 * 4 / 14)),
     ]
     # <module> is in every stack: the trunk, left out below 90%.
@@ -66,7 +66,7 @@ def test_top_table_lists_self_and_total():
     text = top_table(COLLAPSED, limit=3)
     assert text.startswith("14 samples")
     self_part, total_part = text.split("top 3 by total")
-    assert "_parse (mqd/protocol/v2.py)" in self_part.splitlines()[2]
+    assert "_parse (mqd/nsqd/protocol/v2.py)" in self_part.splitlines()[2]
     assert "1 trunk frames" in total_part
     assert "run (twisted/base.py)" in total_part.splitlines()[1]
 

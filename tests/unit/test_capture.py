@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from mqd.snapshot_format import HELD_BIT, read_manifest
+from mqd.nsqd.snapshot_format import HELD_BIT, read_manifest
 from spark_bridge.records import open_snapshot, read_ranges, snapshot_ranges
-
-from ._http import HTTPClient, error, parse_response
-from .conftest import Client, Msg, cmd, dpub, identify, new_broker, ok, scan
+from tests.unit._http import HTTPClient, error, parse_response
+from tests.unit.conftest import Client, Msg, cmd, dpub, identify, new_broker, ok, scan
 
 MODES = {
     "memory": {"backend": "memory"},

@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet.testing import StringTransport
 
-from mqd.protocol.compression import DeflateCodec, SnappyCodec
-from mqd.protocol.framing import HEARTBEAT, OK
-
-from .test_client_protocol import Conn, error, message_frame, server_json
+from mqd.wire.compression import DeflateCodec, SnappyCodec
+from mqd.wire.framing import HEARTBEAT, OK
+from tests.unit.test_client_protocol import Conn, error, message_frame, server_json
 
 _SETTINGS = settings(max_examples=150, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])

@@ -32,11 +32,10 @@ from mqd.client.errors import (
 )
 from mqd.client.producer import Producer
 from mqd.client.protocol import NSQClientProtocol
-from mqd.protocol.framing import OK
-
-from .test_client_consumer import ERROR, RESPONSE, Lookupd, Network, Recorder, make
-from .test_client_producer import ADDRESS, Endpoint, Outcome
-from .test_client_protocol import Conn, error, message_frame, ready, response, server_json
+from mqd.wire.framing import OK
+from tests.unit.test_client_consumer import ERROR, RESPONSE, Lookupd, Network, Recorder, make
+from tests.unit.test_client_producer import ADDRESS, Endpoint, Outcome
+from tests.unit.test_client_protocol import Conn, error, message_frame, ready, response, server_json
 
 DEEP = [b"[" * 100_000, b'{"a":' * 100_000, b"[" * 100_000 + b"]" * 100_000]
 

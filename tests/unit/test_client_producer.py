@@ -33,9 +33,8 @@ from mqd.client.errors import (
     StoppedError,
 )
 from mqd.client.producer import Producer
-from mqd.protocol.framing import FRAME_TYPE_ERROR, FRAME_TYPE_RESPONSE, frame
-
-from .conftest import MAGIC, cmd, dpub, mpub, pub, sized
+from mqd.wire.framing import FRAME_TYPE_ERROR, FRAME_TYPE_RESPONSE, frame
+from tests.unit.conftest import MAGIC, cmd, dpub, mpub, pub, sized
 
 ADDRESS = "127.0.0.1:4150"
 OK = frame(FRAME_TYPE_RESPONSE, b"OK")

@@ -25,8 +25,8 @@ from mqd.client.message import Message, decode_message
 from mqd.client.protocol import ConnectionDelegate, ConnectionFactory, NSQClientProtocol
 from mqd.message import MESSAGE_HEADER, frame_message
 from mqd.message import Message as BrokerMessage
-from mqd.protocol.compression import DeflateCodec, SnappyCodec
-from mqd.protocol.framing import CLOSE_WAIT, HEARTBEAT, OK, frame
+from mqd.wire.compression import DeflateCodec, SnappyCodec
+from mqd.wire.framing import CLOSE_WAIT, HEARTBEAT, OK, frame
 from tests._codec_clients import DeflateClient, SnappyClient
 
 ADDRESS = "127.0.0.1:4150"

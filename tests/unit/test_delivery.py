@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from .conftest import Client, Msg, cmd, dpub, err, identify, mpub, ok, pub, scan
+from tests.unit.conftest import Client, Msg, cmd, dpub, err, identify, mpub, ok, pub, scan
 
 
 def bodies(msgs) -> list[bytes]:

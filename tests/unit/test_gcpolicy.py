@@ -9,7 +9,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 
-from mqd.gcpolicy import GCPolicy
+from mqd.nsqd.gcpolicy import GCPolicy
 from mqd.options import MQD_OPTIONS, resolve
 
 INTERVAL = 300.0
@@ -110,7 +110,7 @@ def test_stop_unhooks_unfreezes_and_cancels_the_thaw():
 
 
 def test_broker_service_tree_has_the_policy_on_the_reactor(tmp_path):
-    from mqd.tap import build_service
+    from mqd.nsqd.tap import build_service
 
     reactor = MemoryReactorClock()
     top = build_service(resolve(MQD_OPTIONS, {"data-path": str(tmp_path), "backend": "memory"}),

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from mqd.broker import METADATA_FILE
-
-from ._http import HTTPClient, error
-from .conftest import Client, consumer, err, new_broker, pub
+from mqd.nsqd.broker import METADATA_FILE
+from tests.unit._http import HTTPClient, error
+from tests.unit.conftest import Client, consumer, err, new_broker, pub
 
 
 def publish(broker, *bodies: bytes, topic="t") -> None:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mqd.http import status as status_module
 from mqd.http.args import Query, go_parse_bool, parse_query
 from mqd.http.response import ApiError
-
-from ._http import HTTPClient, error
+from mqd.nsqd.http import status as status_module
+from tests.unit._http import HTTPClient, error
 
 # -- /ping and /info -----------------------------------------------------------------
 

@@ -17,12 +17,11 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 
-from mqd.auth import AuthClient, AuthError, parse_auth_response
-from mqd.http.authorization import CACHE_SIZE, AuthCache
-
-from ._http import HTTPClient, error
-from .conftest import START_TIME, settings
-from .test_v2_auth import answer
+from mqd.nsqd.auth import AuthClient, AuthError, parse_auth_response
+from mqd.nsqd.http.authorization import CACHE_SIZE, AuthCache
+from tests.unit._http import HTTPClient, error
+from tests.unit.conftest import START_TIME, settings
+from tests.unit.test_v2_auth import answer
 
 SUB_ALL = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
 

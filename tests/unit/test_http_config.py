@@ -8,10 +8,9 @@ import pytest
 from twisted.logger import LogLevel
 
 from mqd import logs
-from mqd.http.config import config_name
+from mqd.nsqd.http.config import config_name
 from mqd.options import MQD_OPTIONS
-
-from ._http import HTTPClient, error
+from tests.unit._http import HTTPClient, error
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +20,7 @@ def restore_log_level():
 
 
 def level_in_force():
-    return logs._predicate.logLevelForNamespace("mqd.http.api")
+    return logs._predicate.logLevelForNamespace("mqd.nsqd.http.site")
 
 
 def value(http, name):
@@ -124,8 +123,8 @@ def test_update_options_checks_before_changing(broker):
 
 
 def test_lookupd_flag_is_repeatable_and_read_back(tmp_path, clock):
-    from mqd.broker import Broker
-    from mqd.tap import Options, settings_from
+    from mqd.nsqd.broker import Broker
+    from mqd.nsqd.tap import Options, settings_from
 
     names = [opt.name for opt in MQD_OPTIONS]
     assert names[names.index("http-address") + 1] == "lookupd-tcp-address"

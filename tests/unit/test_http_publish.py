@@ -9,11 +9,10 @@ from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 
 from backends import BackendError
-from mqd.http.publish import parse_binary_mpub, split_text_mpub
 from mqd.http.response import ApiError
-
-from ._http import HTTPClient, error, parse_response
-from .conftest import consumer, failing_once, new_broker, scan, sized
+from mqd.nsqd.http.publish import parse_binary_mpub, split_text_mpub
+from tests.unit._http import HTTPClient, error, parse_response
+from tests.unit.conftest import consumer, failing_once, new_broker, scan, sized
 
 
 def framed(*bodies: bytes, count: int | None = None) -> bytes:
@@ -329,7 +328,7 @@ def test_mpub_with_defer_is_held_until_due(http, broker, clock, binary):
 
 
 def test_big_mpub_with_defer_defers_every_chunk(make_broker, clock):
-    from mqd.publisher import CHUNK_MESSAGES
+    from mqd.nsqd.batches import CHUNK_MESSAGES
 
     broker = make_broker(max_body_size=1 << 24)
     http = HTTPClient(broker)

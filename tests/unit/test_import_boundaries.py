@@ -1,20 +1,33 @@
 """Which parts may load which: dependencies point one way.
 
-The client (txnsq) runs in the tools and in Spark's executors and
-streaming-source process, none of which has any use for the broker,
-LMDB or the Spark bridge. The broker writes the snapshot format the Spark
-bridge reads, and needs neither the bridge nor Spark nor Arrow. Each check imports a package in a fresh
-interpreter and lists what came with it, so an import added anywhere
-along the way (not only in the package itself) fails here.
+The contracts in pyproject.toml (import-linter) say it for every import in
+the source, lazy ones included: tools -> client -> shared modules; the
+broker -> shared modules + stores; mqlookupd and mqadmin -> shared modules;
+the Spark bridge -> client, shared modules and the broker's snapshot
+format. The checks below add what a static graph cannot see: what a
+fresh interpreter actually loads when a daemon's entry point is imported,
+third-party packages included.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.integration._support import REPO_ROOT
+
+
+def test_the_import_contracts_hold():
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    done = subprocess.run([lint, "--no-cache"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout
 
 
 def modules_loaded_by(module: str) -> set[str]:
@@ -24,27 +37,28 @@ def modules_loaded_by(module: str) -> set[str]:
     return set(json.loads(out))
 
 
-# What the client must not pull in: the broker's core and protocol, the other daemons,
-# the storage backends and the Spark bridge.
-NOT_FOR_THE_CLIENT = ("mqd.broker", "mqd.topic", "mqd.channel", "mqd.protocol.v2", "mqd.http",
-                      "mqd.lookup", "mqd.admin", "mqd.capture", "backends", "lmdb",
-                      "spark_bridge", "pyspark")
+def under(loaded: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    return sorted(m for m in loaded if any(m == p or m.startswith(p + ".") for p in prefixes))
 
 
-def test_the_client_loads_no_broker_backend_or_spark_module():
-    loaded = modules_loaded_by("mqd.client")
-    forbidden = sorted(m for m in loaded
-                       if any(m == p or m.startswith(p + ".") for p in NOT_FOR_THE_CLIENT))
-    assert forbidden == []
+# The client runs in the tools and in Spark's executors and streaming-source
+# process, none of which has any use for a daemon, LMDB or the Spark bridge.
+@pytest.mark.parametrize("entry", ["mqd.client", "mqd.tools.tail", "mqd.tools.stat"])
+def test_the_client_and_tools_load_no_daemon_store_or_spark(entry):
+    loaded = modules_loaded_by(entry)
+    assert under(loaded, ("mqd.nsqd", "mqd.lookup", "mqd.admin", "backends", "lmdb",
+                          "spark_bridge", "pyspark")) == []
 
 
-# The broker with everything its daemon builds: HTTP API, peek, snapshots, capture.
-BROKER_MODULES = ("mqd.service", "mqd.http.api", "mqd.http.snapshot", "mqd.http.peek",
-                  "mqd.capture", "mqd.snapshot_space")
+# mqlookupd and mqadmin run on machines with no broker: neither loads it nor LMDB.
+@pytest.mark.parametrize("entry", ["mqd.lookup.tap", "mqd.admin.tap"])
+def test_lookupd_and_admin_load_no_broker_or_store(entry):
+    loaded = modules_loaded_by(entry)
+    assert under(loaded, ("mqd.nsqd", "backends", "lmdb", "spark_bridge", "pyspark")) == []
 
 
 def test_the_broker_loads_neither_the_spark_bridge_nor_spark():
-    loaded = modules_loaded_by(", ".join(BROKER_MODULES))
-    forbidden = sorted(m for m in loaded
-                       if m.split(".")[0] in ("spark_bridge", "pyspark", "pyarrow"))
-    assert forbidden == []
+    loaded = modules_loaded_by("mqd.nsqd.tap")
+    assert "mqd.nsqd.http.snapshot" in loaded and "mqd.nsqd.capture" in loaded
+    assert under(loaded, ("spark_bridge", "pyspark", "pyarrow", "mqd.client", "mqd.lookup",
+                          "mqd.admin")) == []

@@ -8,10 +8,9 @@ import pytest
 from twisted.internet.task import Clock
 
 from mqd.latency import RESERVOIR_SIZE, LatencyWindow, merged_result, parse_percentiles
+from mqd.nsqd.stats import stats_json, stats_text
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from mqd.stats import stats_json, stats_text
-
-from .conftest import Client, cmd, mpublish, scan
+from tests.unit.conftest import Client, cmd, mpublish, scan
 
 NO_E2E = {"count": 0, "percentiles": None}
 
@@ -70,7 +69,7 @@ def test_defaults():
 
 
 def test_tap_repeatable_flag():
-    from mqd.tap import Options
+    from mqd.nsqd.tap import Options
 
     o = Options()
     o.parseOptions(["--e2e-processing-latency-percentile=0.5,0.99",

@@ -18,8 +18,7 @@ from backends.dummy import DummyStore
 from backends.lmdb import ENV_DIR, FORMAT, KEY, RECORD, LmdbQueue, LmdbStore, StoreOpenError
 from backends.memory import MemoryStore
 from mqd.message import Message
-
-from .conftest import START_TIME, failing_once, lmdb_store, msgs, settings
+from tests.unit.conftest import START_TIME, failing_once, lmdb_store, msgs, settings
 
 BOTH = pytest.mark.parametrize("durable", [False, True], ids=["default", "durable"])
 

@@ -16,11 +16,10 @@ import pytest
 from twisted.internet.task import Clock
 
 from backends.lmdb import ENV_DIR
-from mqd import topic as topic_module
-from mqd.broker import METADATA_FILE, Broker
+from mqd.nsqd import topic as topic_module
+from mqd.nsqd.broker import METADATA_FILE, Broker
 from mqd.options import ConfigError
-
-from .conftest import (
+from tests.unit.conftest import (
     HEARTBEAT,
     Client,
     Msg,

@@ -16,10 +16,9 @@ from twisted.internet import defer
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.testing import StringTransportWithDisconnection
 
-from mqd.lookup.peer import MAGIC_V1, LookupService, identify_body
-from mqd.protocol.v2 import NSQ_VERSION
-
-from .conftest import sized
+from mqd import NSQ_VERSION
+from mqd.nsqd.lookup_peer import MAGIC_V1, LookupService, identify_body
+from tests.unit.conftest import sized
 
 PORTS = {"TCP": 4150, "HTTP": 4151}
 LOOKUPD_INFO = {"tcp_port": 4160, "http_port": 4161, "version": NSQ_VERSION,
@@ -339,7 +338,7 @@ def test_an_answer_dripped_a_byte_at_a_time_is_read(broker, lookup):
 
 
 def test_channels_answer_nested_too_deep_is_a_value_error():
-    from mqd.lookup.peer import channels_answer
+    from mqd.nsqd.lookup_peer import channels_answer
 
     with pytest.raises(ValueError, match="JSON nested too deep"):
         channels_answer(b'{"channels":' + b"[" * 100_000)

@@ -11,9 +11,8 @@ from twisted.internet.testing import StringTransport
 from mqd.lookup.http import LookupdSite
 from mqd.lookup.protocol import LookupdFactory
 from mqd.lookup.registry import GO_ZERO_TIME_NS, RegistrationDB
-
-from ._http import HTTPClient, error
-from .conftest import START_TIME, sized
+from tests.unit._http import HTTPClient, error
+from tests.unit.conftest import START_TIME, sized
 
 
 class LookupdClient(HTTPClient):

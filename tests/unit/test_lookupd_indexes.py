@@ -24,8 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from mqd.lookup.http import LookupdSite
 from mqd.lookup.registry import PeerInfo, Producer, Registration, RegistrationDB
-
-from ._lookupd_reference import (
+from tests.unit._lookupd_reference import (
     NaiveRegistrationDB,
     StreamingClient,
     TurnClock,
@@ -35,7 +34,7 @@ from ._lookupd_reference import (
     naive_nodes,
     naive_topics,
 )
-from .conftest import START_TIME
+from tests.unit.conftest import START_TIME
 
 EXAMPLES = int(os.environ.get("MQD_LOOKUPD_EXAMPLES", "100"))
 STEPS = int(os.environ.get("MQD_LOOKUPD_STEPS", "30"))

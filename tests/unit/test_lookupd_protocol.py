@@ -11,8 +11,7 @@ from twisted.internet.testing import StringTransport
 
 from mqd.lookup.protocol import MAX_IDENTIFY_BODY, MAX_LINE, LookupdFactory, frame
 from mqd.lookup.registry import Registration, RegistrationDB
-
-from .conftest import sized
+from tests.unit.conftest import sized
 
 IDENTIFY = {"version": "1.3.0", "tcp_port": 4150, "http_port": 4151, "hostname": "box",
             "broadcast_address": "b1", "topology_zone": "z", "topology_region": "r"}

@@ -7,10 +7,9 @@ import os
 
 import pytest
 
-from mqd.broker import METADATA_FILE, Broker
+from mqd.nsqd.broker import METADATA_FILE, Broker
 from mqd.options import ConfigError
-
-from .conftest import Client, new_broker, ok, pub, settings
+from tests.unit.conftest import Client, new_broker, ok, pub, settings
 
 
 def read_meta(path) -> dict:

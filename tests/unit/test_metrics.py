@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mqd.http.metrics import CONTENT_TYPE, _Family, escape_label, metrics_text
-
-from ._http import HTTPClient
-from .conftest import START_TIME, Client, mpublish
+from mqd.nsqd.http.metrics import CONTENT_TYPE, _Family, escape_label, metrics_text
+from tests.unit._http import HTTPClient
+from tests.unit.conftest import START_TIME, Client, mpublish
 
 
 def parse(text: str) -> dict:

@@ -7,8 +7,8 @@ from twisted.internet import endpoints
 from twisted.internet.testing import MemoryReactor
 from twisted.python import usage
 
+from mqd.nsqd.tap import Options
 from mqd.options import MQD_OPTIONS, ConfigError, parse_duration, resolve, to_endpoint
-from mqd.tap import Options
 
 
 def write(tmp_path, text: str, name="mqd.yaml") -> str:

@@ -24,11 +24,10 @@ from twisted.internet.task import Clock
 
 from backends.dummy import DummyQueue
 from backends.memory import MemoryQueue
-from mqd.http.peek import MAX_PEEK
 from mqd.message import Message
-
-from ._http import HTTPClient, error
-from .conftest import (
+from mqd.nsqd.http.peek import MAX_PEEK
+from tests.unit._http import HTTPClient, error
+from tests.unit.conftest import (
     START_TIME,
     Client,
     Msg,

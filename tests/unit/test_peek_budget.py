@@ -19,11 +19,10 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from mqd.http.peek import MESSAGE_COST, PEEK_ANSWERS, SLICE_COST, WRITE_CHUNK
-
-from ._http import HTTPClient, error, parse_response
-from .conftest import Client, identify, lmdb_store, mpub, msgs, ok, pub
-from .test_peek import MODES, Producer, make, quiet_client
+from mqd.nsqd.http.peek import MESSAGE_COST, PEEK_ANSWERS, SLICE_COST, WRITE_CHUNK
+from tests.unit._http import HTTPClient, error, parse_response
+from tests.unit.conftest import Client, identify, lmdb_store, mpub, msgs, ok, pub
+from tests.unit.test_peek import MODES, Producer, make, quiet_client
 
 MB = 1 << 20
 KIB = 1 << 10

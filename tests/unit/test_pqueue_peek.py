@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqd.message import Message
-from mqd.pqueue import PriorityQueue
+from mqd.nsqd.pqueue import PriorityQueue
 
 _ids = itertools.count()
 

@@ -14,10 +14,9 @@ import json
 import pytest
 from twisted.internet import defer
 
-from mqd.lookup.peer import LookupService, channels_answer
-
-from .conftest import Client, consumer
-from .test_lookup_peer import PORTS, FakeEndpoint
+from mqd.nsqd.lookup_peer import LookupService, channels_answer
+from tests.unit.conftest import Client, consumer
+from tests.unit.test_lookup_peer import PORTS, FakeEndpoint
 
 
 class FakeLookupdHTTP:

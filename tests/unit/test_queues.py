@@ -8,9 +8,8 @@ import random
 import pytest
 
 from mqd.message import IdFactory, Message, frame_message
-from mqd.pqueue import _COMPACT_FACTOR, _COMPACT_SLACK, PriorityQueue
-
-from .conftest import Client, Msg, mpub, ok, parse_frames, pub
+from mqd.nsqd.pqueue import _COMPACT_FACTOR, _COMPACT_SLACK, PriorityQueue
+from tests.unit.conftest import Client, Msg, mpub, ok, parse_frames, pub
 
 # -- memory queue overflow --------------------------------------------------------------
 

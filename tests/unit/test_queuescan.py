@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import random
 
-from mqd.queuescan import QueueScanner
-
-from .conftest import Client, Msg, cmd, err, mpub, ok, pub
+from mqd.nsqd.queuescan import QueueScanner
+from tests.unit.conftest import Client, Msg, cmd, err, mpub, ok, pub
 
 
 def test_scanner_runs_on_its_interval(make_broker, clock):

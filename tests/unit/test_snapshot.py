@@ -1,4 +1,4 @@
-"""mqd.snapshot_format on a real LMDB store driven by a task.Clock, and POST /snapshot in-process.
+"""mqd.nsqd.snapshot_format on a real LMDB store driven by a task.Clock, and POST /snapshot in-process.
 
 The store commits at `clock.advance(0)`; a snapshot copies what is
 committed, so every test commits before it snapshots. The HTTP tests run
@@ -14,13 +14,12 @@ import lmdb
 import pytest
 
 from backends.lmdb import FORMAT, KEY, _decode
-from mqd import snapshot_format as snapmod
 from mqd.message import Message
-from mqd.snapshot_format import MANIFEST, SnapshotError, read_manifest, take_snapshot
+from mqd.nsqd import snapshot_format as snapmod
+from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError, read_manifest, take_snapshot
 from spark_bridge.__main__ import main
-
-from ._http import HTTPClient, error
-from .conftest import START_TIME, lmdb_store, msgs, new_broker
+from tests.unit._http import HTTPClient, error
+from tests.unit.conftest import START_TIME, lmdb_store, msgs, new_broker
 
 
 @pytest.fixture

@@ -15,10 +15,9 @@ import socket
 
 import pytest
 
-from mqd.snapshot_format import Manifest, read_manifest
+from mqd.nsqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.__main__ import data_path_in_use, main, stats_mismatches, summary
-
-from .conftest import lmdb_store, msgs
+from tests.unit.conftest import lmdb_store, msgs
 
 
 @pytest.fixture

@@ -6,10 +6,9 @@ import json
 
 import pytest
 
-from mqd.stats import client_stats, go_duration, nanoseconds_to_human, stats_json, stats_text
-
-from .conftest import START_TIME, Client, cmd, dpub, identify, mpub, ok, pub, scan
-from .test_v2_upgrade import tls_client
+from mqd.nsqd.stats import client_stats, go_duration, nanoseconds_to_human, stats_json, stats_text
+from tests.unit.conftest import START_TIME, Client, cmd, dpub, identify, mpub, ok, pub, scan
+from tests.unit.test_v2_upgrade import tls_client
 
 TOPIC_KEYS = [
     "topic_name", "channels", "depth", "backend_depth", "message_count", "message_bytes",

@@ -7,10 +7,9 @@ import pytest_twisted
 from twisted.internet import defer, reactor
 from twisted.internet.protocol import DatagramProtocol
 
+from mqd.nsqd.statsd import StatsdService, pack_lines, statsd_prefix
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from mqd.statsd import StatsdService, pack_lines, statsd_prefix
-
-from .conftest import Client, cmd, mpublish, scan
+from tests.unit.conftest import Client, cmd, mpublish, scan
 
 PREFIX = "nsq.test-host_4151."
 MEM_GAUGES = ["heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes",
@@ -69,8 +68,8 @@ def test_options():
 
 
 def test_service_only_when_configured(tmp_path):
-    from mqd.statsd import StatsdService as Cls
-    from mqd.tap import build_service
+    from mqd.nsqd.statsd import StatsdService as Cls
+    from mqd.nsqd.tap import build_service
 
     base = {"data-path": str(tmp_path), "tcp-address": "127.0.0.1:0", "http-address": "127.0.0.1:0",
             "backend": "memory"}

@@ -11,7 +11,7 @@ from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from mqd import __version__
-from mqd.admin.upstream import UpstreamError
+from mqd.clusterinfo.upstream import UpstreamError
 from mqd.tools.flags import ToolError
 from mqd.tools.stat import (
     ChannelTotals,

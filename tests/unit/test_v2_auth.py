@@ -12,10 +12,9 @@ import json
 import pytest
 from twisted.internet.defer import Deferred, fail, succeed
 
-from mqd.auth import AuthError, auth_urls, parse_auth_response
-from mqd.stats import client_stats
-
-from .conftest import Client, cmd, dpub, err, identify, mpub, ok, pub, sized
+from mqd.nsqd.auth import AuthError, auth_urls, parse_auth_response
+from mqd.nsqd.stats import client_stats
+from tests.unit.conftest import Client, cmd, dpub, err, identify, mpub, ok, pub, sized
 
 ALL = [{"topic": ".*", "channels": [".*"], "permissions": ["subscribe", "publish"]}]
 

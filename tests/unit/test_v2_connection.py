@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mqd.protocol.v2 import MAX_LINE, STATE_INIT, STATE_SUBSCRIBED
-
-from .conftest import (
+from mqd.nsqd.protocol.v2 import MAX_LINE, STATE_INIT, STATE_SUBSCRIBED
+from tests.unit.conftest import (
     CLOSE_WAIT,
     HEARTBEAT,
     MAGIC,

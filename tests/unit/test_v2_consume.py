@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mqd.protocol.v2 import STATE_CLOSING, STATE_SUBSCRIBED
-
-from .conftest import CLOSE_WAIT, Client, Msg, cmd, err, ok, pub, scan
+from mqd.nsqd.protocol.v2 import STATE_CLOSING, STATE_SUBSCRIBED
+from tests.unit.conftest import CLOSE_WAIT, Client, Msg, cmd, err, ok, pub, scan
 
 UNKNOWN_ID = b"0123456789abcdef"
 

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from mqd.message import IdFactory
-
-from .conftest import (
+from tests.unit.conftest import (
     CLOSE_WAIT,
     ERROR,
     MAGIC,

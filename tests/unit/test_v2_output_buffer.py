@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from .conftest import Msg, cmd, identify, ok, parse_frames, pub
+from tests.unit.conftest import Msg, cmd, identify, ok, parse_frames, pub
 
 
 def consumer(connect, rdy=100, **fields):

@@ -6,7 +6,19 @@ import struct
 
 import pytest
 
-from .conftest import Client, cmd, consumer, dpub, err, mpub, mpub_body, ok, pub, scan, sized
+from tests.unit.conftest import (
+    Client,
+    cmd,
+    consumer,
+    dpub,
+    err,
+    mpub,
+    mpub_body,
+    ok,
+    pub,
+    scan,
+    sized,
+)
 
 I32 = struct.Struct(">i")
 

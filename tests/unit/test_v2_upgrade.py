@@ -8,14 +8,13 @@ import struct
 import pytest
 from twisted.internet.testing import StringTransport
 
+from mqd.nsqd.protocol.v2 import UPGRADE_GAP
+from mqd.nsqd.tap import Options
+from mqd.nsqd.tlsconfig import ServerTLS, server_tls
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from mqd.protocol.compression import DeflateCodec, SnappyCodec
-from mqd.protocol.v2 import UPGRADE_GAP
-from mqd.tap import Options
-from mqd.tlsconfig import ServerTLS, server_tls
-
-from .._codec_clients import DeflateClient, SnappyClient
-from .conftest import Client, cmd, err, identify, ok, parse_frames, pub, settings
+from mqd.wire.compression import DeflateCodec, SnappyCodec
+from tests._codec_clients import DeflateClient, SnappyClient
+from tests.unit.conftest import Client, cmd, err, identify, ok, parse_frames, pub, settings
 
 
 def split_first_frame(data: bytes) -> tuple[dict, bytes]:

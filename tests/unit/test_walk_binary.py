@@ -7,7 +7,7 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.publisher import BatchError, walk_binary
+from mqd.nsqd.batches import BatchError, walk_binary
 
 
 def _batch(sizes: list[int]) -> bytes:

@@ -8,7 +8,7 @@ from twisted.application.service import ServiceMaker
 
 mqd = ServiceMaker(
     "mqd",
-    "mqd.tap",
+    "mqd.nsqd.tap",
     "A message broker that speaks NSQ's protocols (a drop-in nsqd).",
     "mqd",
 )

@@ -1,0 +1,249 @@
+"""nsqd's client authorization: asking an auth server, and checking its answer.
+
+With `--auth-http-address`, a client sends `AUTH <secret>` and nsqd asks an
+HTTP auth server what that secret may do (`internal/auth/authorizations.go`).
+The answer is cached on the connection for its `ttl` and fetched again
+lazily on the next SUB/PUB after it expires. The query is made with
+Twisted's Agent so that a slow or dead auth server never blocks the reactor
+(every other client keeps being served while one waits for its answer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from io import BytesIO
+from typing import Any
+from urllib.parse import urlencode
+
+import re2
+from twisted.internet.defer import Deferred, inlineCallbacks
+from twisted.web.client import Agent, FileBodyProducer, readBody
+from twisted.web.http_headers import Headers
+
+from mqd.logs import get_logger
+from mqd.wire.errors import go_string
+
+__all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "compile_grant", "parse_auth_response"]
+
+log = get_logger(__name__)
+
+ACCEPT = b"application/vnd.nsq; version=1.0"
+
+# RE2 is Go's regexp engine: linear-time matching (a grant like
+# `^([a-z0-9]+[-_.]?)+$` cannot stall the reactor as backtracking `re` did on
+# a near-miss name) and the syntax nsqd accepts. Parse errors are ours to
+# report, not RE2's to print on stderr.
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+# re2's compiled regex (its class is private to the binding).
+Regex = Any
+
+
+class AuthError(Exception):
+    """The auth server could not be asked or gave an unusable answer (logged, never sent to the client)."""
+
+
+def auth_urls(addresses: list[str]) -> list[str]:
+    """nsqd's endpoint rule: a value with `://` is a URL, else `http://<addr>/auth`."""
+    return [a if "://" in a else f"http://{a}/auth" for a in addresses]
+
+
+def compile_grant(pattern: str) -> Regex:
+    """A grant's regex as Go's regexp.Compile would take it, or AuthError.
+
+    RE2 (C++) accepts `\\C` (any byte), which Go's regexp refuses, so it is
+    refused here too unless quoted by `\\Q...\\E`. A lone surrogate (a
+    `\\ud800` escape in the answer's JSON) is U+FFFD, as Go's JSON decoder
+    makes it.
+    """
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "\\" and i + 1 < n:
+            nxt = pattern[i + 1]
+            if nxt == "C":
+                raise AuthError(f"unable to compile {pattern!r}: invalid escape sequence \\C")
+            if nxt == "Q":
+                end = pattern.find("\\E", i + 2)
+                i = n if end < 0 else end + 2
+                continue
+            i += 2
+            continue
+        i += 1
+    try:
+        return re2.compile(go_string(pattern), _RE2_OPTIONS)
+    except re2.error as e:
+        raise AuthError(f"unable to compile {pattern!r}: {e}") from None
+
+
+@dataclass
+class _Grant:
+    topic: Regex
+    channels: list[Regex]
+    permissions: frozenset[str]
+
+    def allows(self, topic: str, channel: str) -> bool:
+        # nsqd decides the permission from the channel: "" is a publish.
+        if ("subscribe" if channel else "publish") not in self.permissions:
+            return False
+        if self.topic.search(topic) is None:
+            return False
+        return any(c.search(channel) is not None for c in self.channels)
+
+    def allows_topic(self, topic: str) -> bool:
+        """Subscribing to some channel of `topic`: the permission, the topic, and a channel pattern."""
+        return "subscribe" in self.permissions and bool(self.channels) and self.topic.search(topic) is not None
+
+
+@dataclass
+class AuthState:
+    """One auth server answer: who the client is, what it may do, until when."""
+
+    identity: str
+    identity_url: str
+    grants: list[_Grant]
+    expires: float
+    # (topic, channel) -> allowed, so a publisher's every PUB costs one dict lookup.
+    _cache: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+    @property
+    def permission_count(self) -> int:
+        return len(self.grants)
+
+    def allows(self, topic: str, channel: str) -> bool:
+        key = (topic, channel)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = any(g.allows(topic, channel) for g in self.grants)
+            if len(self._cache) < 1024:
+                self._cache[key] = hit
+        return hit
+
+    def allows_topic(self, topic: str) -> bool:
+        """Whether some grant lets the client subscribe to a channel of `topic` (any channel).
+
+        What a look at the topic's own queue needs (`GET /topic/peek`, a
+        snapshot of a topic without channels): whoever may subscribe to any
+        channel of a topic receives every message the topic holds.
+        """
+        return any(g.allows_topic(topic) for g in self.grants)
+
+
+def parse_auth_response(body: bytes, now: float) -> AuthState:
+    """An AuthState from the server's JSON, refusing what nsqd refuses.
+
+    A ttl ≤ 0, an unknown permission or a regex that Go's regexp does not
+    compile makes the whole answer a failure, as in nsqd (compile_grant).
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AuthError(f"invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise AuthError("response is not a JSON object")
+    ttl = data.get("ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+        raise AuthError(f"invalid TTL {ttl!r}")
+    identity = data.get("identity") or ""
+    identity_url = data.get("identity_url") or ""
+    if not isinstance(identity, str) or not isinstance(identity_url, str):
+        raise AuthError("identity and identity_url must be strings")
+    identity, identity_url = go_string(identity), go_string(identity_url)
+    raw = data.get("authorizations") or []
+    if not isinstance(raw, list):
+        raise AuthError("authorizations must be a list")
+    grants = []
+    for entry in raw:
+        if not isinstance(entry, dict):
+            raise AuthError("authorization is not an object")
+        perms = entry.get("permissions") or []
+        channels = entry.get("channels") or []
+        topic = entry.get("topic", "")
+        if not isinstance(perms, list) or not isinstance(channels, list) or not isinstance(topic, str):
+            raise AuthError("malformed authorization")
+        for p in perms:
+            if p not in ("subscribe", "publish"):
+                raise AuthError(f"unknown permission {p}")
+        if not all(isinstance(c, str) for c in channels):
+            raise AuthError("channel regexes must be strings")
+        topic_re = compile_grant(topic)
+        channel_res = [compile_grant(c) for c in channels]
+        grants.append(_Grant(topic_re, channel_res, frozenset(perms)))
+    return AuthState(identity, identity_url, grants, now + ttl)
+
+
+# fetch(url, method, params) -> Deferred firing with the response body;
+# tests pass their own instead of running an HTTP server.
+Fetch = Callable[[str, str, dict[str, str]], Deferred]
+
+
+class AuthClient:
+    """Asks the configured auth servers, one after another from a random start, as nsqd does."""
+
+    def __init__(self, options, clock, fetch: Fetch | None = None) -> None:
+        self.urls = auth_urls(options.auth_http_address)
+        self.method = options.auth_http_request_method
+        self.clock = clock
+        self.connect_timeout = options.http_client_connect_timeout
+        self.request_timeout = options.http_client_request_timeout
+        self.fetch_function = fetch
+        self._agent = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls)
+
+    @inlineCallbacks
+    def query(self, remote_ip: str, tls: bool, secret: str, common_name: str):
+        """Deferred firing with an AuthState, or failing with AuthError."""
+        params = {"remote_ip": remote_ip, "tls": "true" if tls else "false",
+                  "secret": secret, "common_name": common_name}
+        urls = self.urls
+        start = random.randrange(len(urls))
+        errors = []
+        for i in range(len(urls)):
+            url = urls[(start + i) % len(urls)]
+            try:
+                body = yield self.fetch(url, self.method, params)
+                state = parse_auth_response(body, self.clock.seconds())
+            except Exception as e:  # any failure: try the next server
+                log.warn("auth server {url} failed: {error}", url=url, error=str(e) or type(e).__name__)
+                errors.append(f"{url}: {e}")
+                continue
+            return state
+        raise AuthError("; ".join(errors))
+
+    def fetch(self, url: str, method: str, params: dict[str, str]) -> Deferred:
+        if self.fetch_function is not None:
+            return self.fetch_function(url, method, params)
+        return self._http(url, method, params)
+
+    @inlineCallbacks
+    def _http(self, url: str, method: str, params: dict[str, str]):
+        from twisted.internet import reactor
+
+        if self._agent is None:
+            self._agent = Agent(reactor, connectTimeout=self.connect_timeout)
+        headers = Headers({b"Accept": [ACCEPT]})
+        producer = None
+        if method == "post":
+            # Go marshals url.Values: every value is a list of strings.
+            payload = json.dumps({k: [v] for k, v in params.items()}).encode()
+            headers.addRawHeader(b"Content-Type", b"application/json")
+            producer = FileBodyProducer(BytesIO(payload))
+            d = self._agent.request(b"POST", url.encode(), headers, producer)
+        else:
+            sep = "&" if "?" in url else "?"
+            full = url + sep + urlencode(sorted(params.items()))
+            d = self._agent.request(b"GET", full.encode(), headers)
+        d.addTimeout(self.request_timeout, reactor)
+        response = yield d
+        body_d = readBody(response)
+        body_d.addTimeout(self.request_timeout, reactor)
+        body = yield body_d
+        if response.code != 200:
+            raise AuthError(f"got response {response.code} {body[:200]!r}")
+        return body

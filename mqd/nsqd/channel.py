@@ -1,0 +1,482 @@
+"""Channel: one consumer group's copy of a topic's stream.
+
+A channel owns its queues (memory deque, backend overflow, in-flight and
+deferred heaps) and knows its subscribed clients. Delivery is pushed, not
+polled: whatever can make a message deliverable (a put, a RDY change, a FIN
+freeing a slot, an expiry) calls `deliver()`, which hands messages to ready
+clients in batches until either side runs out.
+"""
+
+from __future__ import annotations
+
+import random
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from backends import BackendError
+from mqd.latency import LatencyWindow
+from mqd.nsqd.overflow import OverflowQueue, take
+from mqd.nsqd.pqueue import PriorityQueue
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from mqd.message import Message
+    from mqd.nsqd.topic import Topic
+
+__all__ = ["Channel", "ChannelError"]
+
+# How many messages one refill takes from the backend into memory: enough to
+# amortise a backend read, small enough not to stall the reactor.
+BACKEND_READ_BATCH = 1024
+
+
+class ChannelError(Exception):
+    """A FIN/REQ/TOUCH/SUB the channel refuses; the text is nsqd's reason."""
+
+
+class Channel:
+    __slots__ = (
+        "topic",
+        "name",
+        "ephemeral",
+        "paused",
+        "exiting",
+        "clients",
+        "message_count",
+        "requeue_count",
+        "timeout_count",
+        "e2e",
+        "_queue",
+        "_in_flight",
+        "_in_flight_pq",
+        "_deferred",
+        "_rr",
+        "_clock",
+        "_max_msg_timeout",
+        "_max_consumers",
+        "__weakref__",
+    )
+
+    def __init__(self, topic: Topic, name: str, queue: OverflowQueue, options, clock) -> None:
+        self.topic = topic
+        self.name = name
+        self.ephemeral = name.endswith("#ephemeral")
+        self.paused = False
+        self.exiting = False
+        self.clients: list = []
+        self.message_count = 0
+        self.requeue_count = 0
+        self.timeout_count = 0
+        # End-to-end latency window, only when percentiles are configured:
+        # FIN then costs one test for None when the feature is off.
+        percentiles = options.e2e_processing_latency_percentile
+        self.e2e = (
+            LatencyWindow(percentiles, options.e2e_processing_latency_window_time, clock)
+            if percentiles
+            else None
+        )
+        self._queue = queue
+        self._in_flight: dict[bytes, Message] = {}
+        self._in_flight_pq = PriorityQueue()
+        self._deferred = PriorityQueue()
+        self._rr = 0
+        self._clock = clock
+        self._max_msg_timeout = options.max_msg_timeout
+        self._max_consumers = options.max_channel_consumers
+        if hasattr(queue.backend, "on_stored"):
+            # A durable store hands out messages only once committed: it says when.
+            queue.backend.on_stored = self._stored
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.topic.name}:{self.name}>"
+
+    # -- what /stats reports -------------------------------------------------
+
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def backend_depth(self) -> int:
+        return self._queue.backend_depth()
+
+    def in_flight_count(self) -> int:
+        return len(self._in_flight)
+
+    def deferred_count(self) -> int:
+        return len(self._deferred)
+
+    # -- inspection (GET /channel/peek) --------------------------------------
+
+    def peek(self, state: str, count: int) -> list[tuple[Message, float | None, object | None]]:
+        """The first `count` messages of one state as (message, due or timeout, client), moving none.
+
+        `queued`: delivery order (memory, then the backend), no time, no
+        client; `deferred`: by due time (reactor seconds); `in_flight`: by
+        timeout (reactor seconds), with the client holding each. The heaps
+        are only read (their live entries, as `pop_due` would surface them),
+        so no count, timer, order or attempt changes. ValueError for
+        another state.
+        """
+        if state == "queued":
+            return [(msg, None, None) for msg in self._queue.peek(count)]
+        if state == "deferred":
+            pq = self._deferred
+        elif state == "in_flight":
+            pq = self._in_flight_pq
+        else:
+            raise ValueError(f"unknown state {state!r}")
+        if pq is self._deferred:
+            return [(msg, due, None) for due, msg in pq.peek(count)]
+        return [(msg, timeout, msg.client) for timeout, msg in pq.peek(count)]
+
+    def peek_queued(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek("queued", count)` as (message, body size) pieces: OverflowQueue.peek_pieces."""
+        return self._queue.peek_pieces(count, body_limit)
+
+    # -- queueing ------------------------------------------------------------
+
+    def put(self, msgs: list[Message], spill: bool = False) -> None:
+        """Messages from the topic; delivered at once if a client is ready.
+
+        Raises BackendError (nothing queued) if the overflow cannot be
+        stored, unless `spill`: then the messages stay in memory beyond the
+        bound, for a topic whose other channels already took their copies.
+        """
+        try:
+            self._queue.put(msgs)
+        except BackendError:
+            if not spill:
+                raise
+            self._queue.mem.extend(msgs)
+        self.message_count += len(msgs)
+        self.deliver_soon()
+
+    def deliver_soon(self) -> None:
+        """Deliver now, or once the connection being read has handled its whole read.
+
+        While a read is processed the broker collects channels to deliver
+        in its DeliveryBatch (one delivery pass per read, not per command).
+        """
+        pending = self.topic.broker.deliveries.pending
+        if pending is None:
+            self.deliver()
+        else:
+            pending.add(self)
+
+    def put_deferred(self, msgs: list[Message], spill: bool = False) -> None:
+        """Messages from the topic that are due only at their `deferred_until`.
+
+        A store that cannot keep them raises BackendError, unless `spill`
+        (see `put`): then they are deferred in memory only.
+        """
+        try:
+            later = self._queue.hold(msgs)
+        except BackendError:
+            if not spill:
+                raise
+            later = False
+        self.message_count += len(msgs)
+        if not later:
+            self._defer(msgs)
+
+    def _stored(self, held: list[Message]) -> None:
+        """A durable store committed messages of this channel: the deferred ones start waiting, the rest is delivered."""
+        if held:
+            self._defer(held)
+        self.deliver_soon()
+
+    def _defer(self, msgs: list[Message]) -> None:
+        push = self._deferred.push
+        for msg in msgs:
+            push(msg, msg.deferred_until)
+
+    # -- delivery ------------------------------------------------------------
+
+    def deliver(self) -> None:
+        """Hand queued messages to ready clients until one side runs out.
+
+        With several ready clients the queue is split among them in turn,
+        starting with a different client each time, so a channel spreads
+        its messages evenly whatever the clients' RDY windows are.
+        """
+        if self.paused or self.exiting:
+            return
+        clients = self.clients
+        if not clients:
+            return
+        queue = self._queue
+        mem = queue.mem
+        send = self._send
+        while True:
+            pending = len(mem)
+            if not pending:
+                # Read the backend only for a client that can take messages
+                # now, so the memory queue stays within mem-queue-size.
+                if not any(c.ready() > 0 for c in clients):
+                    return
+                later = queue.refill(BACKEND_READ_BATCH, self._clock.seconds())
+                if later:
+                    self._defer(later)
+                pending = len(mem)
+                if not pending:
+                    # Only deferred ones came back: read on. Nothing at all
+                    # means the backend has nothing now, whatever its depth
+                    # says: reading again would spin the reactor forever.
+                    if later and queue:
+                        continue
+                    return
+            if len(clients) == 1:
+                client = clients[0]
+                window = client.ready()
+                if window <= 0:
+                    return
+                send(client, take(mem, window if window < pending else pending))
+                continue
+            windows = [(c, w) for c in clients if (w := c.ready()) > 0]
+            if not windows:
+                return
+            count = len(windows)
+            start = self._rr % count
+            self._rr += 1
+            share = -(-pending // count)
+            for i in range(count):
+                client, window = windows[(start + i) % count]
+                n = min(window, share, len(mem))
+                if n <= 0:
+                    break
+                send(client, take(mem, n))
+
+    def _send(self, client, batch: list[Message]) -> None:
+        now = self._clock.seconds()
+        rate = client.sample_rate
+        if rate:
+            batch = self._sample(batch, rate)
+            if not batch:
+                return
+        in_flight = self._in_flight
+        for msg in batch:
+            # nsqd's attempts is a uint16 and wraps (65535 -> 0); a larger
+            # number could not be packed into a frame nor a record.
+            msg.attempts = (msg.attempts + 1) & 0xFFFF
+            msg.client = client
+            msg.delivered_at = now
+            in_flight[msg.id] = msg
+        self._in_flight_pq.push_batch(batch, now + client.msg_timeout)
+        n = len(batch)
+        client.in_flight_count += n
+        client.message_count += n
+        client.send_messages(batch)
+
+    def _sample(self, batch: list[Message], rate: int) -> list[Message]:
+        """The messages a client with `sample_rate` gets; the others are done for good.
+
+        nsqd draws r in [0,100) and drops the message when r > rate; the
+        dropped ones are consumed for this channel, not requeued, so a
+        durable store must forget them as a FIN would.
+        """
+        randrange = random.randrange
+        kept: list[Message] = []
+        dropped: list[Message] = []
+        for m in batch:
+            (kept if randrange(100) <= rate else dropped).append(m)
+        if dropped:
+            self._queue.finish(dropped)
+        return kept
+
+    # -- FIN / REQ / TOUCH ---------------------------------------------------
+
+    def _owned(self, client, msg_id: bytes) -> Message:
+        msg = self._in_flight.get(msg_id)
+        if msg is None:
+            raise ChannelError("ID not in flight")
+        if msg.client is not client:
+            raise ChannelError("client does not own message")
+        return msg
+
+    def _pop_in_flight(self, client, msg_id: bytes) -> Message:
+        msg = self._owned(client, msg_id)
+        del self._in_flight[msg_id]
+        self._in_flight_pq.discard(msg)
+        msg.client = None
+        client.in_flight_count -= 1
+        return msg
+
+    def finish(self, client, msg_id: bytes) -> None:
+        """FIN: the message is done for good. The caller runs `deliver()` once per batch."""
+        if not self.finish_run(client, (msg_id,)):
+            self._owned(client, msg_id)  # raises: not in flight, or not this client's
+
+    def finish_run(self, client, msg_ids, start: int = 0) -> int:
+        """FIN the ids from `start` on until one fails; how many were finished.
+
+        A reader FINs every message, usually many per read: the parser hands
+        such a run over whole, so the bookkeeping (in-flight heap, counts,
+        the store's deletions) is done once per run instead of per message.
+        The caller runs `deliver()` once per batch, and answers the failing
+        id (if any) with `finish`'s error.
+        """
+        in_flight = self._in_flight
+        get = in_flight.get
+        done: list[Message] = []
+        append = done.append
+        for msg_id in islice(msg_ids, start, None):
+            msg = get(msg_id)
+            if msg is None or msg.client is not client:
+                break
+            del in_flight[msg_id]
+            msg.client = None
+            append(msg)
+        n = len(done)
+        if n:
+            self._in_flight_pq.discard_many(done)
+            client.in_flight_count -= n
+            client.finish_count += n
+            if self.e2e is not None:
+                record = self.e2e.record
+                for msg in done:
+                    record(msg.timestamp)
+            self._queue.finish(done)
+        return n
+
+    def requeue(self, client, msg_id: bytes, delay: float) -> None:
+        """REQ: back to the tail now, or into the deferred queue for `delay` seconds."""
+        if self.exiting:
+            raise ChannelError("exiting")
+        msg = self._pop_in_flight(client, msg_id)
+        client.requeue_count += 1
+        self.requeue_count += 1
+        if delay > 0:
+            msg.deferred_until = due = self._clock.seconds() + delay
+            self._deferred.push(msg, due)
+            if msg.key is not None:
+                self._queue.backend.update((msg,))
+        else:
+            self._queue.put_accepted([msg])
+
+    def touch(self, client, msg_id: bytes) -> None:
+        """TOUCH: a fresh msg_timeout, but never past delivery + max-msg-timeout."""
+        msg = self._owned(client, msg_id)
+        deadline = self._clock.seconds() + client.msg_timeout
+        latest = msg.delivered_at + self._max_msg_timeout
+        self._in_flight_pq.push(msg, deadline if deadline < latest else latest)
+
+    # -- timeouts and deferred, driven by the queue scan ----------------------
+
+    def process_in_flight(self, now: float) -> bool:
+        """Requeue messages whose deadline passed; True if there were any."""
+        expired = self._in_flight_pq.pop_due(now)
+        if not expired:
+            return False
+        in_flight = self._in_flight
+        for msg in expired:
+            del in_flight[msg.id]
+            msg.client.in_flight_count -= 1
+            msg.client = None
+        self.timeout_count += len(expired)
+        self._queue.put_accepted(expired)
+        self.deliver()
+        return True
+
+    def process_deferred(self, now: float) -> bool:
+        """Queue deferred messages that are due; True if there were any."""
+        due = self._deferred.pop_due(now)
+        if not due:
+            return False
+        for msg in due:
+            msg.deferred_until = 0.0
+        self._queue.put_accepted(due)
+        self.deliver()
+        return True
+
+    # -- snapshots -----------------------------------------------------------
+
+    def holdings(self) -> tuple[OverflowQueue, PriorityQueue, PriorityQueue]:
+        """The queue (memory + backend), the deferred queue and the in-flight queue, live.
+
+        For a snapshot's capture (mqd.nsqd.capture), which must read all three
+        at one instant and take what it needs before the reactor runs on.
+        """
+        return self._queue, self._deferred, self._in_flight_pq
+
+    # -- clients -------------------------------------------------------------
+
+    def add_client(self, client) -> None:
+        if self.exiting:
+            raise ChannelError("exiting")
+        if self._max_consumers and len(self.clients) >= self._max_consumers:
+            raise ChannelError(
+                f"consumers for {self.topic.name}:{self.name} exceeds limit of {self._max_consumers}"
+            )
+        self.clients.append(client)
+
+    def remove_client(self, client) -> None:
+        """Forget a client that left; its in-flight messages go straight back to the queue.
+
+        nsqd leaves them in flight until they time out; handing them on now
+        costs nothing and spares consumers a msg_timeout of latency.
+        """
+        try:
+            self.clients.remove(client)
+        except ValueError:
+            return
+        if self.exiting:
+            return
+        orphans = [msg for msg in self._in_flight.values() if msg.client is client]
+        if orphans:
+            discard = self._in_flight_pq.discard
+            for msg in orphans:
+                del self._in_flight[msg.id]
+                discard(msg)
+                msg.client = None
+            client.in_flight_count -= len(orphans)
+            # nsqd counts these as timeouts when their msg_timeout runs out.
+            self.timeout_count += len(orphans)
+            self._queue.put_accepted(orphans)
+        if self.ephemeral and not self.clients:
+            self.topic.delete_channel(self.name)
+        else:
+            self.deliver()
+
+    # -- administration ------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self.deliver()
+
+    def empty(self) -> None:
+        """Drop queued, in-flight and deferred messages (nsqd's /channel/empty)."""
+        self._queue.empty()
+        for msg in self._in_flight.values():
+            msg.client = None
+        self._in_flight.clear()
+        self._in_flight_pq.drain()
+        self._deferred.drain()
+        for client in self.clients:
+            client.in_flight_count = 0
+
+    def delete(self) -> None:
+        """Drop everything and the backend storage, and disconnect the clients."""
+        self.exiting = True
+        self.empty()
+        self._queue.delete()
+        clients, self.clients = self.clients, []
+        for client in clients:
+            client.channel_gone()
+
+    def close(self) -> None:
+        """Clean shutdown: everything held in memory goes to the backend.
+
+        Memory queue first, then in-flight, then deferred, as nsqd flushes;
+        attempts and deferral deadlines travel with each message so a
+        persistent backend can give them back after a restart.
+        """
+        self.exiting = True
+        in_flight = self._in_flight_pq.drain()
+        self._in_flight.clear()
+        for msg in in_flight:
+            msg.client = None
+        self._queue.close(in_flight + self._deferred.drain())
+

@@ -1,0 +1,130 @@
+"""The broker's HTTP API: its routes on mqd.http.router's nsqd-style routing.
+
+The endpoints themselves live in one module per concept: status.py
+(/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
+topics.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
+(/snapshot, the broker's whole queue state for the Spark bridge), peek.py
+(/channel/peek, /topic/peek: mqd's look at messages without consuming them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from twisted.web import resource, server
+
+from mqd.http.endpoint import Endpoint
+from mqd.http.router import ApiSite, CappedBody, Router
+from mqd.nsqd.http.config import Config
+from mqd.nsqd.http.metrics import Metrics
+from mqd.nsqd.http.peek import ChannelPeek, TopicPeek
+from mqd.nsqd.http.publish import Mpub, Pub
+from mqd.nsqd.http.snapshot import Snapshot
+from mqd.nsqd.http.status import Info, Ping, Stats
+from mqd.nsqd.http.topics import (
+    ChannelCreate,
+    ChannelDelete,
+    ChannelEmpty,
+    ChannelPause,
+    TopicCreate,
+    TopicDelete,
+    TopicEmpty,
+    TopicPause,
+)
+
+__all__ = ["NsqdAPI", "NsqdSite", "TLSRequired"]
+
+# The one route with a parameter: /config/:opt (one non-empty segment).
+_CONFIG_PREFIX = "/config/"
+
+
+class NsqdAPI(Router):
+    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules."""
+
+    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+        super().__init__({
+            "/ping": Ping(broker),
+            "/info": Info(broker, ports),
+            "/stats": Stats(broker),
+            "/metrics": Metrics(broker),
+            "/pub": Pub(broker),
+            "/mpub": Mpub(broker),
+            "/topic/create": TopicCreate(broker),
+            "/topic/delete": TopicDelete(broker),
+            "/topic/empty": TopicEmpty(broker),
+            "/topic/pause": TopicPause(broker, paused=True),
+            "/topic/unpause": TopicPause(broker, paused=False),
+            "/channel/create": ChannelCreate(broker),
+            "/channel/delete": ChannelDelete(broker),
+            "/channel/empty": ChannelEmpty(broker),
+            "/channel/pause": ChannelPause(broker, paused=True),
+            "/channel/unpause": ChannelPause(broker, paused=False),
+            "/channel/peek": ChannelPeek(broker),
+            "/topic/peek": TopicPeek(broker),
+            "/snapshot": Snapshot(broker),
+        })
+        self.config = Config(broker)
+
+    def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
+        found = super().match(path)
+        if found is not None:
+            return found
+        if path.startswith(_CONFIG_PREFIX):
+            opt = path[len(_CONFIG_PREFIX):]
+            if opt and "/" not in opt:
+                return self.config, {"opt": opt}
+        return None
+
+    def _route_like(self, candidate: str) -> str | None:
+        fixed = super()._route_like(candidate)
+        if fixed is None and candidate.lower().startswith(_CONFIG_PREFIX):
+            fixed = _CONFIG_PREFIX + candidate[len(_CONFIG_PREFIX):]
+        return fixed
+
+
+class NsqdSite(ApiSite):
+    """The HTTP factory serving an NsqdAPI."""
+
+    def __init__(self, broker, ports: Mapping[str, int], reactor=None, *,
+                 tls_required: bool = False) -> None:
+        super().__init__(NsqdAPI(broker, ports), reactor)
+        self.broker = broker
+        self.ports = ports
+        # The plain-HTTP site of a broker run with --tls-required=true
+        # turns every request away, pointing at the HTTPS port (go-nsq's
+        # HTTP client retries there).
+        self.tls_required = tls_required
+
+    def getResourceFor(self, request: server.Request):
+        if self.tls_required:
+            return TLSRequired(self.ports)
+        return super().getResourceFor(request)
+
+    def getContentFile(self, length: int | None) -> CappedBody:
+        """Where twisted.web puts a request body: memory, bounded by the largest limit.
+
+        Every endpoint reads at most its limit + 1 bytes (as nsqd's
+        LimitReader), so keeping more is never needed; without the cap a
+        client could make the broker spool any amount to a temporary file.
+        """
+        opts = self.broker.options
+        return CappedBody(max(opts.max_msg_size, opts.max_body_size) + 1)
+
+
+class TLSRequired(resource.Resource):
+    """nsqd's answer on plain HTTP under --tls-required=true, byte for byte (a literal in http.go)."""
+
+    isLeaf = True
+
+    def __init__(self, ports: Mapping[str, int]) -> None:
+        super().__init__()
+        self.ports = ports
+
+    def render(self, request: server.Request) -> bytes:
+        request.setResponseCode(403)
+        request.setHeader(b"X-NSQ-Content-Type", b"nsq; version=1.0")
+        request.setHeader(b"Content-Type", b"application/json; charset=utf-8")
+        port = self.ports.get("HTTPS", 0)
+        return f'{{"message": "TLS_REQUIRED", "https_port": {port}}}'.encode()
+
+

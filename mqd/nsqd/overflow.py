@@ -1,0 +1,202 @@
+"""OverflowQueue: a topic's or channel's bounded memory queue in front of its backend.
+
+Puts go to memory until `mem-queue-size` is reached, then to the backend;
+once anything sits in the backend, new messages go there too, so the queue
+stays FIFO across both (nsqd reads memory and disk in random order).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from itertools import chain, islice
+from typing import TYPE_CHECKING
+
+from backends import BackendError
+from backends.interface import IPiecewisePeek
+from backends.memory import take
+from mqd.logs import get_logger
+
+if TYPE_CHECKING:
+    from mqd.message import Message
+
+__all__ = ["OverflowQueue", "take"]
+
+log = get_logger(__name__)
+
+
+class OverflowQueue:
+    __slots__ = ("mem", "size", "backend")
+
+    def __init__(self, size: int, backend) -> None:
+        self.mem: deque[Message] = deque()
+        self.size = size
+        self.backend = backend
+
+    def __len__(self) -> int:
+        return len(self.mem) + self.backend.depth()
+
+    def __bool__(self) -> bool:
+        return bool(self.mem) or self.backend.depth() > 0
+
+    def backend_depth(self) -> int:
+        return self.backend.depth()
+
+    def put(self, msgs: list[Message]) -> None:
+        """Append in order; raises BackendError if the overflow cannot be stored.
+
+        All or nothing: the backend is given its part before memory takes
+        the rest, so a refused put leaves the queue as it was and the
+        caller can keep every message elsewhere without duplicating any.
+        """
+        mem = self.mem
+        backend = self.backend
+        room = self.size - len(mem)
+        if room >= len(msgs) and not backend.depth():
+            mem.extend(msgs)
+            return
+        if room > 0 and not backend.depth():
+            backend.put(msgs[room:])
+            mem.extend(msgs[:room])
+            return
+        backend.put(msgs)
+
+    def put_accepted(self, msgs: list[Message]) -> None:
+        """Put back messages that were acknowledged long ago (requeues, timeouts).
+
+        Messages a durable store still keeps (they have a key) go straight
+        back to memory and have their record rewritten (attempts, deferral);
+        the others are put again. A failing backend must not lose them: they
+        stay in memory beyond the bound instead.
+        """
+        kept = [m for m in msgs if m.key is not None]
+        if kept:
+            self.backend.update(kept)
+            self.mem.extend(kept)
+            if len(kept) == len(msgs):
+                return
+            msgs = [m for m in msgs if m.key is None]
+        try:
+            self.put(msgs)
+        except BackendError:
+            self.mem.extend(msgs)
+
+    def finish(self, msgs: list[Message]) -> None:
+        """Messages done for good: a durable store forgets the ones it keeps."""
+        kept = [m for m in msgs if m.key is not None]
+        if kept:
+            self.backend.finish(kept)
+
+    def hold(self, msgs: list[Message]) -> bool:
+        """Messages kept outside the queue (deferred): stored where the store is durable.
+
+        True when a durable store gives them back through its `on_stored`
+        once committed: until then the owner must not keep them anywhere.
+        """
+        return bool(self.backend.hold(msgs))
+
+    def refill(self, n: int, now: float) -> list[Message]:
+        """Move up to `n` due messages from the backend into memory.
+
+        Returns the ones still deferred (a store gives back deferred
+        messages after a restart): the caller holds them until they are due.
+        """
+        if not self.backend.depth():
+            return []
+        batch = self.backend.read(n)
+        if not any([m.deferred_until for m in batch]):
+            self.mem.extend(batch)
+            return []
+        later = []
+        mem = self.mem
+        for m in batch:
+            if m.deferred_until > now:
+                later.append(m)
+            else:
+                m.deferred_until = 0.0
+                mem.append(m)
+        return later
+
+    def untake(self, msgs: list[Message]) -> None:
+        """Give back what `take` returned (and nothing was done with) at the head, in order.
+
+        Back into memory even if it came from the backend (beyond the
+        bound, for the moment): the next `take` returns them first. A
+        durable store still keeps their records, as nothing finished them;
+        in default mode, as for the memory queue, they live in RAM only.
+        """
+        self.mem.extendleft(reversed(msgs))
+
+    def take(self, n: int) -> list[Message]:
+        """Remove up to `n` messages from the head, memory first, then the backend.
+
+        From a durable store they stay stored until `finish`.
+        """
+        if self.mem:
+            return take(self.mem, n)
+        return self.backend.read(n) if self.backend.depth() else []
+
+    def peek(self, count: int) -> list[Message]:
+        """The first `count` messages in delivery order (memory, then the backend), moving none.
+
+        `take` empties memory before it reads the backend, so this is the
+        order consumers get them in; nothing is read from the backend, so
+        its read position and records stay as they are.
+        """
+        if count <= 0:
+            return []
+        out = list(islice(self.mem, count))
+        if len(out) < count and self.backend.depth():
+            out += self.backend.peek(count - len(out))
+        return out
+
+    def peek_pieces(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek(count)` as (message, body size) pieces, for an answer built a piece at a time.
+
+        Memory's part, and a backend's that holds its messages in memory,
+        is taken now as one piece of references (nothing is copied); a
+        store that reads from disk (IPiecewisePeek) is read a piece per
+        `next()`, its bodies cut at `body_limit`.
+        """
+        if count <= 0:
+            return iter(())
+        first = [(m, len(m.body)) for m in islice(self.mem, count)]
+        rest = count - len(first)
+        backend = self.backend
+        if rest <= 0 or not backend.depth():
+            return iter([first])
+        if IPiecewisePeek.providedBy(backend):
+            return chain([first], backend.peek_pieces(rest, body_limit))
+        return iter([first + [(m, len(m.body)) for m in backend.peek(rest)]])
+
+    def empty(self) -> None:
+        self.mem.clear()
+        self.backend.empty()
+
+    def delete(self) -> None:
+        self.mem.clear()
+        self.backend.delete()
+
+    def close(self, also: list[Message] | None = None) -> None:
+        """Hand what memory holds (then `also`) to the backend and close it.
+
+        Messages a durable store still keeps only have their record
+        rewritten, so they come back in their place with their attempts.
+        """
+        held = list(self.mem)
+        self.mem.clear()
+        if also:
+            held.extend(also)
+        kept = [m for m in held if m.key is not None]
+        if kept:
+            self.backend.update(kept)
+            held = [m for m in held if m.key is None]
+        if held:
+            try:
+                self.backend.put(held)
+            except BackendError as e:
+                # A failed store at shutdown: these die with the process, as
+                # a memory queue's do; the other queues must still close.
+                log.error("queue {name}: {n} messages in memory not stored at shutdown: {error}",
+                          name=self.backend.name, n=len(held), error=e)
+        self.backend.close()

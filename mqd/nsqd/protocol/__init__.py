@@ -1,0 +1,1 @@
+"""The broker's side of NSQ's TCP protocol V2."""

@@ -1,0 +1,96 @@
+"""The server TLS context nsqd builds from its --tls-* flags, for TCP upgrades and HTTPS.
+
+One OpenSSL context serves every TLS connection of a broker: the V2
+protocol's IDENTIFY upgrade (`transport.startTLS`) and the HTTPS listener.
+It is built once at start-up so a bad certificate, key or CA file stops
+the broker with one line instead of failing each handshake.
+"""
+
+from __future__ import annotations
+
+from mqd.options import ConfigError
+
+__all__ = ["ServerTLS", "server_tls"]
+
+
+class ServerTLS:
+    """A Twisted context factory (getContext) around one shared OpenSSL context."""
+
+    def __init__(self, context, required: str) -> None:
+        self._context = context
+        # "true", "tcp-https" or "false", as --tls-required resolved.
+        self.required = required
+
+    def getContext(self):
+        return self._context
+
+    @property
+    def tcp_required(self) -> bool:
+        return self.required in ("true", "tcp-https")
+
+    @property
+    def http_required(self) -> bool:
+        return self.required == "true"
+
+
+def _verify_any(conn, cert, errno, depth, ok) -> bool:
+    """`require`: a client certificate must be sent, but it is not checked (nsqd's RequireAnyClientCert)."""
+    return True
+
+
+def _verify_chain(conn, cert, errno, depth, ok) -> bool:
+    return bool(ok)
+
+
+def server_tls(settings) -> ServerTLS | None:
+    """The broker's TLS, or None when --tls-cert/--tls-key are not both set.
+
+    Raises ConfigError for what nsqd refuses at start-up: TLS required
+    without a certificate, unreadable or mismatched cert/key, a bad CA file.
+    """
+    cert, key = settings.tls_cert, settings.tls_key
+    required = settings.tls_required
+    policy = settings.tls_client_auth_policy
+    if policy and required == "false":
+        # nsqd: a client-auth policy makes no sense over plaintext.
+        required = "true"
+    if not (cert and key):
+        if required != "false":
+            raise ConfigError("cannot require TLS client connections without TLS key and cert")
+        if cert or key:
+            raise ConfigError("--tls-cert and --tls-key must be given together")
+        return None
+
+    from OpenSSL import SSL
+
+    versions = {
+        "tls1.0": SSL.TLS1_VERSION,
+        "tls1.1": SSL.TLS1_1_VERSION,
+        "tls1.2": SSL.TLS1_2_VERSION,
+        "tls1.3": SSL.TLS1_3_VERSION,
+    }
+    ctx = SSL.Context(SSL.TLS_SERVER_METHOD)
+    ctx.set_min_proto_version(versions[settings.tls_min_version])
+    ctx.set_options(SSL.OP_NO_COMPRESSION | SSL.OP_CIPHER_SERVER_PREFERENCE)
+    try:
+        ctx.use_certificate_chain_file(cert)
+        ctx.use_privatekey_file(key)
+        ctx.check_privatekey()
+    except (SSL.Error, OSError) as e:
+        raise ConfigError(f"failed to load TLS key pair ({cert}, {key}): {e}") from None
+    if policy:
+        # Session resumption with client certificates needs an id context.
+        ctx.set_session_id(b"mqd")
+        mode = SSL.VERIFY_PEER | SSL.VERIFY_FAIL_IF_NO_PEER_CERT
+        if policy == "require":
+            ctx.set_verify(mode, _verify_any)
+        else:
+            ctx.set_verify(mode, _verify_chain)
+            try:
+                if settings.tls_root_ca_file:
+                    ctx.load_verify_locations(settings.tls_root_ca_file)
+                else:
+                    ctx.set_default_verify_paths()
+            except (SSL.Error, OSError) as e:
+                raise ConfigError(f"failed to load --tls-root-ca-file {settings.tls_root_ca_file}: {e}") from None
+    return ServerTLS(ctx, required)

@@ -1,0 +1,315 @@
+"""Topic: the publish side; copies every message to each of its channels.
+
+While a topic has no channel (or is paused) messages wait in its own
+memory queue and backend, and flow to the channels once there are some
+(NSQ behaviour A3). Otherwise a publish goes straight through to the
+channels in the same call: there is no topic pump to wake.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+from backends import BackendError
+from mqd.logs import get_logger
+from mqd.message import IdFactory, Message
+from mqd.nsqd.channel import Channel
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from mqd.nsqd.broker import Broker
+    from mqd.nsqd.overflow import OverflowQueue
+
+__all__ = ["Topic"]
+
+log = get_logger(__name__)
+
+# How many queued messages one drain step moves to the channels before it
+# yields the reactor to other connections.
+DRAIN_BATCH = 8192
+# How long a move the channels' store refused (a full disk) waits before it
+# is tried again: the store itself retries its commit every second.
+DRAIN_RETRY = 1.0
+
+
+class Topic:
+    __slots__ = (
+        "broker",
+        "name",
+        "ephemeral",
+        "paused",
+        "held",
+        "exiting",
+        "channels",
+        "message_count",
+        "message_bytes",
+        "ids",
+        "_queue",
+        "_drain_call",
+        "__weakref__",
+    )
+
+    def __init__(self, broker: Broker, name: str) -> None:
+        self.broker = broker
+        self.name = name
+        self.ephemeral = name.endswith("#ephemeral")
+        self.paused = False
+        # Set while the channels lookupd lists are being asked for (nsqd's
+        # topic not yet started): messages wait at the topic, as when paused.
+        self.held = False
+        self.exiting = False
+        self.channels: dict[str, Channel] = {}
+        self.message_count = 0
+        self.message_bytes = 0
+        self.ids = IdFactory(broker.options.node_id)
+        self._queue = broker.open_queue(name, self.ephemeral)
+        self._drain_call = None
+        if hasattr(self._queue.backend, "on_stored"):
+            # A durable store hands out messages only once committed: it says when.
+            self._queue.backend.on_stored = self._stored
+
+    def __repr__(self) -> str:
+        return f"<Topic {self.name}>"
+
+    # -- stats ---------------------------------------------------------------
+
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def backend_depth(self) -> int:
+        return self._queue.backend_depth()
+
+    def peek(self, count: int) -> list[Message]:
+        """The first `count` messages waiting at the topic, in the order its channels will get them.
+
+        Only read (GET /topic/peek): nothing moves to the channels and no
+        store position changes. A DPUB waiting here keeps its deferred_until.
+        """
+        return self._queue.peek(count)
+
+    def peek_queued(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """`peek(count)` as (message, body size) pieces: OverflowQueue.peek_pieces."""
+        return self._queue.peek_pieces(count, body_limit)
+
+    # -- publishing ----------------------------------------------------------
+
+    def publish(self, bodies: list[bytes], defer: float = 0.0) -> None:
+        """Accept message bodies from a producer; raises BackendError if they cannot be stored.
+
+        `defer` (seconds) holds the messages in each channel's deferred
+        queue, as DPUB does.
+        """
+        now = self.broker.clock.seconds()
+        ts = int(now * 1e9)
+        ids = self.ids.new_ids(len(bodies), ts)
+        msgs = [Message(i, b, ts) for i, b in zip(ids, bodies, strict=True)]
+        if defer > 0:
+            due = now + defer
+            for msg in msgs:
+                msg.deferred_until = due
+        store = self.broker.store
+        if not store.durable:
+            self.put(msgs)
+            return
+        if self.ephemeral:
+            # Never stored, but its publisher is answered after the store's
+            # next commit, with its error if it fails: in only if it does not.
+            store.when_durable(partial(self._put_if_committed, msgs))
+            return
+        # New publishes: a commit that fails drops them (its publishers get the error).
+        store.publishing = True
+        try:
+            self.put(msgs)
+        finally:
+            store.publishing = False
+
+    def _put_if_committed(self, msgs: list[Message], error: str | None) -> None:
+        if error is None and not self.exiting:
+            self.put(msgs)
+
+    def put(self, msgs: list[Message]) -> None:
+        if self.channels and not self.paused and not self.held and not self._queue:
+            self._fan_out(msgs)
+        else:
+            self._queue.put(msgs)
+            if self.channels and not self.paused and not self.held:
+                self._schedule_drain()
+        # Counted once stored: a publish the backend refused is not (as nsqd).
+        self.message_count += len(msgs)
+        self.message_bytes += sum([len(m.body) for m in msgs])
+
+    def _fan_out(self, msgs: list[Message], keep_originals: bool = False) -> None:
+        """One copy per channel; the last channel takes the originals unless `keep_originals`.
+
+        Copies are taken from originals no channel has seen yet: a put may
+        deliver at once, and a delivery's attempts+1 must not be inherited
+        by the next channel's copy (each copy counts its own attempts, A2).
+
+        Raises BackendError, with no channel having taken anything, when
+        the first channel's store refuses the messages. Ephemeral channels
+        (never stored) come last, so with one store behind all the others
+        only the first put can be refused; should a later one be, that
+        channel keeps its copies in memory, as the others took theirs.
+        """
+        if msgs[0].deferred_until or msgs[-1].deferred_until:
+            now_due = [m for m in msgs if not m.deferred_until]
+            later = [m for m in msgs if m.deferred_until]
+        else:
+            now_due, later = msgs, None
+        channels = list(self.channels.values())
+        if len(channels) > 1:
+            channels.sort(key=_ephemeral_last)
+        last = len(channels) if keep_originals else len(channels) - 1
+        accepted = False
+        for i, channel in enumerate(channels):
+            if i < last:
+                due = [m.copy() for m in now_due]
+                deferred = [m.copy() for m in later] if later else later
+            else:
+                due, deferred = now_due, later
+            if channel.ephemeral and getattr(self.broker.store, "publishing", False):
+                # A durable store's new publish: an ephemeral channel (never
+                # stored) gets it once the commit holding it is over, or never.
+                self.broker.store.when_durable(partial(_put_if_committed, channel, due, deferred))
+                continue
+            if deferred:
+                channel.put_deferred(deferred, accepted)
+                accepted = True
+            if due:
+                channel.put(due, accepted)
+                accepted = True
+
+    def _drain(self) -> None:
+        """Move what waited at the topic to the channels, a batch per reactor turn.
+
+        A move the channels' store refuses (a full disk) gives the batch
+        back to the topic and is tried again later: what was acknowledged
+        stays where it is until a channel has it.
+        """
+        self._drain_call = None
+        if not self.channels or self.paused or self.held or self.exiting:
+            return
+        queue = self._queue
+        batch = queue.take(DRAIN_BATCH)
+        if not batch:
+            return
+        # Messages a durable store keeps for the topic stay its own: the
+        # channels get copies, with their own keys, so the topic's records
+        # are finished only once every channel has the messages. Both land
+        # in the same commit.
+        stored = any([m.key is not None for m in batch])
+        try:
+            self._fan_out(batch, keep_originals=stored)
+        except BackendError as e:
+            queue.untake(batch)
+            log.warn("TOPIC({topic}): cannot move {n} messages to its channels, retrying in {s}s: {error}",
+                     topic=self.name, n=len(batch), s=DRAIN_RETRY, error=e)
+            self._drain_call = self.broker.clock.callLater(DRAIN_RETRY, self._drain)
+            return
+        if stored:
+            queue.finish(batch)
+        if queue:
+            self._drain_call = self.broker.clock.callLater(0, self._drain)
+
+    def _stored(self, held: list[Message]) -> None:
+        """A durable store committed messages waiting at the topic: they can move on now."""
+        self._schedule_drain()
+
+    def _schedule_drain(self) -> None:
+        if self._drain_call is None and self._queue:
+            self._drain()
+
+    def holdings(self) -> OverflowQueue:
+        """What waits at the topic (memory + backend), live, for a snapshot's capture."""
+        return self._queue
+
+    # -- channels ------------------------------------------------------------
+
+    def channel(self, name: str) -> Channel:
+        """The channel called `name`, created (and announced) if new."""
+        channel = self.channels.get(name)
+        if channel is None:
+            channel = Channel(
+                self,
+                name,
+                self.broker.open_queue(f"{self.name}:{name}", self.ephemeral or name.endswith("#ephemeral")),
+                self.broker.options,
+                self.broker.clock,
+            )
+            self.channels[name] = channel
+            self.broker.channel_created(self, channel)
+            if not self.broker._loading:
+                # At start-up the broker drains once every channel is back
+                # (as nsqd starts a topic's pump after loading its channels).
+                self._schedule_drain()
+        return channel
+
+    def delete_channel(self, name: str) -> None:
+        """Delete a channel; an ephemeral topic goes with its last channel (E3)."""
+        channel = self.channels.pop(name, None)
+        if channel is None:
+            return
+        channel.delete()
+        self.broker.channel_deleted(self, channel)
+        if self.ephemeral and not self.channels:
+            self.broker.delete_topic(self.name)
+
+    # -- administration ------------------------------------------------------
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def unpause(self) -> None:
+        self.paused = False
+        self._schedule_drain()
+
+    def hold(self) -> None:
+        """Keep messages at the topic until `release`: its channels are not all known yet.
+
+        nsqd starts a new topic's pump only once the channels lookupd
+        lists exist, so each of them gets the topic's first message.
+        """
+        self.held = True
+
+    def release(self) -> None:
+        self.held = False
+        self._schedule_drain()
+
+    def empty(self) -> None:
+        """Drop what waits at the topic; channels keep theirs (F2)."""
+        self._queue.empty()
+
+    def delete(self) -> None:
+        self.exiting = True
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        for name in list(self.channels):
+            channel = self.channels.pop(name)
+            channel.delete()
+            self.broker.channel_deleted(self, channel)
+        self._queue.delete()
+
+    def close(self) -> None:
+        """Clean shutdown: channels flush to their backends, then the topic's memory to its own."""
+        self.exiting = True
+        if self._drain_call is not None and self._drain_call.active():
+            self._drain_call.cancel()
+        for channel in self.channels.values():
+            channel.close()
+        self._queue.close()
+
+
+def _ephemeral_last(channel: Channel) -> bool:
+    return channel.ephemeral
+
+
+def _put_if_committed(channel: Channel, due: list[Message], deferred: list[Message] | None,
+                      error: str | None) -> None:
+    if error is not None or channel.exiting:
+        return
+    if deferred:
+        channel.put_deferred(deferred, True)
+    if due:
+        channel.put(due, True)
