@@ -1,6 +1,6 @@
 """End-to-end processing latency: how long messages take from publish to FIN.
 
-nsqd's `--e2e-processing-latency-percentile` feature (NSQ behaviour K4).
+nsqd's `--e2e-processing-latency-percentile` feature.
 Each channel records, on every FIN, now − the message's publish timestamp
 into a rolling window covering the last `--e2e-processing-latency-window-time`;
 a topic reports the merge of its channels' windows.

@@ -2,7 +2,7 @@
 
 A message is created once per publish and, for a topic with several
 channels, copied once per extra channel: the copies share id, body and
-timestamp but count their own attempts (NSQ behaviour A2).
+timestamp but count their own attempts, as nsqd's do.
 """
 
 from __future__ import annotations

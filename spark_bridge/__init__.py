@@ -1,1 +1,1 @@
-"""The Spark bridge: LMDB snapshots read with PySpark (issue #7)."""
+"""The Spark bridge: snapshots of the broker's queues read with PySpark, and topics as Structured Streaming sources and sinks."""

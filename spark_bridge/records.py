@@ -7,7 +7,7 @@ It needs pyarrow and numpy, not Spark.
 
 Decoding is vectorised because it is the whole cost of a scan: records are
 gathered as two lists of bytes (keys, values; lists of tuples doubled the
-time through GC, see /work/shared/spec/spark-notes.md), turned into one
+time through the garbage collector's work on that many small tuples), turned into one
 Arrow binary array, and the fixed 34-byte record header is cut out of its
 data buffer with numpy. Python touches each record once, in the cursor
 loop.

@@ -13,7 +13,7 @@ with the same paths, bodies, error texts and fan-out:
 * `DELETE /api/topics/:topic[/:channel]`: the producers are found *first*
   (once lookupds forget the topic they can no longer say who has it), then
   every lookupd forgets it, then every producer deletes it. Lookupds go first
-  so a broker does not re-register it in between (nsq#1009).
+  so a broker does not re-register it in between (as nsqadmin orders it).
 * `DELETE /api/nodes/:node {"topic"}`: tombstone on every lookupd, then
   `/topic/delete` on that broker. Only a node of the cluster: one no
   lookupd (or configured broker) reports is `404 NODE_NOT_FOUND` and
@@ -30,7 +30,7 @@ is the answer `502 UPSTREAM_ERROR: ...`, as nsqadmin answers a total failure.
 Writes are privileged as nsqadmin's: with any `--admin-user` set, the user
 a reverse proxy names in `--acl-http-header` must be one of them, else
 `403 FORBIDDEN`. Each action done is POSTed as nsqadmin's JSON event to
-`--notification-http-endpoint` (`Notifier`), in order, never holding up or
+`--notification-http-endpoint` (mqd.admin.notify), in order, never holding up or
 failing the action.
 
 mqd additions: `GET /api/peek/:topic/:channel` (every producer's
@@ -40,42 +40,34 @@ the request's `Authorization: Bearer` header on to the brokers, which ask
 it when they have auth configured (mqd.nsqd.http.authorization), and hand a
 broker's 401 or 403 back.
 `GET/PUT /config/:opt` are nsqadmin's, for clients in
-`--allow-config-from-cidr` only.
+`--allow-config-from-cidr` only (mqd.admin.config).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import socket
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
-from twisted.internet.defer import Deferred, gatherResults, maybeDeferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
 from twisted.web.server import Request
 
-from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.admin.config import AdminConfig
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, request_body
+from mqd.admin.go_json import GoJSONError, decode_go_object
 from mqd.clusterinfo.aggregate import node_id
-from mqd.clusterinfo.upstream import UpstreamError, base_url
+from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, reason_of
 from mqd.http.args import count_arg, max_body_arg, query_of, state_arg
-from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
-from mqd.http.response import dumps
-from mqd.logs import get_logger, set_log_level
+from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES, is_valid_name
-from mqd.options import MQADMIN_OPTIONS
 
-__all__ = ["Notifier", "decode_go_object", "routes"]
+__all__ = ["ACTIONS", "PEEK_ANSWER_MAX", "SNAPSHOT_TIMEOUT", "routes"]
 
 log = get_logger(__name__)
 
 ACTIONS = ("pause", "unpause", "empty")
 
-# nsqadmin reads at most this much of a PUT /config body (1 MiB, plus one byte to tell "more").
-_CONFIG_READ_MAX = 1024 * 1024 + 1
-
-# Events waiting for the notification endpoint; beyond this they are dropped (and counted).
-MAX_PENDING_NOTIFICATIONS = 1000
 # How long a snapshot proxy waits for the broker (its own CLI's default):
 # the copy of a store of many GB takes far longer than an admin action.
 SNAPSHOT_TIMEOUT = 600.0
@@ -114,32 +106,11 @@ def _url(base: str, path: str, params: Mapping[str, str] | None = None) -> str:
     return base + path + ("?" + urlencode(params, errors="surrogateescape") if params else "")
 
 
-def _reason(error: BaseException) -> str:
-    """What went wrong with one upstream request, in a line: `404 TOPIC_NOT_FOUND`, `connection refused`."""
-    code = getattr(error, "code", None)
-    if code is not None:
-        return _error_text(code, getattr(error, "body", b"") or b"")
-    reason = getattr(error, "reason", None)
-    return str(reason if reason is not None else error) or type(error).__name__
-
-
-def _error_text(status: int, body: bytes) -> str:
-    """`404 TOPIC_NOT_FOUND`: the status and the V1 error text of a broker's or lookupd's answer."""
-    text = body.decode("utf-8", "replace").strip()
-    try:
-        data = json.loads(text)
-    except ValueError:
-        data = None
-    if isinstance(data, dict) and isinstance(data.get("message"), str):
-        text = data["message"]
-    return f"{status} {text[:200]}".rstrip()
-
-
 def _failure_text(failure, url: str) -> str:
     """A failed request's line; anything but an UpstreamError is a bug here, logged in full."""
     if not failure.check(UpstreamError):
         log.failure("request to {url} failed unexpectedly", failure, url=url)
-    return _reason(failure.value)
+    return reason_of(failure.value)
 
 
 def _result(target: str, address: str, path: str, error: str | None) -> dict[str, Any]:
@@ -155,7 +126,7 @@ def _post_one(admin: Admin, target: str, address: str, base: str, path: str,
 
     def answered(answer: tuple[int, bytes]) -> dict[str, Any]:
         status, body = answer
-        return _result(target, address, path, None if status == 200 else _error_text(status, body))
+        return _result(target, address, path, None if status == 200 else error_text(status, body))
 
     d.addCallbacks(answered, lambda f: _result(target, address, path, _failure_text(f, url)))
     return d
@@ -216,98 +187,6 @@ class _Run:
         return {"message": _warning(self.problems), "results": self.results}
 
 
-def _body(request: Request) -> bytes:
-    content = request.content
-    if content is None:
-        return b""
-    content.seek(0)
-    return content.read()
-
-
-# -- Go's json.Decoder, as nsqadmin's handlers use it ----------------------------------------
-
-
-class GoJSONError(ValueError):
-    """A body Go's json.Decoder refuses; str() is Go's error text, which nsqadmin answers."""
-
-
-_GO_SPACE = " \t\r\n"
-_CONTEXTS = {
-    "Expecting value": "looking for beginning of value",
-    "Expecting property name enclosed in double quotes": "looking for beginning of object key string",
-    "Expecting ':' delimiter": "after object key",
-    "Expecting ',' delimiter": "after object key:value pair",
-    "Invalid control character at": "in string literal",
-    "Invalid \\escape": "in string escape code",
-}
-
-
-def _go_char(c: str) -> str:
-    """Go's quoteChar: how a json syntax error names the character."""
-    if c == "'":
-        return "'\\''"
-    if c == '"':
-        return "'\"'"
-    return "'" + json.dumps(c)[1:-1] + "'"
-
-
-def _go_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
-
-
-def _reject_constant(name: str) -> Any:
-    raise GoJSONError(f"invalid character {_go_char(name[0])} looking for beginning of value")
-
-
-def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
-    """`fields` (all Go strings) of the first JSON value in `raw`, read as Go's json.Decoder reads a struct.
-
-    Keys match exactly or, failing that, case-insensitively; unknown keys and
-    what follows the first value are ignored; a missing field or a null is
-    "". Raises GoJSONError with Go's text (`EOF`, `unexpected EOF`,
-    `invalid character 'x' looking for beginning of value`, `json: cannot
-    unmarshal number into Go struct field .topic of type string`) otherwise.
-    """
-    text = raw.decode("utf-8", "replace").lstrip(_GO_SPACE)
-    if not text:
-        raise GoJSONError("EOF")
-    decoder = json.JSONDecoder(parse_constant=_reject_constant)
-    try:
-        value, _ = decoder.raw_decode(text)
-    except json.JSONDecodeError as e:
-        if e.pos >= len(text) or e.msg.startswith("Unterminated"):
-            raise GoJSONError("unexpected EOF") from None
-        context = next((c for m, c in _CONTEXTS.items() if e.msg.startswith(m)), _CONTEXTS["Expecting value"])
-        raise GoJSONError(f"invalid character {_go_char(text[e.pos])} {context}") from None
-    out = dict.fromkeys(fields, "")
-    if value is None:
-        return out
-    if not isinstance(value, dict):
-        struct = "; ".join(f'{f.capitalize()} string "json:\\"{f}\\""' for f in fields)
-        raise GoJSONError(f"json: cannot unmarshal {_go_kind(value)} into Go value of type struct {{ {struct} }}")
-    first_error = None
-    for key, item in value.items():
-        name = key if key in out else next((f for f in fields if f.lower() == key.lower()), None)
-        if name is None or item is None:
-            continue
-        if not isinstance(item, str):
-            first_error = first_error or GoJSONError(
-                f"json: cannot unmarshal {_go_kind(item)} into Go struct field .{name} of type string")
-            continue
-        out[name] = item
-    if first_error is not None:
-        raise first_error
-    return out
-
-
 # -- the endpoints -------------------------------------------------------------------------
 
 
@@ -364,7 +243,7 @@ class CreateTopicChannel(ActionEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            body = decode_go_object(_body(request), ("topic", "channel"))
+            body = decode_go_object(request_body(request), ("topic", "channel"))
         except GoJSONError as e:
             raise ApiError(400, str(e)) from None
         topic, channel = body["topic"], body["channel"]
@@ -405,7 +284,7 @@ class _TopicChannelActions(ActionEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            action = decode_go_object(_body(request), ("action",))["action"]
+            action = decode_go_object(request_body(request), ("action",))["action"]
         except GoJSONError as e:
             raise ApiError(400, str(e)) from None
         if action not in ACTIONS:
@@ -453,7 +332,7 @@ class TombstoneNode(ActionEndpoint):
     def handle_DELETE(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            topic = decode_go_object(_body(request), ("topic",))["topic"]
+            topic = decode_go_object(request_body(request), ("topic",))["topic"]
         except GoJSONError:
             raise ApiError(400, "INVALID_BODY") from None
         if not is_valid_name(topic):
@@ -564,13 +443,13 @@ class SnapshotNode(ActionEndpoint):
             code = getattr(e, "code", None)
             if code is not None and code >= 400:
                 # The broker's own refusal (507 SNAPSHOT_LIMIT, 503 STORE_FAILED, 401/403), passed on as it is.
-                message = _reason(e).partition(" ")[2]
+                message = reason_of(e).partition(" ")[2]
                 log.warn("snapshot of {node} refused: {code} {message}", node=node, code=code, message=message)
                 raise _broker_refusal(request, code, message) from None
-            log.error("snapshot of {node} failed: {error}", node=node, error=_reason(e))
-            raise ApiError(502, f"UPSTREAM_ERROR: {_reason(e)}") from None
+            log.error("snapshot of {node} failed: {error}", node=node, error=reason_of(e))
+            raise ApiError(502, f"UPSTREAM_ERROR: {reason_of(e)}") from None
         if status != 200:
-            raise ApiError(502, f"UPSTREAM_ERROR: {_error_text(status, body)}")
+            raise ApiError(502, f"UPSTREAM_ERROR: {error_text(status, body)}")
         try:
             data = json.loads(body)
             answer = {"node": node, "path": data["path"], "manifest": data["manifest"]}
@@ -578,178 +457,3 @@ class SnapshotNode(ActionEndpoint):
             raise ApiError(502, "UPSTREAM_ERROR: not a snapshot answer") from None
         self.notify(request, "create_snapshot", "", node=node)
         return answer
-
-
-# -- /config/:opt --------------------------------------------------------------------------
-
-_OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS}
-
-
-def _client_ip(request: Request) -> str | None:
-    address = request.getClientAddress()
-    return getattr(address, "host", None)
-
-
-class AdminConfig(AdminEndpoint):
-    """nsqadmin's `GET/PUT /config/:opt`, for clients in --allow-config-from-cidr only.
-
-    GET answers any option by its config-file name, as nsqd's /config does
-    (durations in nanoseconds, lists as arrays, log_level as a number);
-    PUT changes `nsqlookupd_http_addresses` (a JSON array: the lookupds
-    asked from the next request on) or `log_level` (a level name).
-    """
-
-    def allowed(self, request: Request) -> None:
-        cidr = self.admin.settings.allow_config_from_cidr
-        if not cidr:
-            return
-        host = _client_ip(request)
-        try:
-            ip = ipaddress.ip_address(host or "")
-        except ValueError:
-            log.error("failed to parse RemoteAddr {addr}", addr=request.getClientAddress())
-            raise ApiError(400, "INVALID_REMOTE_ADDR") from None
-        network = ipaddress.ip_network(cidr, strict=False)
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and network.version == 4:
-            ip = ip.ipv4_mapped
-        if ip not in network:
-            raise ApiError(403, "FORBIDDEN")
-
-    def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
-        self.allowed(request)
-        return self.value(params["opt"])
-
-    def handle_PUT(self, request: Request, params: Mapping[str, str]) -> Any:
-        self.allowed(request)
-        name = params["opt"]
-        body = _body(request)[:_CONFIG_READ_MAX]
-        declared = request.getHeader(b"content-length")
-        too_big = declared is not None and declared.isdigit() and int(declared) >= _CONFIG_READ_MAX
-        if not body or too_big or len(body) >= _CONFIG_READ_MAX:
-            raise ApiError(413, "INVALID_VALUE")
-        admin = self.admin
-        if name == "nsqlookupd_http_addresses":
-            try:
-                addresses = _OPTIONS[name].parse(addresses_of(body))
-            except ValueError:
-                raise ApiError(400, "INVALID_VALUE") from None
-            admin.settings = admin.settings.replace(lookupd_http_address=addresses)
-            if admin.cluster is not None:
-                admin.cluster.lookupds = list(addresses)
-            log.info("lookupd HTTP addresses now {addresses}", addresses=addresses)
-        elif name == "log_level":
-            level = log_level_of(body)
-            set_log_level(level)
-            admin.settings = admin.settings.replace(log_level=level)
-        else:
-            raise ApiError(400, "INVALID_OPTION")
-        return self.value(name)
-
-    def value(self, name: str) -> Any:
-        opt = _OPTIONS.get(name)
-        if opt is None:
-            raise ApiError(400, "INVALID_OPTION")
-        return option_value(opt, self.admin.settings)
-
-
-# -- notifications -------------------------------------------------------------------------
-
-
-def _remote_addr(request: Request) -> str:
-    """Go's req.RemoteAddr: `ip:port` (`[ip]:port` for IPv6)."""
-    address = request.getClientAddress()
-    host, port = getattr(address, "host", None), getattr(address, "port", None)
-    if host is None:
-        return ""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _header(request: Request, name: str) -> str:
-    values = request.requestHeaders.getRawHeaders(name)
-    return values[0] if values else ""
-
-
-class Notifier:
-    """Posts nsqadmin's AdminAction JSON (nsqadmin/notify.go) to --notification-http-endpoint.
-
-    Events go one at a time, in the order the actions were done, as
-    nsqadmin's single sender does; the action never waits for them. A
-    failing endpoint is logged once, not per event, until one gets through
-    again (then how many were lost is logged); if it stays down, at most
-    MAX_PENDING_NOTIFICATIONS events wait and later ones are dropped.
-    """
-
-    def __init__(self, upstream: Any, settings: Any, clock: Any = None, hostname: str | None = None) -> None:
-        if clock is None:
-            from twisted.internet import reactor as clock
-        self.upstream = upstream
-        self.endpoint: str = settings.notification_http_endpoint
-        self.acl_header: str = settings.acl_http_header
-        self.clock = clock
-        self.via = hostname if hostname is not None else socket.gethostname()
-        self.pending = 0
-        self.failed = 0  # failures since the last event that got through
-        self.dropped = 0
-        self._tail: Deferred = succeed(None)
-
-    def event(self, request: Request, action: str, topic: str, channel: str = "",
-              node: str = "") -> dict[str, Any]:
-        """The JSON nsqadmin posts for one action (`channel`, `node`, `user` left out when empty)."""
-        secure = request.isSecure() or _header(request, "X-Scheme") == "https"
-        host = _header(request, "Host")
-        event: dict[str, Any] = {"action": action, "topic": topic}
-        if channel:
-            event["channel"] = channel
-        if node:
-            event["node"] = node
-        event["timestamp"] = int(self.clock.seconds())
-        # nsqadmin's is the basic-auth user; behind a proxy that names the user in
-        # --acl-http-header instead, that one (an mqd addition).
-        user = request.getUser().decode("utf-8", "replace") or _header(request, self.acl_header)
-        if user:
-            event["user"] = user
-        event["remote_ip"] = _remote_addr(request)
-        event["user_agent"] = _header(request, "User-Agent")
-        event["url"] = f"{'https' if secure else 'http'}://{host}{request.uri.decode('utf-8', 'replace')}"
-        event["via"] = self.via
-        return event
-
-    def notify(self, request: Request, action: str, topic: str, channel: str = "", node: str = "") -> None:
-        """Queue the event for one action done; returns at once."""
-        if not self.endpoint:
-            return
-        if self.pending >= MAX_PENDING_NOTIFICATIONS:
-            if not self.dropped:
-                log.warn("notifications to {url} are backing up: dropping events", url=self.endpoint)
-            self.dropped += 1
-            return
-        body = dumps(self.event(request, action, topic, channel, node))
-        self.pending += 1
-        self._tail.addCallback(lambda _: self._send(body))
-
-    def _send(self, body: bytes) -> Deferred:
-        d = maybeDeferred(self.upstream.post, self.endpoint, body)
-        d.addCallbacks(self._answered, lambda f: self._failed(_reason(f.value)))
-        d.addBoth(self._settled)
-        return d
-
-    def _answered(self, answer: tuple[int, bytes]) -> None:
-        status, body = answer
-        if not 200 <= status < 300:
-            self._failed(_error_text(status, body))
-            return
-        if self.failed:
-            log.info("notifications to {url} get through again ({n} lost)", url=self.endpoint, n=self.failed)
-        self.failed = 0
-
-    def _failed(self, reason: str) -> None:
-        if not self.failed:
-            log.warn("failed to POST notification to {url} - {reason} (not logged again until one succeeds)",
-                     url=self.endpoint, reason=reason)
-        self.failed += 1
-
-    def _settled(self, _: Any) -> None:
-        self.pending -= 1
-        if not self.pending and self.dropped:
-            log.warn("{n} notifications were dropped while {url} was slow", n=self.dropped, url=self.endpoint)
-            self.dropped = 0

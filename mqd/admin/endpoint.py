@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from twisted.web.server import Request
+
 from mqd.http.endpoint import Endpoint
 from mqd.http.response import ApiError
 
-__all__ = ["Admin", "AdminEndpoint", "ApiError"]
+__all__ = ["Admin", "AdminEndpoint", "ApiError", "request_body"]
 
 
 @dataclass
@@ -24,7 +26,7 @@ class Admin:
     """The running mqadmin: its settings and the parts endpoints use (filled in by tap.build_service).
 
     `upstream` (upstream.Upstream), `cluster` (cluster.Cluster), `history`
-    (history.History) and `notifier` (actions.Notifier) are set once at
+    (history.History) and `notifier` (notify.Notifier) are set once at
     start-up; tests build an Admin with fakes of their own.
     """
 
@@ -42,3 +44,12 @@ class AdminEndpoint(Endpoint):
 
     def __init__(self, admin: Admin) -> None:
         self.admin = admin
+
+
+def request_body(request: Request) -> bytes:
+    """The request's body as received (twisted.web keeps it in `request.content`)."""
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return content.read()

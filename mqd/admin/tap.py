@@ -14,9 +14,9 @@ import sys
 from twisted.application import service
 from twisted.python import usage
 
-from mqd.admin.actions import Notifier
 from mqd.admin.endpoint import Admin
 from mqd.admin.history import History, sampler
+from mqd.admin.notify import Notifier
 from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import Upstream

@@ -43,7 +43,7 @@ from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.options import ConfigError
 
-__all__ = ["ClientTLS", "Upstream", "UpstreamError", "base_url"]
+__all__ = ["ClientTLS", "Upstream", "UpstreamError", "base_url", "error_text", "reason_of"]
 
 log = get_logger(__name__)
 
@@ -296,3 +296,24 @@ class Upstream:
         if failure.check(UpstreamError):
             return failure
         raise UpstreamError(url, _reason(failure))
+
+
+def reason_of(error: BaseException) -> str:
+    """What went wrong with one upstream request, in a line: `404 TOPIC_NOT_FOUND`, `connection refused`."""
+    code = getattr(error, "code", None)
+    if code is not None:
+        return error_text(code, getattr(error, "body", b"") or b"")
+    reason = getattr(error, "reason", None)
+    return str(reason if reason is not None else error) or type(error).__name__
+
+
+def error_text(status: int, body: bytes) -> str:
+    """`404 TOPIC_NOT_FOUND`: the status and the V1 error text of a broker's or lookupd's answer."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("message"), str):
+        text = data["message"]
+    return f"{status} {text[:200]}".rstrip()

@@ -5,7 +5,7 @@ channels is checked; when more than `queue-scan-dirty-percent` of them had
 work the sample is drawn again at once, so a busy broker catches up and an
 idle one costs almost nothing. The list of channels to sample from is
 rebuilt every `queue-scan-refresh-interval`, as nsqd does (a new channel's
-timers can therefore fire up to that much late: NSQ behaviour B7).
+timers can therefore fire up to that much late, as in nsqd).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pushing stats to statsd over UDP, as nsqd's `--statsd-address` does (NSQ behaviour K3).
+"""Pushing stats to statsd over UDP, as nsqd's `--statsd-address` does.
 
 Every `statsd-interval` the broker's /stats numbers go out as statsd
 lines under nsqd's metric names, so dashboards and alerts built for

@@ -22,8 +22,10 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.web import resource
 
-from mqd.admin.actions import Notifier, decode_go_object, routes
+from mqd.admin.actions import routes
 from mqd.admin.endpoint import Admin
+from mqd.admin.go_json import decode_go_object
+from mqd.admin.notify import Notifier
 from mqd.clusterinfo.upstream import UpstreamError
 from mqd.http.router import ApiSite
 from mqd.logs import set_log_level
@@ -599,7 +601,7 @@ def test_a_failing_endpoint_fails_no_action_and_is_logged_once(clock):
         c.request("POST", "/api/topics/t", {"action": "pause"})
     finally:
         globalLogPublisher.removeObserver(logged.append)
-    texts = [e["log_format"] for e in logged if e.get("log_namespace") == "mqd.admin.actions"]
+    texts = [e["log_format"] for e in logged if e.get("log_namespace") == "mqd.admin.notify"]
     assert sum("failed to POST notification" in t for t in texts) == 1
     assert sum("get through again" in t for t in texts) == 1
     assert c.admin.notifier.failed == 0

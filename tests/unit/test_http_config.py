@@ -20,7 +20,7 @@ def restore_log_level():
 
 
 def level_in_force():
-    return logs._predicate.logLevelForNamespace("mqd.nsqd.http.site")
+    return logs._predicate.logLevelForNamespace("mqd.http.router")
 
 
 def value(http, name):
