@@ -153,7 +153,7 @@ def parse_duration(text: str) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """A duration as the README and error messages print it: 250ms, 90s, 15m."""
+    """A duration as the docs and error messages print it: 250ms, 90s, 15m."""
     if seconds == 0:
         return "0"
     if seconds < 0:

@@ -260,7 +260,7 @@ def test_tls_creator_insecure_skip_verify():
 
 
 def test_tls_creator_with_ca_and_client_certificate(tmp_path):
-    from tests.integration._certs import make_certs
+    from tests.support.certs import make_certs
 
     certs = make_certs(tmp_path / "certs")
     config = Config(tls_v1=True, tls_root_ca_file=str(certs.ca), tls_cert=str(certs.client_cert),
@@ -283,14 +283,14 @@ def test_tls_creator_bad_files(tmp_path):
         Config(tls_cert=str(empty), tls_key=str(empty)).tls_creator("h")
 
 
-def test_readme_options_table_lists_every_option_with_its_default():
-    """The README's options table is the user's reference: it must not drift from Config."""
+def test_docs_options_table_lists_every_option_with_its_default():
+    """The client page's options table is the user's reference: it must not drift from Config."""
     from pathlib import Path
 
     from mqd.client.config import Config
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("## Client (txnsq: `mqd.client`)", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "client.md").read_text(encoding="utf-8")
+    section = page.split("\n## Options\n", 1)[1].split("\n## ", 1)[0]
     rows = {line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
             for line in section.splitlines() if line.startswith("| `")}
     assert set(Config.OPTIONS) <= set(rows)
