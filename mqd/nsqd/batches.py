@@ -310,7 +310,7 @@ def _steps(topic: Topic, chunks: Iterator, bodies_of, defer: float):
                 yield None
     except BatchError as e:
         return e
-    store = topic.broker.store
+    store = topic.store
     if store.durable:
         return (yield from _durable_steps(topic, checked, bodies_of, defer, store))
     last = len(checked) - 1
@@ -335,7 +335,7 @@ def _durable_steps(topic: Topic, checked: list, bodies_of, defer: float, store):
     would be a lie: the batch waits for room and publishes the dropped
     chunk again.
     """
-    clock = topic.broker.clock
+    clock = topic.clock
     stored_any = False
     for chunk in checked:
         bodies = bodies_of(chunk)

@@ -24,8 +24,10 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 import backends
+from mqd import NSQ_VERSION
 from mqd.logs import get_logger, set_log_level
 from mqd.names import is_valid_name
 from mqd.nsqd.auth import AuthClient
@@ -33,6 +35,7 @@ from mqd.nsqd.channel import Channel
 from mqd.nsqd.delivery import DeliveryBatch
 from mqd.nsqd.http.authorization import AuthCache
 from mqd.nsqd.http.peek import PeekWork
+from mqd.nsqd.interfaces import ITopicLifecycle
 from mqd.nsqd.overflow import OverflowQueue
 from mqd.nsqd.snapshot_space import SnapshotSpace
 from mqd.nsqd.topic import Topic
@@ -58,6 +61,7 @@ def _thread_runner(clock):
     return maybeDeferred
 
 
+@implementer(ITopicLifecycle)
 class Broker:
     def __init__(self, options: Settings, clock=None) -> None:
         if clock is None:
@@ -139,11 +143,20 @@ class Broker:
             raise
         self._adopt_stored_queues()
         for topic in list(self.topics.values()):
-            topic._schedule_drain()
+            topic.drain_waiting()
         try:
             self.persist_metadata()
         except OSError as e:
             self._metadata_unwritten_at_start(e)
+
+    @property
+    def loading(self) -> bool:
+        """True while the last run's topics and channels are being brought back (in `open`).
+
+        Meanwhile their creation is not written to the metadata file, and
+        the lookupd peers do not ask lookupd for the new topics' channels.
+        """
+        return self._loading
 
     def _metadata_unwritten_at_start(self, error: OSError) -> None:
         """nsqd.dat cannot be written at start-up (a full disk): serve anyway, and retry.
@@ -208,7 +221,7 @@ class Broker:
                     continue
                 topic = self.topic(topic_name)
                 if channel_name:
-                    topic.channel(channel_name)
+                    topic.channel(channel_name, drain=False)
         finally:
             self._loading = False
 
@@ -232,7 +245,15 @@ class Broker:
         """The topic called `name`, created if new (names are checked by the caller)."""
         topic = self.topics.get(name)
         if topic is None:
-            topic = self.topics[name] = Topic(self, name)
+            topic = self.topics[name] = Topic(
+                name,
+                clock=self.clock,
+                options=self.options,
+                store=self.store,
+                open_queue=self.open_queue,
+                listener=self,
+                deliveries=self.deliveries,
+            )
             log.info("TOPIC({topic}): created", topic=name)
             for observer in self.observers:
                 observer.topic_created(topic)
@@ -249,6 +270,10 @@ class Broker:
             observer.topic_deleted(topic)
         self._metadata_changed(topic.ephemeral)
         return True
+
+    def topic_abandoned(self, topic: Topic) -> None:
+        """An ephemeral topic lost its last channel: it goes too (ITopicLifecycle)."""
+        self.delete_topic(topic.name)
 
     def channel_created(self, topic: Topic, channel: Channel) -> None:
         log.info("TOPIC({topic}): new channel({channel})", topic=topic.name, channel=channel.name)
@@ -306,7 +331,10 @@ class Broker:
         if "log_level" in parsed:
             set_log_level(parsed["log_level"])
         old, self.options = self.options, self.options.replace(**parsed)
-        # Observers that follow options (the lookupd peers, H3) see old and new.
+        # Channels created from now on are built with the new options.
+        for topic in list(self.topics.values()):
+            topic.options = self.options
+        # Observers that follow options (the lookupd peers) see old and new.
         for observer in list(self.observers):
             hook = getattr(observer, "options_changed", None)
             if hook is not None:
@@ -397,8 +425,6 @@ class Broker:
                 if not c.ephemeral
             ]
             topics.append({"name": topic.name, "paused": topic.paused, "channels": channels or None})
-        from mqd import NSQ_VERSION
-
         return {"topics": topics or None, "version": NSQ_VERSION}
 
     def _metadata_bytes(self) -> bytes:
@@ -476,7 +502,7 @@ class Broker:
                     if not is_valid_name(ch_name) or ch_name.endswith("#ephemeral"):
                         log.warn("skipping channel {name!r} in metadata: invalid name", name=ch_name)
                         continue
-                    channel = topic.channel(ch_name)
+                    channel = topic.channel(ch_name, drain=False)
                     if ch.get("paused"):
                         channel.pause()
         finally:

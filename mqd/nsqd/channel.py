@@ -5,6 +5,10 @@ deferred heaps) and knows its subscribed clients. Delivery is pushed, not
 polled: whatever can make a message deliverable (a put, a RDY change, a FIN
 freeing a slot, an expiry) calls `deliver()`, which hands messages to ready
 clients in batches until either side runs out.
+
+A channel is given what it needs when built (its queue, the options, the
+clock, the delivery batch and the listener it tells when an ephemeral
+channel has lost its last client: its topic) and calls nothing above it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from mqd.nsqd.pqueue import PriorityQueue
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from twisted.internet.interfaces import IReactorTime
+
     from mqd.message import Message
-    from mqd.nsqd.topic import Topic
+    from mqd.nsqd.delivery import DeliveryBatch
+    from mqd.nsqd.interfaces import IChannelLifecycle
+    from mqd.options import Settings
 
 __all__ = ["Channel", "ChannelError"]
 
@@ -37,7 +45,7 @@ class ChannelError(Exception):
 
 class Channel:
     __slots__ = (
-        "topic",
+        "topic_name",
         "name",
         "ephemeral",
         "paused",
@@ -55,11 +63,20 @@ class Channel:
         "_clock",
         "_max_msg_timeout",
         "_max_consumers",
+        "_deliveries",
+        "_listener",
         "__weakref__",
     )
 
-    def __init__(self, topic: Topic, name: str, queue: OverflowQueue, options, clock) -> None:
-        self.topic = topic
+    def __init__(self, name: str, topic_name: str, queue: OverflowQueue, options: Settings,
+                 clock: IReactorTime, deliveries: DeliveryBatch, listener: IChannelLifecycle) -> None:
+        """Channel `name` of topic `topic_name`, holding its messages in `queue`.
+
+        `deliveries` collects the channels to deliver at the end of the
+        read being handled (deliver_soon); `listener` (the topic) is told
+        when an ephemeral channel's last client has left.
+        """
+        self.topic_name = topic_name
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
         self.paused = False
@@ -84,12 +101,14 @@ class Channel:
         self._clock = clock
         self._max_msg_timeout = options.max_msg_timeout
         self._max_consumers = options.max_channel_consumers
+        self._deliveries = deliveries
+        self._listener = listener
         if hasattr(queue.backend, "on_stored"):
             # A durable store hands out messages only once committed: it says when.
             queue.backend.on_stored = self._stored
 
     def __repr__(self) -> str:
-        return f"<Channel {self.topic.name}:{self.name}>"
+        return f"<Channel {self.topic_name}:{self.name}>"
 
     # -- what /stats reports -------------------------------------------------
 
@@ -154,10 +173,10 @@ class Channel:
     def deliver_soon(self) -> None:
         """Deliver now, or once the connection being read has handled its whole read.
 
-        While a read is processed the broker collects channels to deliver
-        in its DeliveryBatch (one delivery pass per read, not per command).
+        While a read is processed the channels to deliver are collected in
+        the DeliveryBatch (one delivery pass per read, not per command).
         """
-        pending = self.topic.broker.deliveries.pending
+        pending = self._deliveries.pending
         if pending is None:
             self.deliver()
         else:
@@ -405,7 +424,7 @@ class Channel:
             raise ChannelError("exiting")
         if self._max_consumers and len(self.clients) >= self._max_consumers:
             raise ChannelError(
-                f"consumers for {self.topic.name}:{self.name} exceeds limit of {self._max_consumers}"
+                f"consumers for {self.topic_name}:{self.name} exceeds limit of {self._max_consumers}"
             )
         self.clients.append(client)
 
@@ -433,7 +452,7 @@ class Channel:
             self.timeout_count += len(orphans)
             self._queue.put_accepted(orphans)
         if self.ephemeral and not self.clients:
-            self.topic.delete_channel(self.name)
+            self._listener.channel_abandoned(self)
         else:
             self.deliver()
 

@@ -1,13 +1,19 @@
-"""What a channel needs from a subscribed client.
+"""The interfaces between the broker's layers.
 
-Declared as an interface so a channel can be driven in tests by a plain
-object, without a socket, and so the protocol class stays the only thing
-that knows about frames.
+IConsumer is what a channel needs from a subscribed client: declared so a
+channel can be driven in tests by a plain object, without a socket, and so
+the protocol class stays the only thing that knows about frames.
+
+IChannelLifecycle and ITopicLifecycle are what a channel tells its topic
+and a topic tells its broker: a topic and a channel are given their owner
+as such a listener when built, and call nothing else above them.
 """
 
 from __future__ import annotations
 
 from zope.interface import Attribute, Interface
+
+__all__ = ["IChannelLifecycle", "IConsumer", "ITopicLifecycle"]
 
 
 class IConsumer(Interface):
@@ -26,3 +32,27 @@ class IConsumer(Interface):
 
     def channel_gone():
         """The channel was deleted: the client is disconnected, as nsqd does."""
+
+
+class IChannelLifecycle(Interface):
+    """What a channel tells its owner (the topic): the one event a channel cannot handle alone."""
+
+    def channel_abandoned(channel):
+        """An ephemeral channel's last client left: the owner deletes the channel, as nsqd does."""
+
+
+class ITopicLifecycle(Interface):
+    """What a topic tells its owner (the broker) about its channels and itself.
+
+    The owner announces the changes (logs, lookupd peers, the metadata
+    file); the topic never reaches above itself for that.
+    """
+
+    def channel_created(topic, channel):
+        """A new channel was added to `topic`."""
+
+    def channel_deleted(topic, channel):
+        """`channel` was deleted from `topic` (its messages and storage are gone)."""
+
+    def topic_abandoned(topic):
+        """An ephemeral topic's last channel was deleted: the owner deletes the topic, as nsqd does."""

@@ -364,7 +364,7 @@ class LookupService(service.Service):
 
     def topic_created(self, topic) -> None:
         self._all(b"REGISTER", topic.name)
-        if not topic.ephemeral and not self.broker._loading:
+        if not topic.ephemeral and not self.broker.loading:
             self.precreate_channels(topic)
 
     def http_addresses(self) -> list[str]:

@@ -23,6 +23,8 @@ from mqd import NSQ_VERSION, __version__
 from mqd.latency import disabled_result, merged_result
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from mqd.nsqd.broker import Broker
     from mqd.nsqd.channel import Channel
     from mqd.nsqd.protocol.v2 import V2Protocol
@@ -191,10 +193,12 @@ def channel_stats(channel: Channel, include_clients: bool = True, topic: str | N
     }
 
 
-def topic_stats(topic: Topic, channels: list[dict[str, Any]]) -> dict[str, Any]:
-    """One topic as nsqd's TopicStats; its latency merges all its channels' (not just the listed)."""
+def topic_stats(topic: Topic, channels: list[dict[str, Any]], percentiles: Sequence[float]) -> dict[str, Any]:
+    """One topic as nsqd's TopicStats; its latency merges all its channels' (not just the listed).
+
+    `percentiles` are the broker's e2e-processing-latency-percentile option.
+    """
     # merged_result of no window (feature off, or no channel) is nsqd's empty result.
-    percentiles = topic.broker.options.e2e_processing_latency_percentile
     windows = [c.e2e for c in list(topic.channels.values()) if c.e2e is not None] if percentiles else ()
     return {
         "topic_name": topic.name,
@@ -226,6 +230,7 @@ def _collect(broker: Broker, topic: str | None, channel: str | None,
         # Sorting the names (str keys, no key function) is the cheap way at 20k topics.
         by_name = broker.topics
         topics = [by_name[name] for name in sorted(by_name)]
+    percentiles = broker.options.e2e_processing_latency_percentile
     rows = []
     for t in topics:
         if channel:
@@ -236,7 +241,7 @@ def _collect(broker: Broker, topic: str | None, channel: str | None,
         else:
             by_name = t.channels
             channels = [by_name[name] for name in sorted(by_name)]
-        rows.append(topic_stats(t, [channel_stats(c, include_clients, topic) for c in channels]))
+        rows.append(topic_stats(t, [channel_stats(c, include_clients, topic) for c in channels], percentiles))
     producers = None
     if include_clients:
         publishing = sorted((c for c in list(broker.clients) if c.pub_counts), key=lambda c: c.id)

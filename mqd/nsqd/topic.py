@@ -1,9 +1,14 @@
 """Topic: the publish side; copies every message to each of its channels.
 
 While a topic has no channel (or is paused) messages wait in its own
-memory queue and backend, and flow to the channels once there are some
-(NSQ behaviour A3). Otherwise a publish goes straight through to the
-channels in the same call: there is no topic pump to wake.
+memory queue and backend, and flow to the channels once there are some,
+as nsqd's do. Otherwise a publish goes straight through to the channels in
+the same call: there is no topic pump to wake.
+
+A topic is given what it needs when built (the clock, the options, the
+store, a queue opener, the delivery batch its channels share and the
+listener it tells about channels coming and going: the broker) and calls
+nothing above it.
 """
 
 from __future__ import annotations
@@ -11,16 +16,24 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING
 
+from zope.interface import implementer
+
 from backends import BackendError
 from mqd.logs import get_logger
 from mqd.message import IdFactory, Message
 from mqd.nsqd.channel import Channel
+from mqd.nsqd.interfaces import IChannelLifecycle
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
-    from mqd.nsqd.broker import Broker
+    from twisted.internet.interfaces import IReactorTime
+
+    from backends.interface import IBackendStore
+    from mqd.nsqd.delivery import DeliveryBatch
+    from mqd.nsqd.interfaces import ITopicLifecycle
     from mqd.nsqd.overflow import OverflowQueue
+    from mqd.options import Settings
 
 __all__ = ["Topic"]
 
@@ -34,9 +47,9 @@ DRAIN_BATCH = 8192
 DRAIN_RETRY = 1.0
 
 
+@implementer(IChannelLifecycle)
 class Topic:
     __slots__ = (
-        "broker",
         "name",
         "ephemeral",
         "paused",
@@ -46,13 +59,29 @@ class Topic:
         "message_count",
         "message_bytes",
         "ids",
+        "clock",
+        "options",
+        "store",
+        "_open_queue",
+        "_listener",
+        "_deliveries",
         "_queue",
         "_drain_call",
         "__weakref__",
     )
 
-    def __init__(self, broker: Broker, name: str) -> None:
-        self.broker = broker
+    def __init__(self, name: str, *, clock: IReactorTime, options: Settings, store: IBackendStore,
+                 open_queue: Callable[[str, bool], OverflowQueue], listener: ITopicLifecycle,
+                 deliveries: DeliveryBatch) -> None:
+        """A topic called `name`, its queue opened now with `open_queue(name, ephemeral)`.
+
+        `store` is the broker's store (whether it is durable, and its
+        commits, decide how a publish is answered); `options` are the
+        settings new channels are built with (the owner may replace them:
+        Broker.update_options); `listener` hears of channels created and
+        deleted, and of an ephemeral topic left without channels;
+        `deliveries` is handed to every channel.
+        """
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
         self.paused = False
@@ -63,8 +92,14 @@ class Topic:
         self.channels: dict[str, Channel] = {}
         self.message_count = 0
         self.message_bytes = 0
-        self.ids = IdFactory(broker.options.node_id)
-        self._queue = broker.open_queue(name, self.ephemeral)
+        self.clock = clock
+        self.options = options
+        self.store = store
+        self._open_queue = open_queue
+        self._listener = listener
+        self._deliveries = deliveries
+        self.ids = IdFactory(options.node_id)
+        self._queue = open_queue(name, self.ephemeral)
         self._drain_call = None
         if hasattr(self._queue.backend, "on_stored"):
             # A durable store hands out messages only once committed: it says when.
@@ -101,7 +136,7 @@ class Topic:
         `defer` (seconds) holds the messages in each channel's deferred
         queue, as DPUB does.
         """
-        now = self.broker.clock.seconds()
+        now = self.clock.seconds()
         ts = int(now * 1e9)
         ids = self.ids.new_ids(len(bodies), ts)
         msgs = [Message(i, b, ts) for i, b in zip(ids, bodies, strict=True)]
@@ -109,7 +144,7 @@ class Topic:
             due = now + defer
             for msg in msgs:
                 msg.deferred_until = due
-        store = self.broker.store
+        store = self.store
         if not store.durable:
             self.put(msgs)
             return
@@ -135,7 +170,7 @@ class Topic:
         else:
             self._queue.put(msgs)
             if self.channels and not self.paused and not self.held:
-                self._schedule_drain()
+                self.drain_waiting()
         # Counted once stored: a publish the backend refused is not (as nsqd).
         self.message_count += len(msgs)
         self.message_bytes += sum([len(m.body) for m in msgs])
@@ -145,7 +180,7 @@ class Topic:
 
         Copies are taken from originals no channel has seen yet: a put may
         deliver at once, and a delivery's attempts+1 must not be inherited
-        by the next channel's copy (each copy counts its own attempts, A2).
+        by the next channel's copy (each copy counts its own attempts, as in nsqd).
 
         Raises BackendError, with no channel having taken anything, when
         the first channel's store refuses the messages. Ephemeral channels
@@ -169,10 +204,10 @@ class Topic:
                 deferred = [m.copy() for m in later] if later else later
             else:
                 due, deferred = now_due, later
-            if channel.ephemeral and getattr(self.broker.store, "publishing", False):
+            if channel.ephemeral and getattr(self.store, "publishing", False):
                 # A durable store's new publish: an ephemeral channel (never
                 # stored) gets it once the commit holding it is over, or never.
-                self.broker.store.when_durable(partial(_put_if_committed, channel, due, deferred))
+                self.store.when_durable(partial(_put_if_committed, channel, due, deferred))
                 continue
             if deferred:
                 channel.put_deferred(deferred, accepted)
@@ -206,18 +241,23 @@ class Topic:
             queue.untake(batch)
             log.warn("TOPIC({topic}): cannot move {n} messages to its channels, retrying in {s}s: {error}",
                      topic=self.name, n=len(batch), s=DRAIN_RETRY, error=e)
-            self._drain_call = self.broker.clock.callLater(DRAIN_RETRY, self._drain)
+            self._drain_call = self.clock.callLater(DRAIN_RETRY, self._drain)
             return
         if stored:
             queue.finish(batch)
         if queue:
-            self._drain_call = self.broker.clock.callLater(0, self._drain)
+            self._drain_call = self.clock.callLater(0, self._drain)
 
     def _stored(self, held: list[Message]) -> None:
         """A durable store committed messages waiting at the topic: they can move on now."""
-        self._schedule_drain()
+        self.drain_waiting()
 
-    def _schedule_drain(self) -> None:
+    def drain_waiting(self) -> None:
+        """Start moving what waits at the topic to its channels, unless a drain is under way.
+
+        The owner calls it once the last run's topics and channels are all
+        back (nsqd starts a topic's pump after loading its channels).
+        """
         if self._drain_call is None and self._queue:
             self._drain()
 
@@ -227,34 +267,44 @@ class Topic:
 
     # -- channels ------------------------------------------------------------
 
-    def channel(self, name: str) -> Channel:
-        """The channel called `name`, created (and announced) if new."""
+    def channel(self, name: str, *, drain: bool = True) -> Channel:
+        """The channel called `name`, created (and announced to the listener) if new.
+
+        A new channel gets what waits at the topic, unless `drain` is
+        False: the broker bringing back the last run's channels drains
+        each topic once all of them are back (as nsqd starts a topic's
+        pump after loading its channels).
+        """
         channel = self.channels.get(name)
         if channel is None:
             channel = Channel(
-                self,
                 name,
-                self.broker.open_queue(f"{self.name}:{name}", self.ephemeral or name.endswith("#ephemeral")),
-                self.broker.options,
-                self.broker.clock,
+                self.name,
+                self._open_queue(f"{self.name}:{name}", self.ephemeral or name.endswith("#ephemeral")),
+                self.options,
+                self.clock,
+                self._deliveries,
+                self,
             )
             self.channels[name] = channel
-            self.broker.channel_created(self, channel)
-            if not self.broker._loading:
-                # At start-up the broker drains once every channel is back
-                # (as nsqd starts a topic's pump after loading its channels).
-                self._schedule_drain()
+            self._listener.channel_created(self, channel)
+            if drain:
+                self.drain_waiting()
         return channel
 
     def delete_channel(self, name: str) -> None:
-        """Delete a channel; an ephemeral topic goes with its last channel (E3)."""
+        """Delete a channel; an ephemeral topic goes with its last channel, as in nsqd."""
         channel = self.channels.pop(name, None)
         if channel is None:
             return
         channel.delete()
-        self.broker.channel_deleted(self, channel)
+        self._listener.channel_deleted(self, channel)
         if self.ephemeral and not self.channels:
-            self.broker.delete_topic(self.name)
+            self._listener.topic_abandoned(self)
+
+    def channel_abandoned(self, channel: Channel) -> None:
+        """An ephemeral channel's last client left: it is deleted (IChannelLifecycle)."""
+        self.delete_channel(channel.name)
 
     # -- administration ------------------------------------------------------
 
@@ -263,7 +313,7 @@ class Topic:
 
     def unpause(self) -> None:
         self.paused = False
-        self._schedule_drain()
+        self.drain_waiting()
 
     def hold(self) -> None:
         """Keep messages at the topic until `release`: its channels are not all known yet.
@@ -275,10 +325,10 @@ class Topic:
 
     def release(self) -> None:
         self.held = False
-        self._schedule_drain()
+        self.drain_waiting()
 
     def empty(self) -> None:
-        """Drop what waits at the topic; channels keep theirs (F2)."""
+        """Drop what waits at the topic; channels keep theirs, as in nsqd."""
         self._queue.empty()
 
     def delete(self) -> None:
@@ -288,7 +338,7 @@ class Topic:
         for name in list(self.channels):
             channel = self.channels.pop(name)
             channel.delete()
-            self.broker.channel_deleted(self, channel)
+            self._listener.channel_deleted(self, channel)
         self._queue.delete()
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""Regressions found reviewing the #16/#18/#19 production changes: the LMDB spill file and metadata writes."""
+"""Regressions found reviewing the full-disk, stuck-consumer and storage fixes: the LMDB spill file and metadata writes."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from types import SimpleNamespace
 import pytest
 
 from backends.lmdb import _SPILL_DONE, _SPILL_END, _SPILL_MAGIC, SPILL_FILE, StoreOpenError
-from tests.reliability.test_disk_and_listen import _SmallDisk
-from tests.unit.conftest import msgs, new_broker
-from tests.unit.test_lmdb import bodies, expected, lmdb_store, queue_t
+from tests.support.full_disk import SmallDisk
+from tests.support.lmdb_stores import bodies, expected, queue_t
+from tests.unit.conftest import lmdb_store, msgs, new_broker
 
 
-def test_defect19_spilled_queue_opened_after_first_commit_not_counted_twice(tmp_path, clock):
+def test_spilled_queue_opened_after_first_commit_not_counted_twice(tmp_path, clock):
     """A queue opened once the spilled records are back in LMDB finds them there, and only there."""
     store, q = queue_t(tmp_path, clock, 3)
     clock.advance(0)
     q.put(msgs(100, 3))
-    _SmallDisk(store, room=40)
+    SmallDisk(store, room=40)
     store.close()  # 60 spilled
     assert (tmp_path / SPILL_FILE).exists()
 
@@ -33,7 +33,7 @@ def test_defect19_spilled_queue_opened_after_first_commit_not_counted_twice(tmp_
     store.close()
 
 
-def test_defect19_spill_file_with_a_cut_entry_header_is_corrupt_not_a_crash(tmp_path, clock):
+def test_spill_file_with_a_cut_entry_header_is_corrupt_not_a_crash(tmp_path, clock):
     """A spill file whose checksum holds but whose last entry header is cut stops start-up with one line."""
     body = b"\x02\x00\x00"  # 3 bytes of a 9-byte entry header
     (tmp_path / SPILL_FILE).write_bytes(
@@ -56,7 +56,7 @@ def test_metadata_write_scheduled_before_an_answered_one_is_not_repeated(tmp_pat
     broker.close()
 
 
-def test_defect06_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
+def test_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
     """The Cooperator drops a task's exception silently: a failing answer of a big batch must be logged."""
     from twisted.logger import globalLogPublisher
 
@@ -65,7 +65,10 @@ def test_defect06_chunked_batch_answer_that_raises_is_logged_not_lost(clock):
     class _Topic:
         exiting = False
         name = "t"
-        broker = SimpleNamespace(store=SimpleNamespace(durable=False), clock=clock)
+        store = SimpleNamespace(durable=False)
+
+        def __init__(self) -> None:
+            self.clock = clock
 
         def publish(self, bodies, defer=0.0) -> None:  # as Topic.publish
             pass

@@ -1,6 +1,6 @@
 """`GET /channel/peek` and `GET /topic/peek`: the first messages of a queue, without consuming them.
 
-An mqd addition (nsq#848 and nsq#1482 ask nsqd for one; NSQ has no way to
+An mqd addition (NSQ users have long asked for one; NSQ has no way to
 look at messages without taking them): an operator sees what a stuck
 consumer is holding, what waits behind it, and what is scheduled, on a
 live broker. No NSQ client calls these paths, so nothing can trip over them.
@@ -366,7 +366,7 @@ class ChannelPeek(ChannelEndpoint):
             total = channel.in_flight_count()
             pieces = iter([[(msg, len(msg.body), None, timeout, client)
                             for msg, timeout, client in channel.peek(state, count)]])
-        head = {"topic": channel.topic.name, "channel": channel.name, "state": state, "total": total}
+        head = {"topic": channel.topic_name, "channel": channel.name, "state": state, "total": total}
         return _start(self, request, head, pieces, max_body)
 
 
