@@ -19,6 +19,10 @@ class BackendError(Exception):
     """
 
 
+class StoreOpenError(Exception):
+    """The data directory cannot be used; start-up stops with this text."""
+
+
 class IBackendQueue(Interface):
     """The overflow queue of one topic or channel, FIFO."""
 

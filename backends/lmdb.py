@@ -1,10 +1,10 @@
 """The LMDB store: every topic and channel queue in one LMDB environment.
 
-Layout (measured against one named database per queue with 10,000 queues,
-see the README): one `messages` database for all queues, keyed by a 4-byte
-queue id and an 8-byte sequence number, big-endian, so each queue is a
-contiguous, ordered key range; a `queues` registry maps names to ids and a
-`meta` database marks the environment as mqd's.
+The layout is backends.lmdb_records' (one `messages` database for all
+queues, each a contiguous key range; measured against one named database
+per queue with 10,000 queues, see the storage docs), a queue is
+backends.lmdb_queue's LmdbQueue, and a shutdown on a full disk is
+backends.lmdb_spill's.
 
 Writes are grouped: everything put, finished or rewritten during one
 reactor turn is committed in one transaction at the start of the next
@@ -31,16 +31,11 @@ Two durability modes:
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import struct
 import sys
-import zlib
-from bisect import bisect_left
-from collections import deque
-from collections.abc import Iterator
-from itertools import chain, islice
+from itertools import chain
 from typing import Any
 
 import lmdb
@@ -48,29 +43,27 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
-from backends.interface import BackendError, IBackendQueue, IBackendStore, IPiecewisePeek
+from backends.interface import BackendError, IBackendStore, StoreOpenError
+from backends.lmdb_queue import LmdbQueue
+from backends.lmdb_records import (
+    ENV_DIR,
+    FORMAT,
+    KEY,
+    OUR_DBS,
+    QID,
+    RECORD,
+    drop_range,
+    encode_record,
+)
+from backends.lmdb_spill import SPILL_FILE, SpillingShutdown, no_room
 from mqd.logs import get_logger
 from mqd.message import Message
 
-__all__ = ["LmdbStore", "LmdbQueue", "StoreOpenError", "ENV_DIR", "SPILL_FILE"]
+__all__ = ["ENV_DIR", "FORMAT", "KEY", "LmdbQueue", "LmdbStore", "RECORD", "SPILL_FILE", "StoreOpenError"]
 
 log = get_logger(__name__)
 
-ENV_DIR = "mqd.lmdb"
-FORMAT = b"mqd-queues-1"
-_OUR_DBS = {b"meta", b"queues", b"messages"}
-
-KEY = struct.Struct(">IQ")
-_QID = struct.Struct(">I")
-# timestamp (ns), attempts, deferred_until (reactor seconds, 0 = due), id; then the body.
-RECORD = struct.Struct(">qHd16s")
-_RECORD_SIZE = RECORD.size
-
 DEFAULT_MAP_SIZE = 1 << 30
-# Messages a durable queue keeps decoded in memory past its read position,
-# so reads right after a publish need no decoding (bounded per queue).
-_READ_CACHE = 10000
-_RETRY_AFTER = 1.0
 # A commit writing more records than this (or this many bytes of bodies) is
 # split into transactions of at most this size (see LmdbStore._write).
 _COMMIT_CHUNK = 2048
@@ -83,386 +76,20 @@ _COMMIT_CHUNK_BYTES = 4 << 20
 _UNMAP_EVERY = 5.0
 _UNMAP_RECORDS = 1 << 14
 _UNMAP_ABOVE = 64 << 20
-# A piecewise peek (GET /channel/peek) reads at most this many records, and
-# this many bytes of their bodies, per piece: one reactor turn's worth.
-_PEEK_PIECE_COUNT = 256
-_PEEK_PIECE_BYTES = 256 << 10
 # How long a commit that needs a bigger map waits for a running snapshot copy.
 _COPY_WAIT = 0.05
-
-# What a clean shutdown could not write into LMDB (a full disk), next to the
-# environment; the next start writes it back (see LmdbStore.close).
-SPILL_FILE = "mqd.lmdb.spill"
-_SPILL_MAGIC = b"mqd-spill-1\n"
-_SPILL_ENTRY = struct.Struct(">BII")  # kind, key length, value length
-_SPILL_END = struct.Struct(">BII")  # 0xFF, entry count, CRC-32 of the entries
-_SPILL_REGISTRY, _SPILL_RECORD, _SPILL_DONE = 1, 2, 0xFF
-# A shutdown whose one-transaction commit failed writes in transactions of
-# at most this many changes (halved on each failure down to one), so what
-# fits on the disk is kept.
-_CLOSE_CHUNK = 1024
-_CLOSE_CHUNK_BYTES = 4 << 20
 # Room a new environment needs before LMDB creates its files: LMDB writes
 # its lock file through a memory map, and on a full disk a page fault there
 # is a SIGBUS, which kills the process without a word.
 _ROOM_FOR_NEW_ENV = 1 << 20
-# Write operations of a bounded commit, in the order they are applied.
-_DROP, _DEL, _REG_DEL, _REG_PUT, _PUT = range(5)
-
-
-class StoreOpenError(Exception):
-    """The data directory cannot be used; start-up stops with this text."""
-
-
-def _no_room(error: BaseException) -> bool:
-    """A write failed for lack of space (a full disk or quota), not because the data is bad."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, lmdb.DiskError) or "No space left" in str(error) or "quota" in str(error)
-
-
-def _encode(msg: Message) -> bytes:
-    # attempts is nsqd's uint16, which wraps: a record must never fail to pack,
-    # or every later commit of the whole store would fail with it.
-    return RECORD.pack(msg.timestamp, msg.attempts & 0xFFFF, msg.deferred_until, msg.id) + msg.body
-
-
-def _decode(key: bytes, value: bytes) -> Message:
-    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
-    msg = Message(msg_id, value[_RECORD_SIZE:], timestamp, attempts, deferred_until)
-    msg.key = key
-    return msg
-
-
-def _seq(msg: Message) -> int:
-    """The sequence number of a message's record (-1 for one finished, whose key is gone)."""
-    return KEY.unpack(msg.key)[1] if msg.key is not None else -1
-
-
-@implementer(IBackendQueue, IPiecewisePeek)
-class LmdbQueue:
-    """One queue's key range, its read position, and what a commit has not written yet."""
-
-    __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held",
-                 "_staged", "_staged_held", "on_stored")
-
-    def __init__(self, store: LmdbStore, name: str, qid: int, first_seq: int, next_seq: int,
-                 depth: int) -> None:
-        self.name = name
-        self.qid = qid
-        self._store = store
-        self._next_seq = next_seq
-        self._read_seq = first_seq
-        self._depth = depth
-        # Unread messages this process put, oldest first: default mode, every
-        # one not yet committed; durable, up to _READ_CACHE committed ones.
-        self._tail: deque[Message] = deque()
-        # Durable: messages put (then held) and not committed yet, oldest
-        # first. Not readable until their commit succeeds: they count in the
-        # depth, and follow the tail.
-        self._staged: list[Message] = []
-        self._staged_held: list[Message] = []
-        # Durable: called after a commit made staged messages readable, with
-        # the held ones among them (their owner keeps those outside the
-        # queue, from then on). Set by the queue's owner (mqd.nsqd.channel, mqd.nsqd.topic).
-        self.on_stored = None
-        # Keys of records stored by `hold` (deferred messages), so past the
-        # read position while their messages live outside the queue: in the
-        # deferred queue, then in memory or in flight once due or requeued.
-        # Reads pass over them until they are FINished (or the queue is
-        # emptied); releasing one earlier would let a read return it twice.
-        self._held: set[bytes] = set()
-
-    def _tail_start(self) -> int:
-        if self._tail:
-            return KEY.unpack(self._tail[0].key)[1]
-        if self._staged:
-            return KEY.unpack(self._staged[0].key)[1]
-        return self._next_seq
-
-    def put(self, messages) -> None:
-        self._store_new(messages)
-        self._depth += len(messages)
-        store = self._store
-        if store.durable:
-            self._staged.extend(messages)
-            if store.publishing:
-                store._fresh.append((self, messages))
-        else:
-            self._tail.extend(messages)
-
-    def _store_new(self, messages) -> None:
-        """Give the messages the queue's next keys and stage them for the commit."""
-        store = self._store
-        if store.failure and not store.closing:
-            raise BackendError(store.failure)
-        puts = store._puts
-        qid = self.qid
-        seq = self._next_seq
-        pack = KEY.pack
-        for msg in messages:
-            msg.key = key = pack(qid, seq)
-            puts[key] = msg
-            seq += 1
-        self._next_seq = seq
-        store._touched.add(self)
-        store._schedule()
-
-    def hold(self, messages) -> bool:
-        """Durable: store them, and give them back through `on_stored` once committed (True)."""
-        store = self._store
-        if not store.durable:
-            return False
-        self._store_new(messages)
-        self._held.update([m.key for m in messages])
-        self._staged_held.extend(messages)
-        if store.publishing:
-            store._fresh.append((self, messages))
-        return True
-
-    def read(self, count: int) -> list[Message]:
-        out: list[Message] = []
-        tail_start = self._tail_start()
-        if self._read_seq < tail_start:
-            out = self._read_stored(count, tail_start)
-        tail = self._tail
-        while tail and len(out) < count:
-            out.append(tail.popleft())
-        if out:
-            self._read_seq = KEY.unpack(out[-1].key)[1] + 1
-            depth = self._depth - len(out)
-            if depth < 0:
-                # More read than the queue held: a record was read twice. Say
-                # so, and keep the depth sane for everything sizing by it.
-                log.error("queue {name}: read {n} messages with depth {depth}; depth reset to 0",
-                          name=self.name, n=len(out), depth=self._depth)
-                depth = 0
-            self._depth = depth
-            if not self._store.durable:
-                # Without durability a read removes the records (one never
-                # written is just dropped), exactly what a FIN does.
-                self.finish(out)
-        return out
-
-    def _stored(self, count: int, tail_start: int) -> list[Message]:
-        """Up to `count` committed records from the read position to the tail, decoded, moving nothing.
-
-        Held and deleted keys are passed over, a pending rewrite stands in
-        for its record: what `read` hands out, and what `peek` shows.
-        """
-        start = KEY.pack(self.qid, self._read_seq)
-        stop = KEY.pack(self.qid, tail_start)
-        held = self._held
-        out: list[Message] = []
-        store = self._store
-        dels = store._dels
-        updates = store._updates
-        with store.env.begin(db=store.data_db, buffers=False) as txn:
-            cursor = txn.cursor()
-            if not cursor.set_range(start):
-                return out
-            for key, value in cursor:
-                if key >= stop or len(out) >= count:
-                    break
-                if (held and key in held) or key in dels:
-                    continue
-                msg = updates.get(key)
-                out.append(msg if msg is not None else _decode(key, value))
-        return out
-
-    def _read_stored(self, count: int, tail_start: int) -> list[Message]:
-        """Decode up to `count` committed records from the read position."""
-        out = self._stored(count, tail_start)
-        if not out:
-            # Only held or deleted records before the cached tail.
-            self._read_seq = tail_start
-        self._store.io_records += len(out)
-        return out
-
-    def peek(self, count: int) -> list[Message]:
-        """What `read(count)` would return now, decoded in a read transaction of its own.
-
-        The same records in the same order as `read`, then the tail, but
-        nothing moves: not the read position (which `read` also advances
-        past held records), the depth, the tail nor the store's pending
-        changes, so a peek cannot change a later read.
-        """
-        if count <= 0:
-            return []
-        tail_start = self._tail_start()
-        out = self._stored(count, tail_start) if self._read_seq < tail_start else []
-        if len(out) < count:
-            out += islice(self._tail, count - len(out))
-        return out
-
-    def peek_pieces(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
-        """IPiecewisePeek: `peek(count)` a piece at a time, record bodies cut at `body_limit`.
-
-        A piece is at most _PEEK_PIECE_COUNT records and _PEEK_PIECE_BYTES
-        of body, read in a transaction of its own from past the last
-        sequence number handed out (or the read position, if reads went
-        further meanwhile), so what was read away in between is skipped.
-        """
-        per_piece = max(1, min(_PEEK_PIECE_COUNT, _PEEK_PIECE_BYTES // (body_limit + _RECORD_SIZE)))
-        after = -1
-        while count > 0:
-            piece, after = self._peek_piece(after, min(count, per_piece), body_limit)
-            if not piece:
-                return
-            count -= len(piece)
-            yield piece
-
-    def _peek_piece(self, after: int, count: int, body_limit: int) -> tuple[list[tuple[Message, int]], int]:
-        """Up to `count` (message, size) past sequence number `after`, and the last one's number."""
-        start = max(self._read_seq, after + 1)
-        tail_start = self._tail_start()
-        out, last = self._peek_stored(start, tail_start, count, body_limit) if start < tail_start else ([], after)
-        tail = self._tail
-        if len(out) < count and tail:
-            first = bisect_left(tail, start, key=_seq)
-            for msg in islice(tail, first, None):
-                if msg.key is None:  # finished meanwhile: gone
-                    continue
-                out.append((msg, len(msg.body)))
-                last = _seq(msg)
-                if len(out) >= count:
-                    break
-        return out, last
-
-    def _peek_stored(self, start: int, stop: int, count: int,
-                     body_limit: int) -> tuple[list[tuple[Message, int]], int]:
-        """As `_stored` from sequence number `start`, only `body_limit` bytes of each body copied.
-
-        Returns the (message, size) pairs and the sequence number of the last.
-        """
-        start_key = KEY.pack(self.qid, start)
-        stop_key = KEY.pack(self.qid, stop)
-        held = self._held
-        store = self._store
-        dels = store._dels
-        updates = store._updates
-        out: list[tuple[Message, int]] = []
-        last = start - 1
-        with store.env.begin(db=store.data_db, buffers=True) as txn:
-            cursor = txn.cursor()
-            if not cursor.set_range(start_key):
-                return out, last
-            for raw_key, value in cursor:
-                key = bytes(raw_key)
-                if key >= stop_key or len(out) >= count:
-                    break
-                if (held and key in held) or key in dels:
-                    continue
-                last = KEY.unpack(key)[1]
-                msg = updates.get(key)
-                if msg is None:
-                    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
-                    body = bytes(value[_RECORD_SIZE:_RECORD_SIZE + body_limit])
-                    msg = Message(msg_id, body, timestamp, attempts, deferred_until)
-                    msg.key = key
-                    out.append((msg, len(value) - _RECORD_SIZE))
-                else:
-                    out.append((msg, len(msg.body)))
-        return out, last
-
-    def finish(self, messages) -> None:
-        store = self._store
-        puts = store._puts
-        updates = store._updates
-        dels = store._dels
-        held = self._held
-        for msg in messages:
-            key = msg.key
-            if key is None:
-                continue
-            msg.key = None
-            updates.pop(key, None)
-            held.discard(key)
-            if puts.pop(key, None) is None:
-                dels.add(key)
-        store._schedule()
-
-    def update(self, messages) -> None:
-        """Rewrite the records; a held one stays held (its message is still outside the queue)."""
-        store = self._store
-        puts = store._puts
-        updates = store._updates
-        for msg in messages:
-            key = msg.key
-            if key is None:
-                continue
-            if key not in puts:
-                updates[key] = msg
-        store._schedule()
-
-    def depth(self) -> int:
-        return self._depth
-
-    def empty(self) -> None:
-        """Drop every record up to now, and everything not yet written."""
-        store = self._store
-        prefix = _QID.pack(self.qid)
-        store._drops.append((self.qid, self._next_seq))
-        for table in (store._puts, store._updates):
-            for key in [k for k in table if k.startswith(prefix)]:
-                table[key].key = None
-                del table[key]
-        for msg in self._tail:
-            msg.key = None
-        for msg in self._staged_held:
-            msg.key = None
-        self._tail.clear()
-        self._staged.clear()
-        self._staged_held.clear()
-        self._held.clear()
-        self._read_seq = self._next_seq
-        self._depth = 0
-        store._schedule()
-
-    def delete(self) -> None:
-        self.empty()
-        self._store._forget_queue(self)
-
-    def close(self) -> None:
-        """The store commits and closes everything at once."""
-
-    def sync(self) -> None:
-        self._store.sync()
-
-    def _committed(self) -> list[Message] | None:
-        """After a commit: staged messages become readable; the read cache is trimmed.
-
-        Returns the held messages just committed when the owner must hear
-        of the commit (`on_stored`), else None.
-        """
-        staged = self._staged
-        held = self._staged_held
-        tail = self._tail
-        if staged:
-            tail.extend(staged)
-            self._staged = []
-        if held:
-            self._staged_held = []
-        limit = _READ_CACHE if self._store.durable else 0
-        puts = self._store._puts
-        while len(tail) > limit and tail[0].key not in puts:
-            tail.popleft()
-        return held if (staged or held) and self.on_stored is not None else None
-
-    def _drop_fresh(self) -> None:
-        """After a failed commit: forget the staged messages `LmdbStore._roll_back` took the keys of."""
-        staged = self._staged
-        kept = [m for m in staged if m.key is not None]
-        if len(kept) != len(staged):
-            self._depth -= len(staged) - len(kept)
-            self._staged = kept
-        if self._staged_held:
-            self._staged_held = [m for m in self._staged_held if m.key is not None]
 
 
 @implementer(IBackendStore)
-class LmdbStore:
+class LmdbStore(SpillingShutdown):
     """One LMDB environment under data-path, shared by every queue of the broker."""
+
+    # Seconds before a failed commit (or a shutdown write on a full disk) is tried again.
+    RETRY_AFTER = 1.0
 
     def __init__(self, options, clock=None) -> None:
         if clock is None:
@@ -536,13 +163,13 @@ class LmdbStore:
         except lmdb.Error as e:
             raise StoreOpenError(f"{self.path}: not a usable LMDB environment ({e})") from None
         except OSError as e:
-            if _no_room(e):
+            if no_room(e):
                 raise StoreOpenError(self._no_room_text(e.strerror)) from None
             raise StoreOpenError(f"{self.path}: {e.strerror}") from None
         try:
             with env.begin() as txn:
                 names = {bytes(k) for k, _ in txn.cursor()}
-            foreign = names - _OUR_DBS
+            foreign = names - OUR_DBS
             if foreign:
                 raise StoreOpenError(
                     f"{self.path}: an LMDB environment that is not mqd's (databases {sorted(foreign)!r})"
@@ -562,7 +189,7 @@ class LmdbStore:
                     raise StoreOpenError(f"{self.path}: unknown data format {mark!r} (expected {FORMAT!r})")
         except lmdb.Error as e:
             env.close()
-            if _no_room(e):
+            if no_room(e):
                 raise StoreOpenError(self._no_room_text(str(e))) from None
             raise StoreOpenError(f"{self.path}: corrupt LMDB environment ({e})") from None
         except StoreOpenError:
@@ -583,7 +210,7 @@ class LmdbStore:
         try:
             os.posix_fallocate(fd, 0, _ROOM_FOR_NEW_ENV)
         except OSError as e:
-            if _no_room(e):
+            if no_room(e):
                 raise
             # No fallocate on this filesystem: LMDB's own errors will tell.
         finally:
@@ -598,52 +225,10 @@ class LmdbStore:
         try:
             with self.env.begin(db=self.registry_db) as txn:
                 for name, qid in txn.cursor():
-                    self._known[bytes(name).decode()] = _QID.unpack(qid)[0]
+                    self._known[bytes(name).decode()] = QID.unpack(qid)[0]
         except (lmdb.Error, UnicodeDecodeError, struct.error) as e:
             raise StoreOpenError(f"{self.path}: corrupt queue registry ({e})") from None
         self._next_qid = max(self._known.values(), default=0) + 1
-
-    def _load_spill(self) -> None:
-        """Take back what the last shutdown could not write (see close): it is staged for the next commit.
-
-        The records keep their keys, so each queue gets them back in place,
-        after what LMDB holds; they are served from memory until the commit
-        writes them, and the file goes once a commit has.
-        """
-        try:
-            with open(self.spill_path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            raise StoreOpenError(f"{self.spill_path}: cannot read the spill file: {e.strerror}") from None
-        try:
-            entries = _parse_spill(raw)
-        except ValueError as e:
-            raise StoreOpenError(
-                f"{self.spill_path}: corrupt spill file ({e}); move it away to start without "
-                f"the messages it holds") from None
-        records = 0
-        with self.env.begin(db=self.data_db, buffers=False) as txn:
-            for kind, key, value in entries:
-                if kind == _SPILL_REGISTRY:
-                    name = key.decode()
-                    if name not in self._known:
-                        self._known[name] = _QID.unpack(value)[0]
-                        self._registry_puts[key] = value
-                    continue
-                msg = _decode(key, value)
-                records += 1
-                if txn.get(key) is not None:
-                    self._updates[key] = msg  # a rewrite of a record LMDB has
-                else:
-                    self._puts[key] = msg
-                    self._spilled.setdefault(_QID.unpack_from(key)[0], []).append(msg)
-        self._next_qid = max(self._known.values(), default=0) + 1
-        self._spill_loaded = True
-        log.warn("{spill}: {n} messages the last shutdown could not write to LMDB are back; "
-                 "the file is removed once they are written", spill=self.spill_path, n=records)
-        self._schedule()
 
     def queue_names(self) -> list[str]:
         """Names of the queues the store holds, for the broker to reconcile with its metadata."""
@@ -659,7 +244,7 @@ class LmdbStore:
             qid = self._next_qid
             self._next_qid += 1
             self._known[name] = qid
-            self._registry_puts[name.encode()] = _QID.pack(qid)
+            self._registry_puts[name.encode()] = QID.pack(qid)
             self._registry_dels.discard(name.encode())
             self._schedule()
         else:
@@ -681,7 +266,7 @@ class LmdbStore:
 
     def _scan(self, qid: int) -> tuple[int, int, int]:
         """First sequence, next sequence and record count of a stored queue."""
-        prefix = _QID.pack(qid)
+        prefix = QID.pack(qid)
         count = 0
         first = last = None
         with self.env.begin(db=self.data_db) as txn:
@@ -739,7 +324,7 @@ class LmdbStore:
                 self.health_listener(error)
         if self._commit_call is not None and self._commit_call.active():
             self._commit_call.cancel()
-        self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
+        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
 
     def cut(self) -> lmdb.Transaction:
         """Commit what is pending now and open a read transaction on the result.
@@ -873,7 +458,7 @@ class LmdbStore:
         with self.env.begin(write=True, db=self.data_db) as txn:
             if meta:
                 for qid, bound in self._drops:
-                    _drop_range(txn, qid, bound)
+                    drop_range(txn, qid, bound)
                 if self._probe:
                     txn.put(b"format", FORMAT, db=self.meta_db)
                 delete = txn.delete
@@ -886,7 +471,7 @@ class LmdbStore:
                     delete(name, db=self.registry_db)
             # One C loop over the records instead of a put call each; their
             # list is as big as a transaction, bounded by _write.
-            txn.cursor().putmulti([(key, _encode(msg)) for key, msg in records])
+            txn.cursor().putmulti([(key, encode_record(msg)) for key, msg in records])
 
     def _meta_written(self) -> None:
         self._dels.clear()
@@ -909,7 +494,7 @@ class LmdbStore:
         messages). Everything else was acknowledged before and is retried.
         """
         if self.failure is None:
-            log.error("LMDB commit failed, retrying every {s}s: {error}", s=_RETRY_AFTER, error=error)
+            log.error("LMDB commit failed, retrying every {s}s: {error}", s=self.RETRY_AFTER, error=error)
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {error}")
         self.failure = f"LMDB write failed: {error}"
@@ -919,7 +504,7 @@ class LmdbStore:
         self._probe = True
         for callback in waiters:
             callback(self.failure)
-        self._commit_call = self.clock.callLater(_RETRY_AFTER, self.commit)
+        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
 
     def _roll_back(self) -> None:
         """Unstage the new publishes of a failed commit: no record, no place in any queue."""
@@ -1018,195 +603,11 @@ class LmdbStore:
                 self.env.close()
         return waiting
 
-    # -- a shutdown on a full disk ----------------------------------------------------------
-
-    def _ordered_ops(self) -> list[tuple[int, Any, Any]]:
-        """Everything pending as write operations, what matters most first.
-
-        Deletions first: they free pages, and FINished messages must not come
-        back. Then the registry (records of an unregistered queue are never
-        read), then new messages, each queue's oldest first so what is kept of
-        a queue is its head, and last the rewrites of stored records (their
-        attempts and deferral), whose messages LMDB already holds.
-        """
-        ops: list[tuple[int, Any, Any]] = [(_DROP, qid, bound) for qid, bound in self._drops]
-        ops += [(_DEL, key, None) for key in sorted(self._dels)]
-        ops += [(_REG_DEL, name, None) for name in sorted(self._registry_dels)]
-        ops += [(_REG_PUT, name, qid) for name, qid in sorted(self._registry_puts.items())]
-        ops += [(_PUT, key, _encode(msg)) for key, msg in sorted(self._puts.items())]
-        ops += [(_PUT, key, _encode(msg)) for key, msg in sorted(self._updates.items())]
-        return ops
-
-    def _write_ops(self, ops) -> None:
-        """Apply write operations in one transaction."""
-        with self.env.begin(write=True, db=self.data_db) as txn:
-            for op, key, value in ops:
-                if op == _PUT:
-                    txn.put(key, value)
-                elif op == _DEL:
-                    txn.delete(key)
-                elif op == _REG_PUT:
-                    txn.put(key, value, db=self.registry_db)
-                elif op == _REG_DEL:
-                    txn.delete(key, db=self.registry_db)
-                else:
-                    _drop_range(txn, key, value)
-
-    def _write_bounded(self, ops) -> tuple[int, str | None]:
-        """Write `ops` in order in bounded transactions; (how many were written, the last error).
-
-        A transaction that does not fit is retried at half its size, down to
-        one operation: the first single operation that does not fit ends it.
-        """
-        done, limit, error = 0, _CLOSE_CHUNK, None
-        while done < len(ops):
-            end, size = done, 0
-            while end < len(ops) and end - done < limit and size < _CLOSE_CHUNK_BYTES:
-                value = ops[end][2]
-                size += len(value) if isinstance(value, bytes) else 16
-                end += 1
-            try:
-                self._write_ops(ops[done:end])
-            except lmdb.MapFullError:
-                self._grow()
-                continue
-            except lmdb.Error as e:
-                error = str(e)
-                if end - done == 1:
-                    break
-                limit = (end - done) // 2
-                continue
-            done = end
-        return done, error
-
-    def _close_bounded(self) -> Deferred | None:
-        """The shutdown's commit failed: keep what fits, spill the rest, say so in one line.
-
-        Returns a Deferred when not even the spill file could be written:
-        the store then retries both every second until one works.
-        """
-        ops = self._ordered_ops()
-        total = sum(1 for op in ops if op[0] == _PUT)
-        done, error = self._write_bounded(ops)
-        left = ops[done:]
-        if not left:
-            self._finish_close(True, False)
-            log.warn("closing LMDB: the shutdown's commit failed ({error}); written in smaller "
-                     "transactions instead", error=self.failure)
-            return None
-        spill = [op for op in left if op[0] in (_PUT, _REG_PUT)]
-        unwritten = sum(1 for op in spill if op[0] == _PUT)
-        deletions = len(left) - len(spill)
-        also = (f"; {deletions} deletions not written either (FINished messages may be delivered again)"
-                if deletions else "")
-        try:
-            self._write_spill(spill)
-        except OSError as e:
-            log.error("closing LMDB: {n} of {total} messages could not be written ({error}) nor saved "
-                      "to {spill} ({spill_error}): waiting for free space under {path}, retrying every "
-                      "{s:g}s (killing the broker now loses them){also}", n=unwritten, total=total,
-                      error=error, spill=self.spill_path, spill_error=e.strerror,
-                      path=os.path.abspath(os.path.dirname(self.spill_path) or "."), s=_RETRY_AFTER,
-                      also=also)
-            closed = Deferred()
-            self.clock.callLater(_RETRY_AFTER, self._retry_close, spill, closed)
-            return closed
-        self._finish_close(False, False)
-        log.error("closing LMDB: {n} of {total} messages could not be written ({error}); saved to "
-                  "{spill}, written back at the next start{also}", n=unwritten, total=total,
-                  error=error, spill=self.spill_path, also=also)
-        return None
-
-    def _retry_close(self, ops, closed: Deferred) -> None:
-        """Waiting at shutdown for room: write into LMDB what fits now, else try the spill file again."""
-        try:
-            done, _ = self._write_bounded(ops)
-            ops = ops[done:]
-            spilled = False
-            if ops:
-                try:
-                    self._write_spill(ops)
-                    spilled = True
-                except OSError:
-                    self.clock.callLater(_RETRY_AFTER, self._retry_close, ops, closed)
-                    return
-            self._finish_close(not spilled, True)
-        except Exception:
-            # A bug, not the disk: say so and let the shutdown finish rather than hang.
-            log.failure("closing LMDB: {n} messages left unwritten", n=len(ops))
-            self.env.close()
-            closed.callback(None)
-            return
-        log.info("closing LMDB: there is room again; the messages left are {where}",
-                 where=f"saved to {self.spill_path}" if spilled else "written")
-        closed.callback(None)
-
-    def _finish_close(self, all_in_lmdb: bool, close_env: bool) -> None:
-        """Everything is in LMDB or the spill file: sync, drop a spill file now written back."""
-        try:
-            self.sync()
-        except lmdb.Error:
-            pass  # what was written is in the page cache; nothing better to do at exit
-        if all_in_lmdb and self._spill_loaded:
-            self._remove_spill()
-        if close_env:
-            self.env.close()
-
-    def _write_spill(self, ops) -> None:
-        """Save registry entries and records atomically (temp file, fsync, rename); raises OSError."""
-        entries = [(_SPILL_REGISTRY if op == _REG_PUT else _SPILL_RECORD, key, value)
-                   for op, key, value in ops]
-        tmp = self.spill_path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_spill_bytes(entries))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.spill_path)
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(self.spill_path)
-
-    def _remove_spill(self) -> None:
-        """The spilled records are committed: sync them, then let the file go.
-
-        A queue not opened yet now finds its records in LMDB (_scan): handing
-        them over again from _spilled would count them twice.
-        """
-        self._spill_loaded = False
-        self._spilled.clear()
-        try:
-            self.sync()
-            os.unlink(self.spill_path)
-            _fsync_dir(self.spill_path)
-        except FileNotFoundError:
-            pass
-        except (OSError, lmdb.Error) as e:
-            # Harmless: written back again at the next start, as rewrites.
-            log.warn("{spill}: cannot remove it ({error})", spill=self.spill_path, error=e)
-        else:
-            log.info("{spill}: its messages are in LMDB again; removed", spill=self.spill_path)
-
     def stats(self) -> dict[str, Any]:
         return {"path": self.path, **self.env.info(), **self.env.stat()}
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-def _drop_range(txn, qid: int, bound: int) -> None:
-    """Delete the queue's records below sequence `bound` (an emptied queue)."""
-    cursor = txn.cursor()
-    # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.
-    stop = KEY.pack(qid, bound)
-    if cursor.set_range(_QID.pack(qid)):
-        while cursor.key() < stop:
-            if not cursor.delete():  # False once past the last record
-                break
 
 
 def _mapped_ranges(path: str) -> list[tuple[int, int]]:
@@ -1245,60 +646,3 @@ def _load_madvise():
 
 _madvise = _load_madvise()
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename or unlink in `path`'s directory durable."""
-    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _spill_bytes(entries) -> bytes:
-    """The spill file: a magic line, (kind, key, value) entries, then their count and CRC-32."""
-    parts = []
-    for kind, key, value in entries:
-        parts += (_SPILL_ENTRY.pack(kind, len(key), len(value)), key, value)
-    body = b"".join(parts)
-    return _SPILL_MAGIC + body + _SPILL_END.pack(_SPILL_DONE, len(entries), zlib.crc32(body))
-
-
-def _parse_spill(raw: bytes) -> list[tuple[int, bytes, bytes]]:
-    """The entries of a spill file; ValueError if it is not one, or not whole."""
-    if not raw.startswith(_SPILL_MAGIC):
-        raise ValueError("not an mqd spill file")
-    if len(raw) < len(_SPILL_MAGIC) + _SPILL_END.size:
-        raise ValueError("truncated")
-    body = raw[len(_SPILL_MAGIC):-_SPILL_END.size]
-    done, count, crc = _SPILL_END.unpack(raw[-_SPILL_END.size:])
-    if done != _SPILL_DONE or zlib.crc32(body) != crc:
-        raise ValueError("truncated or damaged (checksum mismatch)")
-    entries = []
-    pos = 0
-    while pos < len(body):
-        if pos + _SPILL_ENTRY.size > len(body):
-            raise ValueError(f"entry header cut at byte {pos}")
-        kind, klen, vlen = _SPILL_ENTRY.unpack_from(body, pos)
-        pos += _SPILL_ENTRY.size
-        key, value = body[pos:pos + klen], body[pos + klen:pos + klen + vlen]
-        pos += klen + vlen
-        if kind == _SPILL_RECORD:
-            good = len(key) == KEY.size and len(value) == vlen >= _RECORD_SIZE
-        else:
-            good = kind == _SPILL_REGISTRY and len(value) == vlen == _QID.size and _is_utf8(key)
-        if not good:
-            raise ValueError(f"bad entry ending at byte {pos}")
-        entries.append((kind, key, value))
-    if len(entries) != count:
-        raise ValueError(f"{len(entries)} entries, the trailer says {count}")
-    return entries
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode()
-    except UnicodeDecodeError:
-        return False
-    return True

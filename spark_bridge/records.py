@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from backends.lmdb import KEY, RECORD
+from backends.lmdb_records import KEY, RECORD
 from mqd.nsqd.snapshot_format import (
     DATA_FILE,
     HELD,

@@ -44,7 +44,7 @@ from typing import Any, BinaryIO
 
 import lmdb
 
-from backends.lmdb import ENV_DIR, FORMAT, KEY
+from backends.lmdb_records import ENV_DIR, FORMAT, KEY, QID
 from mqd.names import QUEUE_STATES
 
 __all__ = [
@@ -83,7 +83,6 @@ HELD = struct.Struct(">Bdiq")
 STATES = QUEUE_STATES
 QUEUED, IN_FLIGHT, DEFERRED = range(3)
 DATA_FILE = "data.mdb"
-_QID = struct.Struct(">I")
 
 
 class SnapshotError(Exception):
@@ -231,7 +230,7 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[str, list[Q
     if b"queues" in names:
         registry_db = env.open_db(b"queues", txn=txn, create=False)
         for name, qid in txn.cursor(db=registry_db):
-            registry[_QID.unpack(qid)[0]] = bytes(name).decode()
+            registry[QID.unpack(qid)[0]] = bytes(name).decode()
     stats: dict[int, tuple[int, int, int]] = {}
     if b"messages" in names:
         data_db = env.open_db(b"messages", txn=txn, create=False)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,7 +31,7 @@ from typing import Any
 
 import lmdb
 
-from backends.lmdb import FORMAT, KEY, RECORD
+from backends.lmdb_records import FORMAT, KEY, QID, RECORD
 from mqd.nsqd.snapshot_format import (
     DEFERRED,
     HELD,
@@ -54,7 +53,6 @@ __all__ = ["FIELDS", "LiveQueue", "LiveState", "snapshot_estimate", "write_live_
 # The attributes of a message a capture takes, in this order (one
 # attrgetter call per message): everything of its record, and its store key.
 FIELDS = ("key", "id", "timestamp", "attempts", "deferred_until", "body")
-_QID = struct.Struct(">I")
 # Room for LMDB's own pages around the held rows written into a copy.
 _SLACK = 64 << 20
 # LMDB's page layout, for the size estimate: page header, node header and
@@ -294,7 +292,7 @@ def _write_held(tmp: str, state: LiveState, fresh: bool) -> dict[int, int]:
             if fresh:
                 txn.put(b"format", FORMAT, db=meta)
                 for q in state.queues:
-                    txn.put(q.name.encode(), _QID.pack(q.queue_id), db=registry)
+                    txn.put(q.name.encode(), QID.pack(q.queue_id), db=registry)
             for q in state.queues:
                 gone = 0
                 for key in _stored_keys(q):

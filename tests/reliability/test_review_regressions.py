@@ -7,10 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from backends.lmdb import _SPILL_DONE, _SPILL_END, _SPILL_MAGIC, SPILL_FILE, StoreOpenError
+from backends.lmdb import StoreOpenError
+from backends.lmdb_spill import SPILL_DONE, SPILL_END, SPILL_FILE, SPILL_MAGIC
 from tests.support.full_disk import SmallDisk
+from tests.support.inprocess_broker import lmdb_store, msgs, new_broker
 from tests.support.lmdb_stores import bodies, expected, queue_t
-from tests.unit.conftest import lmdb_store, msgs, new_broker
 
 
 def test_spilled_queue_opened_after_first_commit_not_counted_twice(tmp_path, clock):
@@ -37,7 +38,7 @@ def test_spill_file_with_a_cut_entry_header_is_corrupt_not_a_crash(tmp_path, clo
     """A spill file whose checksum holds but whose last entry header is cut stops start-up with one line."""
     body = b"\x02\x00\x00"  # 3 bytes of a 9-byte entry header
     (tmp_path / SPILL_FILE).write_bytes(
-        _SPILL_MAGIC + body + _SPILL_END.pack(_SPILL_DONE, 1, zlib.crc32(body)))
+        SPILL_MAGIC + body + SPILL_END.pack(SPILL_DONE, 1, zlib.crc32(body)))
     with pytest.raises(StoreOpenError, match="corrupt spill file"):
         lmdb_store(tmp_path, clock)
 

@@ -23,12 +23,13 @@ import pytest
 
 import backends.lmdb as lmdb_module
 from backends.lmdb import _COMMIT_CHUNK, _UNMAP_EVERY
-from tests.reliability.test_disk_and_listen import _Cursor, _SmallDisk, _Txn
-from tests.unit.conftest import msgs
-from tests.unit.test_lmdb import bodies, expected, lmdb_store, records
+from backends.lmdb_records import RECORD_SIZE
+from tests.support.full_disk import SmallDisk, SmallDiskCursor, SmallDiskTxn
+from tests.support.inprocess_broker import lmdb_store, msgs
+from tests.support.lmdb_stores import bodies, expected, records
 
 
-class CountingEnv(_SmallDisk):
+class CountingEnv(SmallDisk):
     """A store's environment with room for everything: the bodies each write transaction puts, failures on demand."""
 
     def __init__(self, store) -> None:
@@ -41,7 +42,7 @@ class CountingEnv(_SmallDisk):
         return _CountingTxn(self, txn) if write else txn
 
 
-class _CountingTxn(_Txn):
+class _CountingTxn(SmallDiskTxn):
     def __init__(self, env: CountingEnv, real) -> None:
         super().__init__(env, real)
         self.bodies: list[bytes] = []
@@ -61,10 +62,10 @@ class _CountingTxn(_Txn):
             self.disk.txns.append(self.bodies)
 
 
-class _CountingCursor(_Cursor):
+class _CountingCursor(SmallDiskCursor):
     def putmulti(self, items, *args, **kw):
         items = list(items)
-        self.txn.bodies += [bytes(v[lmdb_module._RECORD_SIZE:]) for _, v in items]
+        self.txn.bodies += [bytes(v[RECORD_SIZE:]) for _, v in items]
         return super().putmulti(items, *args, **kw)
 
 

@@ -11,14 +11,15 @@ records at fault. Each stored record must be in exactly one place:
 - or out of the store's hands, in exactly one of the owner's memory queue,
   its in-flight table or its deferred queue (a topic has only its memory).
 
-A record in two places is delivered twice (issue #16, defect 1); a record in
-none is lost until a restart delivers it again (defect 10); a message that
+A record in two places is delivered twice; a record in none is lost until
+a restart delivers it again; a message that
 claims a record which does not exist will never be forgotten by its FIN.
 """
 
 from __future__ import annotations
 
-from backends.lmdb import _QID, KEY, LmdbQueue, LmdbStore
+from backends.lmdb import KEY, LmdbQueue, LmdbStore
+from backends.lmdb_records import QID
 
 __all__ = ["check_durable_invariant", "stored_keys"]
 
@@ -26,7 +27,7 @@ __all__ = ["check_durable_invariant", "stored_keys"]
 def stored_keys(store: LmdbStore, queue: LmdbQueue) -> set[bytes]:
     """The keys `queue` will have on disk once the store's pending commit is written."""
     qid = queue.qid
-    prefix = _QID.pack(qid)
+    prefix = QID.pack(qid)
     keys: set[bytes] = set()
     with store.env.begin(db=store.data_db) as txn:
         cursor = txn.cursor()

@@ -20,9 +20,11 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from mqd.nsqd.http.peek import MESSAGE_COST, PEEK_ANSWERS, SLICE_COST, WRITE_CHUNK
-from tests.unit._http import HTTPClient, error, parse_response
-from tests.unit.conftest import Client, identify, lmdb_store, mpub, msgs, ok, pub
-from tests.unit.test_peek import MODES, Producer, make, quiet_client
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import lmdb_store, msgs
+from tests.support.peek_brokers import MODES, Producer, make, quiet_client
+from tests.support.v2_client import Client
+from tests.support.v2_frames import identify, mpub, ok, pub
 
 MB = 1 << 20
 KIB = 1 << 10
@@ -290,7 +292,7 @@ def test_the_store_is_read_a_piece_at_a_time_and_what_is_read_away_is_skipped(tm
 
 
 def test_lmdb_pieces_are_bounded_and_copy_only_the_cut(tmp_path, clock):
-    from backends.lmdb import _PEEK_PIECE_BYTES, _PEEK_PIECE_COUNT
+    from backends.lmdb_queue import PEEK_PIECE_BYTES, PEEK_PIECE_COUNT
 
     store = lmdb_store(tmp_path, clock)
     q = store.open_queue("t")
@@ -303,9 +305,9 @@ def test_lmdb_pieces_are_bounded_and_copy_only_the_cut(tmp_path, clock):
     assert [m.id for m, _ in got] == [m.id for m in big + small]
     assert all(len(m.body) <= 16 for m, _ in got)
     assert [size for _, size in got] == [len(m.body) for m in big + small]
-    assert all(len(piece) <= _PEEK_PIECE_COUNT for piece in pieces) and len(pieces) >= 3
+    assert all(len(piece) <= PEEK_PIECE_COUNT for piece in pieces) and len(pieces) >= 3
     wide = list(q.peek_pieces(1000, 100_000))
-    assert all(sum(min(s, 100_000) for _, s in piece) <= _PEEK_PIECE_BYTES + 100_000 for piece in wide)
+    assert all(sum(min(s, 100_000) for _, s in piece) <= PEEK_PIECE_BYTES + 100_000 for piece in wide)
     assert q.depth() == 640 and [m.id for m in q.read(3)] == [m.id for m in big[:3]]
     store.close()
 
@@ -398,9 +400,9 @@ def test_in_flight_and_deferred_are_bounded_too(tmp_path):
 def test_lmdb_pieces_show_what_peek_shows(tmp_path, clock, monkeypatch, durable):
     """Held records passed over, pending rewrites and deletes honoured, the tail after the records:
     piece by piece (two records a piece here) exactly what `peek` shows."""
-    import backends.lmdb
+    import backends.lmdb_queue
 
-    monkeypatch.setattr(backends.lmdb, "_PEEK_PIECE_COUNT", 2)
+    monkeypatch.setattr(backends.lmdb_queue, "PEEK_PIECE_COUNT", 2)
 
     def pieced(q, n):
         return [(m.id, m.attempts, size) for piece in q.peek_pieces(n, 1 << 20) for m, size in piece]

@@ -13,13 +13,13 @@ import os
 import lmdb
 import pytest
 
-from backends.lmdb import FORMAT, KEY, _decode
+from backends.lmdb_records import FORMAT, KEY, decode_record
 from mqd.message import Message
 from mqd.nsqd import snapshot_format as snapmod
 from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError, read_manifest, take_snapshot
 from spark_bridge.__main__ import main
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import START_TIME, lmdb_store, msgs, new_broker
+from tests.support.http_client import HTTPClient, error
+from tests.support.inprocess_broker import START_TIME, lmdb_store, msgs, new_broker
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def copied(snap_dir) -> dict[str, list[Message]]:
             out: dict[str, list[Message]] = {name: [] for name in names.values()}
             for k, v in txn.cursor(db=env.open_db(b"messages", txn=txn, create=False)):
                 qid, _ = KEY.unpack(k)
-                out[names[qid]].append(_decode(bytes(k), bytes(v)))
+                out[names[qid]].append(decode_record(bytes(k), bytes(v)))
     finally:
         env.close()
     return out
@@ -271,7 +271,7 @@ def test_http_snapshot(tmp_path, clock, sync_threads):
 
 
 def test_http_snapshot_of_the_memory_backend(tmp_path, clock, sync_threads):
-    # Every backend can be snapshotted now (issue #12): its messages are all held rows.
+    # Every backend can be snapshotted: its messages are all held rows.
     broker = new_broker(tmp_path, clock, backend="memory")
     try:
         http = HTTPClient(broker)

@@ -1,0 +1,353 @@
+"""One queue of the LMDB store: its key range, its read position, what a commit has not written yet."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterator
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from zope.interface import implementer
+
+from backends.interface import BackendError, IBackendQueue, IPiecewisePeek
+from backends.lmdb_records import KEY, QID, RECORD, RECORD_SIZE, decode_record, record_seq
+from mqd.logs import get_logger
+from mqd.message import Message
+
+if TYPE_CHECKING:
+    from backends.lmdb import LmdbStore
+
+__all__ = ["LmdbQueue", "PEEK_PIECE_BYTES", "PEEK_PIECE_COUNT", "READ_CACHE"]
+
+# The store speaks for its queues: one namespace for every LMDB log line.
+log = get_logger("backends.lmdb")
+
+# Messages a durable queue keeps decoded in memory past its read position,
+# so reads right after a publish need no decoding (bounded per queue).
+READ_CACHE = 10000
+# A piecewise peek (GET /channel/peek) reads at most this many records, and
+# this many bytes of their bodies, per piece: one reactor turn's worth.
+PEEK_PIECE_COUNT = 256
+PEEK_PIECE_BYTES = 256 << 10
+
+
+@implementer(IBackendQueue, IPiecewisePeek)
+class LmdbQueue:
+    """One queue's key range, its read position, and what a commit has not written yet."""
+
+    __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held",
+                 "_staged", "_staged_held", "on_stored")
+
+    def __init__(self, store: LmdbStore, name: str, qid: int, first_seq: int, next_seq: int,
+                 depth: int) -> None:
+        self.name = name
+        self.qid = qid
+        self._store = store
+        self._next_seq = next_seq
+        self._read_seq = first_seq
+        self._depth = depth
+        # Unread messages this process put, oldest first: default mode, every
+        # one not yet committed; durable, up to READ_CACHE committed ones.
+        self._tail: deque[Message] = deque()
+        # Durable: messages put (then held) and not committed yet, oldest
+        # first. Not readable until their commit succeeds: they count in the
+        # depth, and follow the tail.
+        self._staged: list[Message] = []
+        self._staged_held: list[Message] = []
+        # Durable: called after a commit made staged messages readable, with
+        # the held ones among them (their owner keeps those outside the
+        # queue, from then on). Set by the queue's owner (mqd.nsqd.channel, mqd.nsqd.topic).
+        self.on_stored = None
+        # Keys of records stored by `hold` (deferred messages), so past the
+        # read position while their messages live outside the queue: in the
+        # deferred queue, then in memory or in flight once due or requeued.
+        # Reads pass over them until they are FINished (or the queue is
+        # emptied); releasing one earlier would let a read return it twice.
+        self._held: set[bytes] = set()
+
+    def _tail_start(self) -> int:
+        if self._tail:
+            return KEY.unpack(self._tail[0].key)[1]
+        if self._staged:
+            return KEY.unpack(self._staged[0].key)[1]
+        return self._next_seq
+
+    def put(self, messages) -> None:
+        self._store_new(messages)
+        self._depth += len(messages)
+        store = self._store
+        if store.durable:
+            self._staged.extend(messages)
+            if store.publishing:
+                store._fresh.append((self, messages))
+        else:
+            self._tail.extend(messages)
+
+    def _store_new(self, messages) -> None:
+        """Give the messages the queue's next keys and stage them for the commit."""
+        store = self._store
+        if store.failure and not store.closing:
+            raise BackendError(store.failure)
+        puts = store._puts
+        qid = self.qid
+        seq = self._next_seq
+        pack = KEY.pack
+        for msg in messages:
+            msg.key = key = pack(qid, seq)
+            puts[key] = msg
+            seq += 1
+        self._next_seq = seq
+        store._touched.add(self)
+        store._schedule()
+
+    def hold(self, messages) -> bool:
+        """Durable: store them, and give them back through `on_stored` once committed (True)."""
+        store = self._store
+        if not store.durable:
+            return False
+        self._store_new(messages)
+        self._held.update([m.key for m in messages])
+        self._staged_held.extend(messages)
+        if store.publishing:
+            store._fresh.append((self, messages))
+        return True
+
+    def read(self, count: int) -> list[Message]:
+        out: list[Message] = []
+        tail_start = self._tail_start()
+        if self._read_seq < tail_start:
+            out = self._read_stored(count, tail_start)
+        tail = self._tail
+        while tail and len(out) < count:
+            out.append(tail.popleft())
+        if out:
+            self._read_seq = KEY.unpack(out[-1].key)[1] + 1
+            depth = self._depth - len(out)
+            if depth < 0:
+                # More read than the queue held: a record was read twice. Say
+                # so, and keep the depth sane for everything sizing by it.
+                log.error("queue {name}: read {n} messages with depth {depth}; depth reset to 0",
+                          name=self.name, n=len(out), depth=self._depth)
+                depth = 0
+            self._depth = depth
+            if not self._store.durable:
+                # Without durability a read removes the records (one never
+                # written is just dropped), exactly what a FIN does.
+                self.finish(out)
+        return out
+
+    def _stored(self, count: int, tail_start: int) -> list[Message]:
+        """Up to `count` committed records from the read position to the tail, decoded, moving nothing.
+
+        Held and deleted keys are passed over, a pending rewrite stands in
+        for its record: what `read` hands out, and what `peek` shows.
+        """
+        start = KEY.pack(self.qid, self._read_seq)
+        stop = KEY.pack(self.qid, tail_start)
+        held = self._held
+        out: list[Message] = []
+        store = self._store
+        dels = store._dels
+        updates = store._updates
+        with store.env.begin(db=store.data_db, buffers=False) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(start):
+                return out
+            for key, value in cursor:
+                if key >= stop or len(out) >= count:
+                    break
+                if (held and key in held) or key in dels:
+                    continue
+                msg = updates.get(key)
+                out.append(msg if msg is not None else decode_record(key, value))
+        return out
+
+    def _read_stored(self, count: int, tail_start: int) -> list[Message]:
+        """Decode up to `count` committed records from the read position."""
+        out = self._stored(count, tail_start)
+        if not out:
+            # Only held or deleted records before the cached tail.
+            self._read_seq = tail_start
+        self._store.io_records += len(out)
+        return out
+
+    def peek(self, count: int) -> list[Message]:
+        """What `read(count)` would return now, decoded in a read transaction of its own.
+
+        The same records in the same order as `read`, then the tail, but
+        nothing moves: not the read position (which `read` also advances
+        past held records), the depth, the tail nor the store's pending
+        changes, so a peek cannot change a later read.
+        """
+        if count <= 0:
+            return []
+        tail_start = self._tail_start()
+        out = self._stored(count, tail_start) if self._read_seq < tail_start else []
+        if len(out) < count:
+            out += islice(self._tail, count - len(out))
+        return out
+
+    def peek_pieces(self, count: int, body_limit: int) -> Iterator[list[tuple[Message, int]]]:
+        """IPiecewisePeek: `peek(count)` a piece at a time, record bodies cut at `body_limit`.
+
+        A piece is at most PEEK_PIECE_COUNT records and PEEK_PIECE_BYTES
+        of body, read in a transaction of its own from past the last
+        sequence number handed out (or the read position, if reads went
+        further meanwhile), so what was read away in between is skipped.
+        """
+        per_piece = max(1, min(PEEK_PIECE_COUNT, PEEK_PIECE_BYTES // (body_limit + RECORD_SIZE)))
+        after = -1
+        while count > 0:
+            piece, after = self._peek_piece(after, min(count, per_piece), body_limit)
+            if not piece:
+                return
+            count -= len(piece)
+            yield piece
+
+    def _peek_piece(self, after: int, count: int, body_limit: int) -> tuple[list[tuple[Message, int]], int]:
+        """Up to `count` (message, size) past sequence number `after`, and the last one's number."""
+        start = max(self._read_seq, after + 1)
+        tail_start = self._tail_start()
+        out, last = self._peek_stored(start, tail_start, count, body_limit) if start < tail_start else ([], after)
+        tail = self._tail
+        if len(out) < count and tail:
+            first = bisect_left(tail, start, key=record_seq)
+            for msg in islice(tail, first, None):
+                if msg.key is None:  # finished meanwhile: gone
+                    continue
+                out.append((msg, len(msg.body)))
+                last = record_seq(msg)
+                if len(out) >= count:
+                    break
+        return out, last
+
+    def _peek_stored(self, start: int, stop: int, count: int,
+                     body_limit: int) -> tuple[list[tuple[Message, int]], int]:
+        """As `_stored` from sequence number `start`, only `body_limit` bytes of each body copied.
+
+        Returns the (message, size) pairs and the sequence number of the last.
+        """
+        start_key = KEY.pack(self.qid, start)
+        stop_key = KEY.pack(self.qid, stop)
+        held = self._held
+        store = self._store
+        dels = store._dels
+        updates = store._updates
+        out: list[tuple[Message, int]] = []
+        last = start - 1
+        with store.env.begin(db=store.data_db, buffers=True) as txn:
+            cursor = txn.cursor()
+            if not cursor.set_range(start_key):
+                return out, last
+            for raw_key, value in cursor:
+                key = bytes(raw_key)
+                if key >= stop_key or len(out) >= count:
+                    break
+                if (held and key in held) or key in dels:
+                    continue
+                last = KEY.unpack(key)[1]
+                msg = updates.get(key)
+                if msg is None:
+                    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
+                    body = bytes(value[RECORD_SIZE:RECORD_SIZE + body_limit])
+                    msg = Message(msg_id, body, timestamp, attempts, deferred_until)
+                    msg.key = key
+                    out.append((msg, len(value) - RECORD_SIZE))
+                else:
+                    out.append((msg, len(msg.body)))
+        return out, last
+
+    def finish(self, messages) -> None:
+        store = self._store
+        puts = store._puts
+        updates = store._updates
+        dels = store._dels
+        held = self._held
+        for msg in messages:
+            key = msg.key
+            if key is None:
+                continue
+            msg.key = None
+            updates.pop(key, None)
+            held.discard(key)
+            if puts.pop(key, None) is None:
+                dels.add(key)
+        store._schedule()
+
+    def update(self, messages) -> None:
+        """Rewrite the records; a held one stays held (its message is still outside the queue)."""
+        store = self._store
+        puts = store._puts
+        updates = store._updates
+        for msg in messages:
+            key = msg.key
+            if key is None:
+                continue
+            if key not in puts:
+                updates[key] = msg
+        store._schedule()
+
+    def depth(self) -> int:
+        return self._depth
+
+    def empty(self) -> None:
+        """Drop every record up to now, and everything not yet written."""
+        store = self._store
+        prefix = QID.pack(self.qid)
+        store._drops.append((self.qid, self._next_seq))
+        for table in (store._puts, store._updates):
+            for key in [k for k in table if k.startswith(prefix)]:
+                table[key].key = None
+                del table[key]
+        for msg in self._tail:
+            msg.key = None
+        for msg in self._staged_held:
+            msg.key = None
+        self._tail.clear()
+        self._staged.clear()
+        self._staged_held.clear()
+        self._held.clear()
+        self._read_seq = self._next_seq
+        self._depth = 0
+        store._schedule()
+
+    def delete(self) -> None:
+        self.empty()
+        self._store._forget_queue(self)
+
+    def close(self) -> None:
+        """The store commits and closes everything at once."""
+
+    def sync(self) -> None:
+        self._store.sync()
+
+    def _committed(self) -> list[Message] | None:
+        """After a commit: staged messages become readable; the read cache is trimmed.
+
+        Returns the held messages just committed when the owner must hear
+        of the commit (`on_stored`), else None.
+        """
+        staged = self._staged
+        held = self._staged_held
+        tail = self._tail
+        if staged:
+            tail.extend(staged)
+            self._staged = []
+        if held:
+            self._staged_held = []
+        limit = READ_CACHE if self._store.durable else 0
+        puts = self._store._puts
+        while len(tail) > limit and tail[0].key not in puts:
+            tail.popleft()
+        return held if (staged or held) and self.on_stored is not None else None
+
+    def _drop_fresh(self) -> None:
+        """After a failed commit: forget the staged messages `LmdbStore._roll_back` took the keys of."""
+        staged = self._staged
+        kept = [m for m in staged if m.key is not None]
+        if len(kept) != len(staged):
+            self._depth -= len(staged) - len(kept)
+            self._staged = kept
+        if self._staged_held:
+            self._staged_held = [m for m in self._staged_held if m.key is not None]

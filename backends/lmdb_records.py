@@ -1,0 +1,57 @@
+"""How mqd lays its queues out in LMDB: the environment, the keys and the records.
+
+One `messages` database holds every queue, keyed by a 4-byte queue id and
+an 8-byte sequence number, big-endian, so each queue is a contiguous,
+ordered key range; a `queues` registry maps names to ids and a `meta`
+database marks the environment as mqd's. The store, its queues and the
+snapshot readers (the broker's snapshot format, the Spark bridge) all
+read and write through these definitions.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from mqd.message import Message
+
+__all__ = ["ENV_DIR", "FORMAT", "KEY", "OUR_DBS", "QID", "RECORD", "RECORD_SIZE",
+           "decode_record", "drop_range", "encode_record", "record_seq"]
+
+ENV_DIR = "mqd.lmdb"
+FORMAT = b"mqd-queues-1"
+OUR_DBS = {b"meta", b"queues", b"messages"}
+
+KEY = struct.Struct(">IQ")
+QID = struct.Struct(">I")
+# timestamp (ns), attempts, deferred_until (reactor seconds, 0 = due), id; then the body.
+RECORD = struct.Struct(">qHd16s")
+RECORD_SIZE = RECORD.size
+
+
+def encode_record(msg: Message) -> bytes:
+    # attempts is nsqd's uint16, which wraps: a record must never fail to pack,
+    # or every later commit of the whole store would fail with it.
+    return RECORD.pack(msg.timestamp, msg.attempts & 0xFFFF, msg.deferred_until, msg.id) + msg.body
+
+
+def decode_record(key: bytes, value: bytes) -> Message:
+    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
+    msg = Message(msg_id, value[RECORD_SIZE:], timestamp, attempts, deferred_until)
+    msg.key = key
+    return msg
+
+
+def record_seq(msg: Message) -> int:
+    """The sequence number of a message's record (-1 for one finished, whose key is gone)."""
+    return KEY.unpack(msg.key)[1] if msg.key is not None else -1
+
+
+def drop_range(txn, qid: int, bound: int) -> None:
+    """Delete the queue's records below sequence `bound` (an emptied queue)."""
+    cursor = txn.cursor()
+    # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.
+    stop = KEY.pack(qid, bound)
+    if cursor.set_range(QID.pack(qid)):
+        while cursor.key() < stop:
+            if not cursor.delete():  # False once past the last record
+                break
