@@ -1,13 +1,13 @@
-"""Issue #16 defects 3, 4 and 5: a V2 connection's memory stays bounded whatever the client does.
+"""A V2 connection's memory stays bounded whatever the client does.
 
-3. A client that never reads its answers: the broker stops reading the
-   connection while its unsent output is over a bound (the protocol is a
-   streaming producer of its transport) and stops handing it messages.
-4. A client that streams while its AUTH waits on the auth server: the
-   connection is not read until the answer comes.
-5. A compressed stream that inflates to far more than was sent: it is
-   inflated in bounded steps, with other connections served in between,
-   and snappy chunks larger than the format allows close the connection.
+- A client that never reads its answers: the broker stops reading the
+  connection while its unsent output is over a bound (the protocol is a
+  streaming producer of its transport) and stops handing it messages.
+- A client that streams while its AUTH waits on the auth server: the
+  connection is not read until the answer comes.
+- A compressed stream that inflates to far more than was sent: it is
+  inflated in bounded steps, with other connections served in between,
+  and snappy chunks larger than the format allows close the connection.
 
 Unit tests drive the protocol on StringTransports (the transport's
 producer calls are made by hand, as the reactor's TCP transport makes
@@ -25,14 +25,22 @@ import tracemalloc
 
 import pytest
 
-from mqd.nsqd.protocol.v2 import UPGRADE_GAP
+from mqd.nsqd.protocol.upgrades import UPGRADE_GAP
 from mqd.wire.compression import SNAPPY_STREAM_HEADER
-from tests._codec_clients import DeflateClient, SnappyClient
-from tests.integration._support import FRAME_ERROR, FRAME_RESPONSE, RawConn, command, select_sockets
-from tests.integration.test_auth import PUBLISH, authd, grant  # noqa: F401
-from tests.integration.test_tls_compression import UpgradingConn, certs, client_context, tls_flags  # noqa: F401
-from tests.unit.conftest import Client, Msg, cmd, err, identify, ok, parse_frames, pub
-from tests.unit.test_v2_auth import FakeAuth, answer, auth
+from tests.support.auth_fakes import FakeAuth, answer, auth
+from tests.support.authd import PUBLISH, grant  # noqa: F401
+from tests.support.certs import client_context, tls_flags  # noqa: F401
+from tests.support.codec_clients import DeflateClient, SnappyClient
+from tests.support.raw_conn import (
+    FRAME_ERROR,
+    FRAME_RESPONSE,
+    RawConn,
+    UpgradingConn,  # noqa: F401
+    command,
+    select_sockets,
+)
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, cmd, err, identify, ok, parse_frames, pub
 
 BAD_ID = b"0123456789abcdef"
 FIN_FAILED = b"E_FIN_FAILED FIN 0123456789abcdef failed ID not in flight"
@@ -48,7 +56,7 @@ def compressed_client(connect, kind: str = "deflate"):
     c = connect()
     c.send(identify(feature_negotiation=True, **{kind: True}))
     _, rest = split_first_frame(c.raw())
-    assert rest == b""  # the compressed OK is a later write (#15)
+    assert rest == b""  # the compressed OK is a later write, as nsqd sends it
     c.broker.clock.advance(UPGRADE_GAP)
     codec = DeflateClient() if kind == "deflate" else SnappyClient()
     assert parse_frames(codec.decompress(c.raw())) == [ok()]
@@ -61,16 +69,16 @@ def consumer(connect, rdy=100):
     return c
 
 
-# -- defect 3: output for a client that does not read ----------------------------------------
+# -- output for a client that does not read ----------------------------------------
 
 
-def test_defect03_connection_is_a_streaming_producer_of_its_transport(connect):
+def test_connection_is_a_streaming_producer_of_its_transport(connect):
     c = connect()
     assert c.transport.producer is c.proto
     assert c.transport.streaming is True
 
 
-def test_defect03_output_backlog_stops_reading_until_drained(connect):
+def test_output_backlog_stops_reading_until_drained(connect):
     c = consumer(connect)
     # The transport's write buffer passed its high-water mark.
     c.proto.pauseProducing()
@@ -82,7 +90,7 @@ def test_defect03_output_backlog_stops_reading_until_drained(connect):
     assert c.request(cmd("FIN", BAD_ID)) == [err(FIN_FAILED)]
 
 
-def test_defect03_backed_up_consumer_is_not_handed_messages(connect, publish):
+def test_backed_up_consumer_is_not_handed_messages(connect, publish):
     c = consumer(connect, rdy=100)
     c.proto.pauseProducing()
     publish(b"a", b"b", b"c")
@@ -93,7 +101,7 @@ def test_defect03_backed_up_consumer_is_not_handed_messages(connect, publish):
     assert c.proto.ready() == 97
 
 
-def test_defect03_close_while_paused_lets_the_transport_close(connect):
+def test_close_while_paused_lets_the_transport_close(connect):
     """A registered producer keeps Twisted's transports (TLS's above all) from closing: it goes first."""
     c = consumer(connect)
     assert c.transport.producer is c.proto
@@ -103,10 +111,10 @@ def test_defect03_close_while_paused_lets_the_transport_close(connect):
     assert c.transport.producer is None
 
 
-def test_defect03_tls_handshake_pause_keeps_reading(broker):
+def test_tls_handshake_pause_keeps_reading(broker):
     """Until the handshake is done the TLS layer holds the OK back and pauses its producer:
     the connection must still read, or the handshake never completes."""
-    from tests.unit.test_v2_upgrade import tls_client
+    from tests.support.v2_client import tls_client
 
     c = tls_client(broker)
     c.send(identify(feature_negotiation=True, tls_v1=True))
@@ -154,7 +162,7 @@ FLOOD = 20 * 1024 * 1024
 
 
 @pytest.mark.parametrize("kind", ["plain", "tls", "deflate", "tls+deflate"])
-def test_defect03_client_that_never_reads_keeps_broker_memory_bounded(start_broker, certs, kind):  # noqa: F811
+def test_client_that_never_reads_keeps_broker_memory_bounded(start_broker, certs, kind):  # noqa: F811
     broker = start_broker(*tls_flags(certs)) if kind.startswith("tls") else start_broker()
     pid = broker.proc.pid
     flooder = UpgradingConn(broker)
@@ -247,7 +255,7 @@ def test_tls_connection_with_a_producer_still_closes_on_a_fatal_error(start_brok
         conn.expect_closed()
 
 
-# -- defect 4: input while AUTH waits on the auth server --------------------------------------
+# -- input while AUTH waits on the auth server --------------------------------------
 
 
 @pytest.fixture
@@ -260,7 +268,7 @@ def auth_broker(make_broker, tmp_path):
     return broker
 
 
-def test_defect04_pending_auth_stops_reading(auth_broker):
+def test_pending_auth_stops_reading(auth_broker):
     c = Client(auth_broker)
     c.send(auth() + pub("t", b"a"))
     assert c.transport.producerState == "paused"
@@ -271,7 +279,7 @@ def test_defect04_pending_auth_stops_reading(auth_broker):
     assert published == ok()
 
 
-def test_defect04_auth_and_output_pauses_are_independent(auth_broker):
+def test_auth_and_output_pauses_are_independent(auth_broker):
     c = Client(auth_broker)
     c.send(auth())
     c.proto.pauseProducing()  # output backed up too
@@ -298,7 +306,7 @@ def test_auth_failure_closes_with_the_producer_unregistered(auth_broker):
     assert c.transport.producer is None
 
 
-def test_defect04_input_kept_during_auth_on_a_deflate_connection_is_parsed_once(auth_broker):
+def test_input_kept_during_auth_on_a_deflate_connection_is_parsed_once(auth_broker):
     """What waited for the auth server is plaintext already: it must not be inflated again."""
     c, codec = compressed_client(lambda: Client(auth_broker))
     c.send(codec.compress(auth() + pub("t", b"a")))
@@ -309,7 +317,7 @@ def test_defect04_input_kept_during_auth_on_a_deflate_connection_is_parsed_once(
     assert auth_broker.topics["t"].depth() == 1
 
 
-def test_defect04_client_streaming_while_auth_waits_keeps_broker_memory_bounded(start_broker, authd):  # noqa: F811
+def test_client_streaming_while_auth_waits_keeps_broker_memory_bounded(start_broker, authd):  # noqa: F811
     authd.answers["slow"] = grant(PUBLISH, identity="slowpoke")
     authd.slow.add("slow")  # answered after 3 s
     broker = start_broker(f"--auth-http-address={authd.address}", "--http-client-request-timeout=10s")
@@ -351,7 +359,7 @@ def test_defect04_client_streaming_while_auth_waits_keeps_broker_memory_bounded(
         assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
 
 
-def test_defect05_input_piling_up_past_any_command_closes(auth_broker):
+def test_input_piling_up_past_any_command_closes(auth_broker):
     """Input that arrives while parsing waits (a TLS record decrypted after the pause) is
     bounded by what one command can need: max-body-size and a line."""
     c = Client(auth_broker)
@@ -362,7 +370,7 @@ def test_defect05_input_piling_up_past_any_command_closes(auth_broker):
     assert c.closed
 
 
-# -- defect 5: compressed input that inflates to much more ------------------------------------
+# -- compressed input that inflates to much more ------------------------------------
 
 
 BOMB_NOPS = 4 * 1024 * 1024  # 16 MiB of NOP once inflated
@@ -381,7 +389,7 @@ def reactor_turn(clock) -> None:
         call.func(*call.args, **call.kw)
 
 
-def test_defect05_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, broker):
+def test_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, broker):
     c, codec = compressed_client(connect)
     bomb = _bomb(codec)
     assert len(bomb) < 64 * 1024
@@ -407,7 +415,7 @@ def test_defect05_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, cl
     assert broker.topics["t"].depth() == 1 + steps + 1  # bystanders and the bomb's PUB
 
 
-def test_defect05_paused_connection_stops_inflating(connect, clock, broker):
+def test_paused_connection_stops_inflating(connect, clock, broker):
     c, codec = compressed_client(connect)
     c.send(_bomb(codec))
     c.proto.pauseProducing()  # its output backed up meanwhile
@@ -434,7 +442,7 @@ def test_stepwise_inflating_keeps_compressed_streams_whole(connect, broker, cloc
     assert broker.topics["t"].depth() == 5
 
 
-def test_defect05_deflate_bomb_does_not_stall_other_clients(start_broker):
+def test_deflate_bomb_does_not_stall_other_clients(start_broker):
     broker = start_broker()
     pid = broker.proc.pid
     with UpgradingConn(broker) as bomber, RawConn(broker, timeout=5) as control:
@@ -466,7 +474,7 @@ SNAPPY_MAX_CHUNK = 76494
 
 
 @pytest.mark.parametrize("chunk_type", [0x00, 0x01, 0x80])
-def test_defect05_oversize_snappy_chunk_header_closes(connect, chunk_type):
+def test_oversize_snappy_chunk_header_closes(connect, chunk_type):
     c, _ = compressed_client(connect, "snappy")
     c.send(SNAPPY_STREAM_HEADER + _snappy_chunk_header(chunk_type, SNAPPY_MAX_CHUNK + 1))
     assert c.closed
@@ -497,7 +505,7 @@ def test_snappy_compressed_chunk_over_block_size_closes(connect):
     assert c.closed
 
 
-def test_defect05_bystander_messages_flow_while_a_bomb_is_inflated(connect, publish, clock, broker):
+def test_bystander_messages_flow_while_a_bomb_is_inflated(connect, publish, clock, broker):
     c, codec = compressed_client(connect)
     reader = consumer(connect, rdy=10)
     c.send(_bomb(codec))

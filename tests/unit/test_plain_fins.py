@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqd.nsqd.protocol.v2 import _plain_fins
+from mqd.nsqd.protocol.fastpath import plain_fins as _plain_fins
 
 
 def _general(data: bytes, pos: int, end: int) -> tuple[int, list[bytes]]:

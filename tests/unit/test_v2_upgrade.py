@@ -6,15 +6,16 @@ import json
 import struct
 
 import pytest
-from twisted.internet.testing import StringTransport
 
-from mqd.nsqd.protocol.v2 import UPGRADE_GAP
+from mqd.nsqd.protocol.upgrades import UPGRADE_GAP
 from mqd.nsqd.tap import Options
-from mqd.nsqd.tlsconfig import ServerTLS, server_tls
+from mqd.nsqd.tlsconfig import server_tls
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
 from mqd.wire.compression import DeflateCodec, SnappyCodec
-from tests._codec_clients import DeflateClient, SnappyClient
-from tests.unit.conftest import Client, cmd, err, identify, ok, parse_frames, pub, settings
+from tests.support.codec_clients import DeflateClient, SnappyClient
+from tests.support.inprocess_broker import settings
+from tests.support.v2_client import Client, tls_client
+from tests.support.v2_frames import cmd, err, identify, ok, parse_frames, pub
 
 
 def split_first_frame(data: bytes) -> tuple[dict, bytes]:
@@ -123,27 +124,6 @@ def test_codecs_round_trip_large_batches():
 
 
 # -- TLS ---------------------------------------------------------------------------------
-
-
-class TLSStringTransport(StringTransport):
-    """Records startTLS and what was written before and after it."""
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        self.tls_started_at: int | None = None
-
-    def startTLS(self, ctx, normal=True) -> None:
-        self.tls_started_at = len(self.value())
-        self.ctx = ctx
-
-
-def tls_client(broker, required="false") -> Client:
-    broker.tls = ServerTLS(context=None, required=required)  # startTLS is faked: no context needed
-    c = Client(broker, magic=False)
-    c.transport = TLSStringTransport(peerAddress=c.transport.getPeer())
-    c.proto.makeConnection(c.transport)
-    c.send(b"  V2")
-    return c
 
 
 def test_tls_upgrade_order(broker):
