@@ -1,7 +1,7 @@
 """A broker-like backlog with known shape, written through the real store.
 
 For trying the bridge (`python -m spark_bridge sample`), for its
-benchmark (bench/spark_bridge.py) and for building the JVM class archive
+benchmark (bench/scenarios/spark_bridge.py) and for building the JVM class archive
 (jvm_archive.py): 4 topics whose own queues are nearly empty and whose
 2-3 channel queues hold uneven backlogs, nsqd-style ids, timestamps over
 the last hours (a stuck consumer's queue reaches further back), attempts

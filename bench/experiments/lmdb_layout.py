@@ -25,7 +25,8 @@ per commit.
 
 Usage::
 
-    python bench/lmdb_layout.py [--queues 10000] [--dir TMP] [--json OUT]
+    python -m bench lmdb-layout [--queues 10000] [--dir TMP] [--json OUT]
+    python bench/experiments/lmdb_layout.py ...     # the same, as a script
 
 Standard library + ``lmdb`` only.
 """
@@ -502,7 +503,8 @@ def report(results: dict, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench lmdb-layout",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--queues", type=int, default=10000)
     p.add_argument("--dir", default=None, help="parent of the temp dirs (default: system tmp)")
     p.add_argument("--txns", type=int, default=2000, help="group commits per spread (nosync)")

@@ -1,4 +1,4 @@
-"""Start mqd under twistd, find its port in the log, and watch its memory and CPU.
+"""Start a broker (mqd under twistd, or a real nsqd), find its port in the log, watch its memory.
 
 The broker is a separate process that the harness only observes from outside
 (/proc), so measuring it costs the broker nothing and works the same for an
@@ -7,8 +7,11 @@ already running broker given by pid.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -16,15 +19,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
-from bench import wire
+from bench.harness import wire
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
+NSQD_BIN_ENV = "NSQD_BIN"  # a real nsqd (or the directory of NSQ's binaries) to compare with
 _LISTEN = re.compile(rb"TCP: listening on (\S+)")
 _HTTP = re.compile(rb"HTTP: listening on (\S+)")
 _TICK = os.sysconf("SC_CLK_TCK")
+# Flags that differ per run; left out when a broker's command line describes a figure.
+_PER_RUN = ("--tcp-address", "--http-address", "--data-path")
 
 
 def checkout_env() -> dict[str, str]:
@@ -41,6 +48,15 @@ def checkout_env() -> dict[str, str]:
 
 class BrokerError(Exception):
     """The broker did not start, or died; carries the tail of its log."""
+
+
+class BenchError(Exception):
+    """A child process failed or the run could not proceed."""
+
+
+# What ends a bench with "error: ..." and exit status 1 rather than a traceback
+# (python -m bench catches them for every command).
+ERRORS = (BenchError, BrokerError, wire.ProtocolError, OSError)
 
 
 def broker_command(
@@ -60,6 +76,64 @@ def broker_command(
         f"--backend={backend}",
         *(extra or []),
     ]
+
+
+def find_nsqd(value: str | None, program: str = "nsqd", use_env: bool = True) -> str | None:
+    """The NSQ binary ``program`` that ``value`` names: nsqd's path, or the directory of NSQ's binaries.
+
+    Other programs (nsqlookupd) are looked up beside the nsqd named. Without a
+    value, ``$NSQD_BIN`` (same forms) when ``use_env``; ``none`` or nothing
+    given is None. Raises ValueError for a path that is not an executable, so
+    a typo is not silently a run without nsqd.
+    """
+    if value is None and use_env:
+        value = os.environ.get(NSQD_BIN_ENV) or None
+    if value is None or value == "none":
+        return None
+    if os.path.isdir(value):
+        path = os.path.join(value, program)
+    elif program == "nsqd":
+        path = value
+    else:
+        path = os.path.join(os.path.dirname(value) or ".", program)
+    if not os.access(path, os.X_OK) or os.path.isdir(path):
+        raise ValueError(f"{path} is not an executable {program}")
+    return path
+
+
+def nsqd_command(nsqd: str, mem_queue_size: int, extra: list[str] | None = None) -> list[str]:
+    """A real nsqd on loopback ports; ``{data}`` becomes the Broker's fresh data directory."""
+    return [
+        nsqd,
+        "--tcp-address=127.0.0.1:0",
+        "--http-address=127.0.0.1:0",
+        "--data-path={data}",
+        f"--mem-queue-size={mem_queue_size}",
+        *(extra or []),
+    ]
+
+
+def nsqd_option(parser: argparse.ArgumentParser, value: str, mem_queue_size: int) -> list[str]:
+    """The command line of the real nsqd a ``--nsqd-bin`` option names; a usage error if none."""
+    try:
+        nsqd = find_nsqd(value, use_env=False)
+    except ValueError as exc:
+        parser.error(f"--nsqd-bin: {exc}")
+    if nsqd is None:
+        parser.error("--nsqd-bin: the path of nsqd, or of the directory of NSQ's binaries")
+    return nsqd_command(nsqd, mem_queue_size)
+
+
+def describe_exit(code: int | None) -> str:
+    """A broker's exit status in words; twistd re-raises the SIGTERM it handled."""
+    status = f"exit code {code}"
+    if code == -signal.SIGTERM:
+        status += ": SIGTERM, as twistd exits after a graceful stop"
+    return status
+
+
+def clean_exit(code: int | None) -> bool:
+    return code in (0, -signal.SIGTERM)
 
 
 class Broker:
@@ -82,6 +156,7 @@ class Broker:
         self.data_path = self.workdir / "data"
         self.data_path.mkdir()
         self.log_path = self.workdir / "broker.log"
+        self.custom = bool(argv)
         if argv:
             self.argv = [a.replace("{data}", str(self.data_path)) for a in argv]
         else:
@@ -97,6 +172,12 @@ class Broker:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def describe(self) -> str:
+        """The command line as a report gives it: the flags that matter, not ports or paths."""
+        if self.custom:
+            return " ".join(self.argv)
+        return "twistd -n mqd " + " ".join(a for a in self.argv[4:] if not a.startswith(_PER_RUN))
 
     def start(self) -> tuple[str, int]:
         """Launch and wait for the ``TCP: listening on HOST:PORT`` log line."""
@@ -161,29 +242,38 @@ class Broker:
         self.stop()
 
 
-def read_proc(pid: int) -> tuple[int, int, float] | None:
-    """(VmRSS kB, VmHWM kB, CPU seconds user+system) of ``pid``; None once it is gone."""
+def proc_memory(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile, VmHWM of ``pid`` in kB (OSError once it is gone).
+
+    RssAnon is the heap without file pages, such as the LMDB data file a
+    broker maps, which RSS counts.
+    """
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(rest.split()[0])
+    return out
+
+
+def read_proc(pid: int) -> tuple[int, int, float, int] | None:
+    """(VmRSS kB, VmHWM kB, CPU seconds user+system, RssAnon kB) of ``pid``; None once gone."""
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        memory = proc_memory(pid)
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    rss = hwm = 0
-    for line in status.splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1])
-        elif line.startswith("VmHWM:"):
-            hwm = int(line.split()[1])
     fields = stat[stat.rindex(")") + 2 :].split()
     cpu = (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    return rss, hwm, cpu
+    return memory.get("VmRSS", 0), memory.get("VmHWM", 0), cpu, memory.get("RssAnon", 0)
 
 
 class Sampler:
     """Samples the broker's RSS every 100 ms in a thread and keeps per-window peaks.
 
     VmHWM alone only gives the lifetime peak; sampling VmRSS gives a peak per
-    scenario, which is what differs between writer, reader and both.
+    scenario, which is what differs between writer, reader and both. RssAnon's
+    peak is kept too: the heap alone, without the store's mapped file pages.
     """
 
     def __init__(self, pid: int, interval: float = 0.1) -> None:
@@ -191,6 +281,7 @@ class Sampler:
         self.interval = interval
         self._lock = threading.Lock()
         self._peak = 0
+        self._anon_peak = 0
         self._hwm = 0
         self._stop = threading.Event()
         self._window_start = (time.monotonic(), 0.0)
@@ -205,9 +296,10 @@ class Sampler:
         got = read_proc(self.pid)
         if got is None:
             return
-        rss, hwm, _ = got
+        rss, hwm, _, anon = got
         with self._lock:
             self._peak = max(self._peak, rss)
+            self._anon_peak = max(self._anon_peak, anon)
             self._hwm = max(self._hwm, hwm)
 
     def _run(self) -> None:
@@ -215,10 +307,11 @@ class Sampler:
             self._sample()
 
     def reset(self) -> None:
-        """Start a new measurement window (peak RSS and CPU time)."""
+        """Start a new measurement window (peak RSS, peak RssAnon and CPU time)."""
         got = read_proc(self.pid)
         with self._lock:
             self._peak = got[0] if got else 0
+            self._anon_peak = got[3] if got else 0
             self._window_start = (time.monotonic(), got[2] if got else 0.0)
 
     def window(self) -> tuple[float, float]:
@@ -232,6 +325,12 @@ class Sampler:
         cpu = (got[2] - cpu0) if got else 0.0
         return peak / 1024, (100.0 * cpu / elapsed if elapsed > 0 else 0.0)
 
+    def anon_peak_kb(self) -> int:
+        """Largest RssAnon (kB) since the last reset."""
+        self._sample()
+        with self._lock:
+            return self._anon_peak
+
     def lifetime_peak_mb(self) -> float:
         """Largest VmHWM seen: the broker's all-time peak RSS while it was observed."""
         self._sample()
@@ -243,3 +342,39 @@ class Sampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+
+
+@contextlib.contextmanager
+def running(broker: Broker, verbose: bool = True) -> Iterator[Sampler]:
+    """Start ``broker``, sample it, and stop it again however the block ends.
+
+    ``verbose`` prints the command, the address and the exit status; else only
+    an unclean exit is reported. A failure inside the block prints the tail of
+    the broker's log before the broker (and its log, unless kept) is gone.
+    """
+    sampler: Sampler | None = None
+    if verbose:
+        print(f"starting: {shlex.join(broker.argv)}", flush=True)
+    try:
+        address = broker.start()
+        if verbose:
+            print(
+                f"broker pid {broker.pid} listening on {address[0]}:{address[1]}"
+                + (f" (HTTP {broker.http_address})" if broker.http_address else ""),
+                flush=True,
+            )
+        sampler = Sampler(broker.pid).start()
+        yield sampler
+    except Exception as exc:
+        if broker.proc is not None and not isinstance(exc, BrokerError):
+            print(f"broker log (tail):\n{broker.log_tail()}", file=sys.stderr)
+        raise
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        code = broker.stop()
+        if verbose:
+            kept = f"; data kept in {broker.workdir}" if broker.keep else ""
+            print(f"broker stopped ({describe_exit(code)}){kept}", flush=True)
+        elif not clean_exit(code):
+            print(f"  warning: broker {describe_exit(code)}", flush=True)

@@ -1,10 +1,10 @@
-"""Ceiling probe: the least per-message work a Twisted relay can do (issue #17).
+"""Ceiling probe: the least per-message work a Twisted relay can do.
 
 A yardstick, not a broker. The bench harness runs it beside mqd in the same
 session so mqd's figures can be read as a fraction of what one CPython core on
 this reactor allows; the gap between the two is the budget a faster mqd can
 win back. It does only what NSQ's bench_writer/bench_reader and our
-bench/writer.py and bench/reader.py need: magic, IDENTIFY (``OK``, or the
+load processes (bench/harness/load.py) need: magic, IDENTIFY (``OK``, or the
 feature-negotiation JSON), SUB, RDY, PUB, MPUB, FIN, NOP, CLS. Messages live
 in a deque per channel; a delivery is one preallocated struct pack per message
 and one ``writeSequence`` per reader; FIN is a dict pop. No persistence,
@@ -13,8 +13,8 @@ channel by SUB + CLS), validation or error recovery beyond closing the
 connection: adding any of them would make it a slower broker and a worse
 yardstick.
 
-``python -m bench.probe --tcp-address=127.0.0.1:0`` logs
-``TCP: listening on HOST:PORT`` as mqd does, so bench/broker.py can start it.
+``python -m bench.harness.probe --tcp-address=127.0.0.1:0`` logs
+``TCP: listening on HOST:PORT`` as mqd does, so bench/harness/broker.py can start it.
 """
 
 from __future__ import annotations
@@ -266,12 +266,12 @@ class ProbeFactory(protocol.Factory):
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.probe", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.harness.probe", description=__doc__.split("\n")[0])
     p.add_argument("--tcp-address", default="127.0.0.1:4150", metavar="HOST:PORT")
     args = p.parse_args(argv)
     from twisted.internet import reactor
 
-    from bench.wire import parse_address
+    from bench.harness.wire import parse_address
 
     host, port = parse_address(args.tcp_address)
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout)])

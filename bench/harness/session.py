@@ -1,42 +1,43 @@
-"""Scenario runner: NSQ's bench conditions (see /work/shared/BENCH.md) against mqd.
+"""A broker session: the scenarios writer, reader and both, and the figures of one run.
 
 Every scenario starts from a known channel state so repeated runs are
 comparable: ``writer`` and ``both`` start with an empty channel (a leftover
 backlog is drained first, untimed), ``reader`` starts with the backlog a
 ``writer`` run left (or fills one, untimed). The parent process only
-orchestrates and samples /proc; all load comes from spawned children.
+orchestrates and samples /proc; all load comes from spawned children
+(bench/harness/load.py).
+
+The options of ``python -m bench writer|reader|both|all`` are defined here
+too (``parse_args``): latency, flame and compare take them all and add their own.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import math
+import contextlib
 import multiprocessing as mp
-import os
-import platform
 import queue as queue_mod
 import shlex
-import signal
-import statistics
-import sys
 import time
 from array import array
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from typing import Any
 
-from bench import wire
-from bench.broker import Broker, BrokerError, Sampler
-from bench.reader import ReaderConfig, reader_main
-from bench.writer import WriterConfig, writer_main
+from bench.harness import wire
+from bench.harness.broker import (
+    BenchError,
+    Broker,
+    BrokerError,
+    Sampler,
+    nsqd_option,
+    running,
+)
+from bench.harness.load import ReaderConfig, WriterConfig, reader_main, writer_main
+from bench.harness.report import fmt, median, percent, percentile
 
 SCENARIOS = ("writer", "reader", "both")
 DRAIN_IDLE = 2.0  # seconds without messages that end a drain / backlog read
-
-
-class BenchError(Exception):
-    """A child process failed or the run could not proceed."""
 
 
 @dataclass
@@ -57,42 +58,25 @@ class Result:
     seconds: float = 0.0
 
 
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile; enough for p50/p99 over thousands of samples."""
-    if not sorted_values:
-        return None
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return sorted_values[k]
-
-
 def median_result(runs: list[Result]) -> Result:
     """Median of each metric on its own, as NSQ's 'median of 3' figures are reported."""
     out = Result(runs[0].scenario)
     for f in fields(Result):
         if f.name == "scenario":
             continue
-        values = [getattr(r, f.name) for r in runs if getattr(r, f.name) is not None]
-        if values:
-            value = statistics.median(values)
+        value = median(getattr(r, f.name) for r in runs)
+        if value is not None:
             setattr(out, f.name, int(value) if f.type in ("int", int) else value)
     return out
-
-
-def _fmt(value: float | None, spec: str = ",.0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}%"
 
 
 def result_line(r: Result, label: str) -> str:
     """The per-run line printed while the bench runs."""
     return (
-        f"{label:<14} in {_fmt(r.rate_in):>9} msgs/s  out {_fmt(r.rate_out):>9} msgs/s  "
-        f"lat p50/p99 {_fmt(r.lat_p50, '.1f')}/{_fmt(r.lat_p99, '.1f')} ms  "
-        f"ack p50/p99 {_fmt(r.ack_p50, '.2f')}/{_fmt(r.ack_p99, '.2f')} ms  "
-        f"rss {_fmt(r.rss_mb)} MB  cpu {_pct(r.cpu_pct)}  "
+        f"{label:<14} in {fmt(r.rate_in):>9} msgs/s  out {fmt(r.rate_out):>9} msgs/s  "
+        f"lat p50/p99 {fmt(r.lat_p50, '.1f')}/{fmt(r.lat_p99, '.1f')} ms  "
+        f"ack p50/p99 {fmt(r.ack_p50, '.2f')}/{fmt(r.ack_p99, '.2f')} ms  "
+        f"rss {fmt(r.rss_mb)} MB  cpu {percent(r.cpu_pct)}  "
         f"({r.msgs_in:,} in / {r.msgs_out:,} out, {r.seconds:.1f} s)"
     )
 
@@ -113,6 +97,12 @@ class Session:
         self.broker = broker
         self.ctx = mp.get_context("spawn")  # children never inherit the sampler thread
         self.backlog = 0
+
+    def describe(self) -> str:
+        """The broker as a report names it."""
+        if self.broker is None:
+            return f"external broker at {self.address[0]}:{self.address[1]}"
+        return self.broker.describe()
 
     # -- process plumbing -------------------------------------------------
 
@@ -332,67 +322,8 @@ class Session:
         return res
 
 
-# -- reporting ---------------------------------------------------------------
-
-
-def save_json(path: str, args: Any, key: str, rows: list) -> None:
-    """The date, the machine, the arguments and the rows (dataclasses) under `key`, as JSON at `path`."""
-    with open(path, "w") as f:
-        json.dump({"date": datetime.date.today().isoformat(), "machine": machine(),
-                   "args": vars(args), key: [asdict(r) for r in rows]}, f, indent=2)
-
-
-def machine() -> str:
-    """'N cores, CPU model' as ``nproc`` and /proc/cpuinfo see it."""
-    cores = len(os.sched_getaffinity(0))
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cores} cores" + (f" ({model})" if model else "")
-
-
-def markdown(medians: list[Result], args: argparse.Namespace, broker_desc: str) -> str:
-    """A table ready to paste into the top-level README, with date, machine and flags."""
-    load = (
-        f"{args.writers} writers ({args.mode.upper()}"
-        + (f" x{args.batch}" if args.mode == "mpub" else "")
-        + f", {args.size} B bodies, pipeline {args.pipeline}), "
-        f"{args.readers} readers (RDY {args.rdy}), "
-        + (f"{args.count:,} msgs" if args.count is not None else f"{args.duration:g} s runs")
-        + f", median of {args.repeat}"
-    )
-    lines = [
-        (
-            f"mqd bench, {datetime.date.today().isoformat()}, {machine()}, "
-            f"Python {platform.python_version()}"
-        ),
-        "",
-        f"- broker: `{broker_desc}`",
-        f"- load: {load}",
-        "",
-        (
-            "| run | msgs/s in | msgs/s out | latency p50 / p99 (ms) | ack p50 / p99 (ms) "
-            "| broker peak RSS (MB) | broker CPU |"
-        ),
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in medians:
-        lines.append(
-            f"| {r.scenario} | {_fmt(r.rate_in)} | {_fmt(r.rate_out)} "
-            f"| {_fmt(r.lat_p50, '.1f')} / {_fmt(r.lat_p99, '.1f')} "
-            f"| {_fmt(r.ack_p50, '.2f')} / {_fmt(r.ack_p99, '.2f')} "
-            f"| {_fmt(r.rss_mb)} | {_pct(r.cpu_pct)} |"
-        )
-    return "\n".join(lines)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options of ``python -m bench writer|reader|both|all`` (first: the scenario)."""
     p = argparse.ArgumentParser(
         prog="python -m bench",
         description="Load generator for mqd under NSQ's benchmark conditions.",
@@ -418,6 +349,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="CMD",
         help="start this command instead of twistd mqd (e.g. a real nsqd, for reference "
         "figures); it must log 'TCP: listening on HOST:PORT'; {data} becomes a fresh data dir",
+    )
+    p.add_argument(
+        "--nsqd-bin",
+        metavar="PATH",
+        help="start a real nsqd (its binary, or the directory of NSQ's binaries) instead of "
+        "twistd mqd, with --mem-queue-size and --broker-arg: reference figures",
     )
     p.add_argument("--pid", type=int, help="pid of that broker, to measure its RSS and CPU")
     p.add_argument("--size", type=int, default=200, help="message body bytes")
@@ -453,8 +390,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.pid and not args.nsqd_address:
         p.error("--pid only makes sense with --nsqd-address")
-    if args.broker_cmd and args.nsqd_address:
-        p.error("--broker-cmd and --nsqd-address exclude each other")
+    if sum(map(bool, (args.broker_cmd, args.nsqd_address, args.nsqd_bin))) > 1:
+        p.error("--broker-cmd, --nsqd-bin and --nsqd-address exclude each other")
+    if args.nsqd_bin:
+        args.broker_cmd = shlex.join(nsqd_option(p, args.nsqd_bin, args.mem_queue_size))
     if args.writers < 1 or args.readers < 1 or args.repeat < 1 or args.pipeline < 1:
         p.error("--writers, --readers, --repeat and --pipeline must be at least 1")
     if args.size < 8:
@@ -462,94 +401,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the scenarios; returns the process exit status."""
-    args = parse_args(argv)
-    scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    broker: Broker | None = None
-    sampler: Sampler | None = None
-    runs: dict[str, list[Result]] = {s: [] for s in scenarios}
-    try:
-        if args.nsqd_address:
-            address = wire.parse_address(args.nsqd_address)
-            broker_desc = f"external broker at {args.nsqd_address}"
-            pid = args.pid
-        else:
-            cmd = shlex.split(args.broker_cmd) + args.broker_arg if args.broker_cmd else None
-            broker = Broker(
-                args.backend, args.mem_queue_size, args.broker_arg, argv=cmd, keep=args.keep_data
-            )
-            if args.broker_cmd:
-                broker_desc = " ".join(broker.argv)
-            else:  # the flags that matter; addresses and data path are per run
-                broker_desc = "twistd -n mqd " + " ".join(
-                    a
-                    for a in broker.argv[4:]
-                    if not a.startswith(("--tcp-address", "--http-address", "--data-path"))
-                )
-            print(f"starting: {' '.join(broker.argv)}", flush=True)
-            address = broker.start()
-            pid = broker.pid
-            print(
-                f"broker pid {pid} listening on {address[0]}:{address[1]}"
-                + (f" (HTTP {broker.http_address})" if broker.http_address else ""),
-                flush=True,
-            )
-        if pid:
-            sampler = Sampler(pid).start()
-        wire.create_topic_channel(address, args.topic, args.channel)
-        session = Session(args, address, sampler, broker)
-        if broker is None:
-            session.drain(idle=1.0)  # unknown leftovers of an external broker
-        for rep in range(args.repeat):
-            for name in scenarios:
-                res = getattr(session, name)()
-                runs[name].append(res)
-                print(result_line(res, f"{name} {rep + 1}/{args.repeat}"), flush=True)
-    except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if broker is not None and not isinstance(exc, BrokerError):
-            print(f"broker log (tail):\n{broker.log_tail()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    finally:
-        hwm = sampler.lifetime_peak_mb() if sampler is not None else None
-        if sampler is not None:
-            sampler.stop()
-        if broker is not None:
-            code = broker.stop()
-            # twistd re-raises the SIGTERM it handled, so -15 is a clean shutdown.
-            status = f"exit code {code}"
-            if code == -signal.SIGTERM:
-                status += ": SIGTERM, as twistd exits after a graceful stop"
-            print(
-                f"broker stopped ({status})"
-                + (f"; data kept in {broker.workdir}" if args.keep_data else ""),
-                flush=True,
-            )
-    medians = [median_result(runs[s]) for s in scenarios if runs[s]]
-    print()
-    for r in medians:
-        print(result_line(r, f"{r.scenario} median"))
-    if hwm is not None:
-        print(f"broker lifetime peak RSS (VmHWM): {hwm:,.0f} MB")
-    print()
-    print(markdown(medians, args, broker_desc))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.date.today().isoformat(),
-                    "machine": machine(),
-                    "broker": broker_desc,
-                    "args": vars(args),
-                    "runs": {s: [asdict(r) for r in rs] for s, rs in runs.items()},
-                    "median": [asdict(r) for r in medians],
-                    "peak_rss_mb": hwm,
-                },
-                f,
-                indent=2,
-            )
-    return 0
+def load_line(args: argparse.Namespace) -> str:
+    """The load of a run in words: writers, readers, sizes, how long."""
+    return (
+        f"{args.writers} writers ({args.mode.upper()}"
+        + (f" x{args.batch}" if args.mode == "mpub" else "")
+        + f", {args.size} B bodies, pipeline {args.pipeline}), "
+        f"{args.readers} readers (RDY {args.rdy}), "
+        + (f"{args.count:,} msgs" if args.count is not None else f"{args.duration:g} s runs")
+    )
+
+
+@contextlib.contextmanager
+def open_session(
+    args: argparse.Namespace,
+    cls: type[Session] = Session,
+    argv: list[str] | None = None,
+    verbose: bool = True,
+) -> Iterator[Session]:
+    """A Session on the broker ``args`` name, with the bench topic and channel created.
+
+    ``--nsqd-address`` (and ``--pid`` to sample it) uses a running broker,
+    drained of unknown leftovers first; otherwise the broker is started here
+    (``argv``, else ``--broker-cmd``, else twistd mqd with ``--backend`` and
+    ``--broker-arg``) and stopped when the block ends.
+    """
+    if getattr(args, "nsqd_address", None):
+        address = wire.parse_address(args.nsqd_address)
+        sampler = Sampler(args.pid).start() if args.pid else None
+        try:
+            wire.create_topic_channel(address, args.topic, args.channel)
+            session = cls(args, address, sampler, None)
+            session.drain(idle=1.0)
+            yield session
+        finally:
+            if sampler is not None:
+                sampler.stop()
+        return
+    if argv is None and args.broker_cmd:
+        argv = shlex.split(args.broker_cmd) + args.broker_arg
+    broker = Broker(
+        args.backend, args.mem_queue_size, args.broker_arg, argv=argv, keep=args.keep_data
+    )
+    with running(broker, verbose) as sampler:
+        assert broker.address is not None
+        wire.create_topic_channel(broker.address, args.topic, args.channel)
+        yield cls(args, broker.address, sampler, broker)

@@ -1,8 +1,8 @@
-"""Minimal NSQ V2 wire helpers shared by the bench processes.
+"""Minimal NSQ client bits shared by the bench processes: V2 over TCP, and the HTTP API.
 
-Only the slow, once-per-connection parts live here (handshakes, topic setup);
-the hot loops in writer.py and reader.py parse frames inline, because a
-function call per frame would make the load generator the bottleneck.
+Only the slow, once-per-connection parts live here (handshakes, topic setup,
+/stats); the hot loops in load.py parse frames inline, because a function
+call per frame would make the load generator the bottleneck.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import urllib.parse
+import urllib.request
 
 MAGIC = b"  V2"
 FRAME_RESPONSE = 0
@@ -125,3 +127,48 @@ def create_topic_channel(address: tuple[str, int], topic: str, channel: str) -> 
         expect(sock, b"CLOSE_WAIT", "CLS")
     finally:
         sock.close()
+
+
+# -- the HTTP API --------------------------------------------------------------------
+
+
+def http_request(
+    address: str, path: str, method: str = "GET", timeout: float = 30.0, **query: str
+) -> bytes:
+    """The body of ``METHOD http://address/path?query`` (an empty body for a POST).
+
+    Raises OSError (urllib's HTTPError) unless the answer is 2xx.
+    """
+    url = f"http://{address}{path}" + ("?" + urllib.parse.urlencode(query) if query else "")
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read()
+
+
+def http_create(http_address: str, topic: str, *channels: str) -> None:
+    """``/topic/create`` then ``/channel/create`` for each channel, as nsqd's own bench does."""
+    http_request(http_address, "/topic/create", "POST", topic=topic)
+    for channel in channels:
+        http_request(http_address, "/channel/create", "POST", topic=topic, channel=channel)
+
+
+def channel_counts(stats: dict, topic: str, channel: str) -> tuple[int, int] | None:
+    """(depth, in-flight) of a channel in a /stats?format=json answer, None if absent.
+
+    Accepts nsqd's current flat shape and the pre-1.0 ``{"status_code", "data"}``
+    envelope, so the check also works against another broker.
+    """
+    data = stats.get("data", stats) if isinstance(stats.get("data"), dict) else stats
+    for t in data.get("topics") or ():
+        if t.get("topic_name") != topic:
+            continue
+        for c in t.get("channels") or ():
+            if c.get("channel_name") == channel:
+                return int(c.get("depth", 0)), int(c.get("in_flight_count", 0))
+    return None
+
+
+def stats_counts(http_address: str, topic: str, channel: str) -> tuple[int, int] | None:
+    """(depth, in-flight) of a channel, asked of the broker's /stats; None if absent."""
+    stats = json.loads(http_request(http_address, "/stats", format="json", topic=topic))
+    return channel_counts(stats, topic, channel)

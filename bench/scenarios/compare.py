@@ -1,8 +1,9 @@
 """``python -m bench compare``: an old mqd build, this checkout and the ceiling probe in one session.
 
-Issue #17 judges a change by the new build's figures against the old build's
-and against bench/probe.py (what one Twisted process can relay at all), and
-figures taken at different times on a shared machine do not compare. So the
+A change to the broker's hot path is judged by the new build's figures against
+the old build's and against the ceiling probe (bench/harness/probe.py: what one
+Twisted process can relay at all), and figures taken at different times on a
+shared machine do not compare. So the
 three targets run the same load in one session, interleaved per repetition
 (old, new, probe, old, new, probe, ...), each on a fresh broker process, and
 each target's medians are set against the probe's and the old build's.
@@ -18,33 +19,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 
-from bench import wire
-from bench.broker import REPO, Broker, BrokerError, Sampler, broker_command
-from bench.run import (
+from bench.harness.broker import ERRORS, REPO, BenchError, broker_command
+from bench.harness.report import fmt, heading, percent, ratio, save_json
+from bench.harness.session import (
     SCENARIOS,
-    BenchError,
     Result,
-    Session,
-    _fmt,
-    _pct,
-    machine,
+    load_line,
     median_result,
+    open_session,
     result_line,
 )
-from bench.run import parse_args as run_parse_args
+from bench.harness.session import parse_args as bench_parse_args
 
-# HEAD when issue #17's work began: "today's build" that the new one is measured against.
+# The build before the hot-path rework: the default "old build" the new one is measured against.
 BASELINE = "22852c4d7f22d935be598c0148061f628097d6fb"
 TARGETS = ("old", "new", "probe")
 
@@ -71,7 +65,7 @@ def export_tree(rev: str) -> Path:
 def target_argv(target: str, args: argparse.Namespace, old_tree: Path | None) -> list[str]:
     """The broker command of a target; ``{data}`` is replaced by Broker."""
     if target == "probe":
-        return [sys.executable, "-m", "bench.probe", "--tcp-address=127.0.0.1:0"]
+        return [sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0"]
     cmd = broker_command(args.backend, args.mem_queue_size, "{data}", args.broker_arg)
     if target == "old":
         # Broker puts this checkout on PYTHONPATH; env replaces it with the old tree (and execs,
@@ -83,29 +77,17 @@ def target_argv(target: str, args: argparse.Namespace, old_tree: Path | None) ->
 def run_target(target: str, args: argparse.Namespace, argv: list[str], label: str) -> list[Result]:
     """One fresh broker, the scenarios in order, the broker stopped again."""
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
-    broker = Broker(argv=argv, keep=args.keep_data)
-    sampler = None
     results = []
-    try:
-        address = broker.start()
-        sampler = Sampler(broker.pid).start()
-        wire.create_topic_channel(address, args.topic, args.channel)
-        session = Session(args, address, sampler, broker)
+    with open_session(args, argv=argv, verbose=False) as session:
         for name in scenarios:
             res = getattr(session, name)()
             results.append(res)
             print(result_line(res, f"{target:<5} {name:<6} {label}"), flush=True)
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        code = broker.stop()
-        if code not in (0, -signal.SIGTERM):
-            print(f"  warning: {target} broker exited with {code}", flush=True)
     return results
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if not a or not b else f"{a / b:.2f}"
+def _ratio(new: float | None, base: float | None) -> str:
+    return fmt(ratio(base, new), ".2f")
 
 
 def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> list[str]:
@@ -124,12 +106,12 @@ def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> 
                 continue
             vs_old = target == "new" and old is not None
             lines.append(
-                f"| {name} | {target} | {_fmt(r.rate_in)} | {_fmt(r.rate_out)} "
-                f"| {ratio(r.rate_in, probe and probe.rate_in) if target != 'probe' else '-'} "
-                f"| {ratio(r.rate_out, probe and probe.rate_out) if target != 'probe' else '-'} "
-                f"| {ratio(r.rate_in, old.rate_in) if vs_old else '-'} "
-                f"| {ratio(r.rate_out, old.rate_out) if vs_old else '-'} "
-                f"| {_pct(r.cpu_pct)} | {_fmt(r.rss_mb)} |"
+                f"| {name} | {target} | {fmt(r.rate_in)} | {fmt(r.rate_out)} "
+                f"| {_ratio(r.rate_in, probe and probe.rate_in) if target != 'probe' else '-'} "
+                f"| {_ratio(r.rate_out, probe and probe.rate_out) if target != 'probe' else '-'} "
+                f"| {_ratio(r.rate_in, old.rate_in) if vs_old else '-'} "
+                f"| {_ratio(r.rate_out, old.rate_out) if vs_old else '-'} "
+                f"| {percent(r.cpu_pct)} | {fmt(r.rss_mb)} |"
             )
     return lines
 
@@ -137,7 +119,7 @@ def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(
         prog="python -m bench compare",
-        description="Old mqd build vs this checkout vs the ceiling probe (bench/probe.py), "
+        description="Old mqd build vs this checkout vs the ceiling probe (bench/harness/probe.py), "
         "interleaved in one session; medians per target.",
         epilog="Any other flag of `python -m bench` (--duration, --backend, --batch, --writers, "
         "--broker-arg=..., --json, ...) applies to every target (the probe ignores broker flags).",
@@ -146,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         "--old",
         default=BASELINE,
         metavar="REV",
-        help=f"git revision of the old build (default {BASELINE[:10]}, before issue #17's work)",
+        help=f"git revision of the old build (default {BASELINE[:10]}, before the hot-path rework)",
     )
     p.add_argument("--repeat", type=int, default=3, help="repetitions per target (median)")
     p.add_argument(
@@ -161,13 +143,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     mine.targets = tuple(t for t in TARGETS if t in targets)
     if mine.repeat < 1:
         p.error("--repeat must be at least 1")
-    args = run_parse_args([*rest, "--repeat", str(mine.repeat)])
+    args = bench_parse_args([*rest, "--repeat", str(mine.repeat)])
     if args.nsqd_address or args.broker_cmd:
-        p.error("compare starts its own brokers: no --nsqd-address or --broker-cmd")
+        p.error("compare starts its own brokers: no --nsqd-address, --nsqd-bin or --broker-cmd")
     return mine, args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     mine, args = parse_args(argv)
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     try:
@@ -191,12 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     for res in run_target(t, args, argvs[t], f"{rep + 1}/{args.repeat}"):
                         runs[t][res.scenario].append(res)
-                except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
+                except ERRORS as exc:
                     failures.append(f"{t} {rep + 1}: {exc}")
                     print(f"error: {t} repetition {rep + 1}: {exc}", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     finally:
         if old_tree is not None:
             shutil.rmtree(old_tree, ignore_errors=True)
@@ -210,24 +189,19 @@ def main(argv: list[str] | None = None) -> int:
         for t in mine.targets:
             if s in medians[t]:
                 print(result_line(medians[t][s], f"{t:<5} {s:<6} median"))
-    load = (
-        f"{args.writers} writers ({args.mode.upper()}"
-        + (f" x{args.batch}" if args.mode == "mpub" else "")
-        + f", {args.size} B bodies, pipeline {args.pipeline}), {args.readers} readers "
-        f"(RDY {args.rdy}), "
-        + (f"{args.count:,} msgs" if args.count is not None else f"{args.duration:g} s runs")
-    )
     flags = " ".join(
         [f"--backend={args.backend}", f"--mem-queue-size={args.mem_queue_size}", *args.broker_arg]
     )
     lines = [
-        f"mqd compare, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}, "
-        f"Python {platform.python_version()}, load average {load_before[0]:.2f} before / "
-        f"{load_after[0]:.2f} after",
+        heading(
+            "mqd compare",
+            f"{datetime.datetime.now(datetime.UTC):%H:%M} UTC",
+            f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after",
+        ),
         "",
-        f"- old: `{old_rev[:10]}` ({mine.old}); new: `{new_desc}`; probe: bench/probe.py",
+        f"- old: `{old_rev[:10]}` ({mine.old}); new: `{new_desc}`; probe: bench/harness/probe.py",
         f"- mqd flags: `{flags}`",
-        f"- load: {load}; median of {args.repeat}, targets interleaved "
+        f"- load: {load_line(args)}; median of {args.repeat}, targets interleaved "
         f"({', '.join(mine.targets)}) per repetition, a fresh broker each",
         "",
         *table(medians, scenarios),
@@ -237,29 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("\nfailed runs (left out of the medians):\n  " + "\n  ".join(failures))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                    "machine": machine(),
-                    "old": old_rev,
-                    "new": head,
-                    "new_dirty": dirty,
-                    "args": vars(args),
-                    "runs": {
-                        t: {s: [asdict(r) for r in rs] for s, rs in by_s.items()}
-                        for t, by_s in runs.items()
-                    },
-                    "median": {
-                        t: {s: asdict(r) for s, r in by_s.items()} for t, by_s in medians.items()
-                    },
-                    "failures": failures,
-                },
-                f,
-                indent=2,
-            )
+        save_json(
+            args.json, args, date=datetime.datetime.now(datetime.UTC).isoformat(), old=old_rev,
+            new=head, new_dirty=dirty, runs=runs, median=medians, failures=failures,
+        )
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Flame graphs of the broker under the bench load (issue #17).
+"""``python -m bench flame``: flame graphs of the broker under the bench load.
 
 ``python -m bench flame [writer|reader|both] --out DIR`` runs the scenario with
 py-spy attached to the broker for the timed part only (the untimed drain or
@@ -20,94 +20,20 @@ py-spy cannot sample native stacks here, it falls back to Python frames and says
 from __future__ import annotations
 
 import argparse
-import collections
-import os
-import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-from bench import wire
-from bench.broker import BrokerError
-from bench.latency import broker_session
-from bench.run import SCENARIOS, BenchError, Session, parse_args, result_line
-from bench.stacks import frame_counts as _frame_counts
-from bench.stacks import strip_line
+from bench.harness.pyspy import pyspy_path, start_pyspy, stop_pyspy, top_table
+from bench.harness.session import (
+    SCENARIOS,
+    BenchError,
+    Session,
+    open_session,
+    parse_args,
+    result_line,
+)
 
 FORMATS = {"raw": "txt", "speedscope": "speedscope.json", "flamegraph": "svg"}
-TRUNK_SHARE = 0.9  # frames in at least this share of the samples: twistd's start-up, the reactor loop
-
-
-def frame_name(frame: str) -> str:
-    """``fn (file)`` without line number or install prefix; unresolved native addresses merged.
-
-    ``0x7f3a... (libc.so.6)`` becomes ``? (libc.so.6)``: the addresses of one
-    library without symbols are one entry, not hundreds.
-    """
-    name = strip_line(frame)
-    if name.startswith("0x"):
-        return "?" + name[name.find(" ("):] if " (" in name else "?"
-    return name
-
-
-def frame_counts(collapsed: str) -> tuple[collections.Counter, collections.Counter, int]:
-    """bench.stacks.frame_counts with `frame_name`: a library's unresolved addresses as one entry."""
-    return _frame_counts(collapsed, frame_name)
-
-
-def top(
-    counter: collections.Counter, samples: int, limit: int = 15, below: float | None = None
-) -> list[tuple[str, int, float]]:
-    """(function, samples, % of all samples), most first; only counts < ``below`` x samples if set."""
-    if not samples:
-        return []
-    ranked = counter.most_common()
-    if below is not None:
-        ranked = [(f, n) for f, n in ranked if n < below * samples]
-    return [(f, n, 100.0 * n / samples) for f, n in ranked[:limit]]
-
-
-def top_table(collapsed: str, limit: int = 15) -> str:
-    """The top ``limit`` by self and by total samples; total leaves out the trunk."""
-    own, total, samples = frame_counts(collapsed)
-    trunk = sum(1 for n in total.values() if n >= TRUNK_SHARE * samples)
-    lines = [f"{samples:,} samples (idle excluded)"]
-    for title, counter, below in (("self", own, None), ("total", total, TRUNK_SHARE)):
-        note = "" if below is None else (
-            f" ({trunk} trunk frames in >= {TRUNK_SHARE:.0%} of samples left out)"
-        )
-        lines.append(f"top {limit} by {title}{note}:")
-        for i, (f, n, pct) in enumerate(top(counter, samples, limit, below), 1):
-            lines.append(f"  {i:>2}. {pct:5.1f}%  {n:>7,}  {f}")
-    return "\n".join(lines)
-
-
-def pyspy_path() -> str:
-    return shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-
-
-def start_pyspy(pid: int, fmt: str, path: Path, rate: int, native: bool) -> subprocess.Popen:
-    argv = [pyspy_path(), "record", "--pid", str(pid), "--format", fmt, "--rate", str(rate),
-            "-o", str(path)]
-    if native:
-        argv.append("--native")
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.0)  # py-spy reads the target's memory layout (and symbols) before sampling
-    return proc
-
-
-def stop_pyspy(proc: subprocess.Popen) -> str:
-    """SIGINT (py-spy writes its file then); its stderr."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-    try:
-        _, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-    return err.decode(errors="replace")
 
 
 def native_works(pid: int, out: Path) -> tuple[bool, str]:
@@ -132,7 +58,7 @@ def profile(session: Session, scenario: str, out: Path, fmt: str, rate: int, nat
         session.drain()
     assert session.broker is not None
     path = out / f"{scenario}.{FORMATS[fmt]}"
-    spy = start_pyspy(session.broker.pid, fmt, path, rate, native)
+    spy = start_pyspy(session.broker.pid, path, fmt, rate, native)
     try:
         res = getattr(session, scenario)()
     finally:
@@ -169,26 +95,22 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     return own, args
 
 
-def main(argv: list[str] | None = None) -> int:
-    own, args = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
+    own, args = parse(argv)
     own.out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    try:
-        with broker_session(args) as session:
-            assert session.broker is not None
-            native = not own.no_native
-            if native:
-                native, why = native_works(session.broker.pid, own.out)
-                if not native:
-                    print(f"py-spy --native is not permitted here ({why}): "
-                          "falling back to Python frames only", flush=True)
-            print(f"py-spy {'--native ' if native else ''}at {own.sample_rate} Hz on the broker, "
-                  f"one run per format: {', '.join(own.formats)}", flush=True)
-            for fmt in own.formats:
-                written.append(profile(session, own.scenario, own.out, fmt, own.sample_rate, native))
-    except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    with open_session(args) as session:
+        assert session.broker is not None
+        native = not own.no_native
+        if native:
+            native, why = native_works(session.broker.pid, own.out)
+            if not native:
+                print(f"py-spy --native is not permitted here ({why}): "
+                      "falling back to Python frames only", flush=True)
+        print(f"py-spy {'--native ' if native else ''}at {own.sample_rate} Hz on the broker, "
+              f"one run per format: {', '.join(own.formats)}", flush=True)
+        for fmt in own.formats:
+            written.append(profile(session, own.scenario, own.out, fmt, own.sample_rate, native))
     for path in written:
         print(f"wrote {path}")
     raw = own.out / f"{own.scenario}.txt"
@@ -196,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(f"{own.scenario}: {top_table(raw.read_text(), own.top)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Publish-to-deliver latency at fractions of the broker's maximum throughput (issue #17).
+"""``python -m bench latency``: publish-to-deliver latency at fractions of the maximum throughput.
 
 A latency taken at full speed mostly measures queueing in front of a saturated
 broker; what a user sees is the latency at the load they actually run. So the
@@ -14,35 +14,26 @@ rate the readers are served at only grows a backlog, and the latency with it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import shlex
-import signal
-import sys
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from bench import wire
-from bench.broker import Broker, BrokerError, Sampler
-from bench.run import (
+from bench.harness.load import WriterConfig
+from bench.harness.report import fmt, heading, percent, percentile, save_json
+from bench.harness.session import (
     BenchError,
     Result,
     Session,
-    machine,
+    open_session,
     parse_args,
-    percentile,
     result_line,
-    save_json,
 )
-from bench.writer import WriterConfig
 
 QUANTILES = (0.50, 0.99, 0.999)
 
 
 def latency_summary(latencies_ns: list[int]) -> dict[str, float | None]:
-    """p50/p99/p99.9 in ms of publish-to-deliver samples (nearest rank, as run.py)."""
+    """p50/p99/p99.9 in ms of publish-to-deliver samples (nearest rank)."""
     values = sorted(latencies_ns)
     out: dict[str, float | None] = {"samples": float(len(values))}
     for q in QUANTILES:
@@ -57,7 +48,7 @@ def split_rate(total: float, writers: int) -> list[float]:
 
 
 class PacedSession(Session):
-    """run.py's Session whose writers, while ``rate`` is set, publish at that total rate."""
+    """The bench Session whose writers, while ``rate`` is set, publish at that total rate."""
 
     rate: float | None = None
     paced_pipeline: int = 4
@@ -87,34 +78,6 @@ class PacedSession(Session):
         return super()._result(name, wres, rres, seconds, rss, cpu)
 
 
-@contextlib.contextmanager
-def broker_session(args: argparse.Namespace, cls: type[Session] = Session) -> Iterator[Session]:
-    """A twistd broker (or ``--broker-cmd``) with topic and channel, and a Session on it.
-
-    The same start-up as ``python -m bench``, for the scenarios that drive
-    Session themselves (latency, flame).
-    """
-    cmd = shlex.split(args.broker_cmd) + args.broker_arg if args.broker_cmd else None
-    broker = Broker(args.backend, args.mem_queue_size, args.broker_arg, argv=cmd, keep=args.keep_data)
-    print(f"starting: {' '.join(broker.argv)}", flush=True)
-    sampler: Sampler | None = None
-    try:
-        address = broker.start()
-        print(f"broker pid {broker.pid} listening on {address[0]}:{address[1]}", flush=True)
-        sampler = Sampler(broker.pid).start()
-        wire.create_topic_channel(address, args.topic, args.channel)
-        yield cls(args, address, sampler, broker)
-    finally:
-        if sampler is not None:
-            sampler.stop()
-        code = broker.stop()
-        print(
-            f"broker stopped (exit code {code}"
-            + (": SIGTERM, a graceful stop)" if code == -signal.SIGTERM else ")"),
-            flush=True,
-        )
-
-
 @dataclass
 class PacedRun:
     """One run: target (None for the unpaced maximum), achieved rates, latency percentiles."""
@@ -141,16 +104,13 @@ def paced_run(session: PacedSession, label: str, rate: float | None) -> PacedRun
     )
 
 
-def _f(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def markdown(runs: list[PacedRun], args: argparse.Namespace, extra: argparse.Namespace) -> str:
+def markdown(
+    runs: list[PacedRun], args: argparse.Namespace, extra: argparse.Namespace, broker_desc: str
+) -> str:
     lines = [
-        f"mqd publish-to-deliver latency, {datetime.date.today().isoformat()}, {machine()}",
+        heading("mqd publish-to-deliver latency"),
         "",
-        f"- broker: twistd mqd --backend={args.backend} --mem-queue-size={args.mem_queue_size} "
-        + " ".join(args.broker_arg),
+        f"- broker: `{broker_desc}`",
         f"- load: {args.writers} writers MPUB x{args.batch} of {args.size} B, "
         f"{args.readers} readers RDY {args.rdy}, {args.duration:g} s per run; paced runs keep up to "
         f"{max(args.pipeline, extra.paced_pipeline)} MPUBs outstanding per writer; latency sampled "
@@ -162,9 +122,9 @@ def markdown(runs: list[PacedRun], args: argparse.Namespace, extra: argparse.Nam
     ]
     for r in runs:
         lines.append(
-            f"| {r.label} | {_f(r.target, ',.0f')} | {_f(r.rate_in, ',.0f')} "
-            f"| {_f(r.rate_out, ',.0f')} | {_f(r.p50, '.2f')} | {_f(r.p99, '.2f')} "
-            f"| {_f(r.p999, '.2f')} | {r.samples:,} | {_f(r.cpu_pct, '.0f')}% |"
+            f"| {r.label} | {fmt(r.target, ',.0f')} | {fmt(r.rate_in, ',.0f')} "
+            f"| {fmt(r.rate_out, ',.0f')} | {fmt(r.p50, '.2f')} | {fmt(r.p99, '.2f')} "
+            f"| {fmt(r.p999, '.2f')} | {r.samples:,} | {percent(r.cpu_pct)} |"
         )
     return "\n".join(lines)
 
@@ -199,35 +159,28 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
     return own, args
 
 
-def main(argv: list[str] | None = None) -> int:
-    own, args = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
+    own, args = parse(argv)
     runs: list[PacedRun] = []
-    try:
-        with broker_session(args, PacedSession) as session:
-            assert isinstance(session, PacedSession)
-            session.paced_pipeline = own.paced_pipeline
-            if own.max_rate:
-                top = own.max_rate
-                print(f"maximum given: {top:,.0f} msgs/s", flush=True)
-            else:
-                m = paced_run(session, "max (both)", None)
-                runs.append(m)
-                rates = [r for r in (m.rate_in, m.rate_out) if r]
-                if not rates:
-                    raise BenchError("the maximum run moved no messages")
-                top = min(rates)
-                print(f"maximum: {top:,.0f} msgs/s (the lower of in and out)", flush=True)
-            for f in own.fractions:
-                runs.append(paced_run(session, f"{f:.0%} of max", f * top))
-    except (BenchError, BrokerError, wire.ProtocolError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    with open_session(args, PacedSession) as session:
+        assert isinstance(session, PacedSession)
+        broker_desc = session.describe()
+        session.paced_pipeline = own.paced_pipeline
+        if own.max_rate:
+            top = own.max_rate
+            print(f"maximum given: {top:,.0f} msgs/s", flush=True)
+        else:
+            m = paced_run(session, "max (both)", None)
+            runs.append(m)
+            rates = [r for r in (m.rate_in, m.rate_out) if r]
+            if not rates:
+                raise BenchError("the maximum run moved no messages")
+            top = min(rates)
+            print(f"maximum: {top:,.0f} msgs/s (the lower of in and out)", flush=True)
+        for f in own.fractions:
+            runs.append(paced_run(session, f"{f:.0%} of max", f * top))
     print()
-    print(markdown(runs, args, own))
+    print(markdown(runs, args, own, broker_desc))
     if args.json:
-        save_json(args.json, args, "runs", runs)
+        save_json(args.json, args, runs=runs)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,12 +15,13 @@ topics), so a fast wrong answer is not a result.
 Targets, run one after the other for each broker count, so they share the
 load and the machine's state: this checkout's mqlookupd, ``--tree DIR`` (the
 mqlookupd of another checkout, e.g. an older commit unpacked with ``git
-archive``), ``--nsqlookupd PATH`` (the real one). Standard library only; the
-fake brokers are asyncio connections of this process.
+archive``), ``--nsqlookupd PATH`` or the nsqlookupd beside ``--nsqd-bin``
+(the real one). Standard library only; the fake brokers are asyncio
+connections of this process.
 
 ```sh
 python -m bench lookupd --brokers 1000 3000 --repeat 3 \\
-    --nsqlookupd /path/to/nsqlookupd --tree /tmp/old
+    --nsqd-bin /path/to/nsq/bin --tree /tmp/old
 ```
 """
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import statistics
 import struct
@@ -37,9 +37,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.broker import Broker, BrokerError
-from bench.run import machine, save_json
-from bench.wire import parse_address
+from bench.harness.broker import BenchError, Broker, BrokerError, find_nsqd
+from bench.harness.report import machine, save_json, today
+from bench.harness.wire import parse_address
 
 PROBE_TOPIC = "probe"
 
@@ -282,7 +282,7 @@ async def measure(target: Target, args: argparse.Namespace, n: int) -> Result:
 def table(results: list[Result], args: argparse.Namespace) -> str:
     pool = args.topic_pool or args.topics
     lines = [
-        f"{datetime.date.today().isoformat()}, {machine()}; each broker {args.topics} topics "
+        f"{today()}, {machine()}; each broker {args.topics} topics "
         f"(of {pool}) x {args.channels} channels; median of {args.repeat} (first /nodes: "
         f"the first after the brokers registered, also in the median)",
         "",
@@ -314,6 +314,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "every broker has the same topics, as in a cluster)")
     p.add_argument("--repeat", type=int, default=3, help="/nodes measurements per run (default 3)")
     p.add_argument("--nsqlookupd", help="path of a real nsqlookupd to measure too")
+    p.add_argument(
+        "--nsqd-bin", metavar="DIR",
+        help="the directory of NSQ's binaries: its nsqlookupd is measured too, unless "
+        "--nsqlookupd names one (default: $NSQD_BIN if set)",
+    )
     p.add_argument("--tree", action="append", default=[],
                    help="another checkout whose mqlookupd to measure too (repeatable)")
     p.add_argument("--no-mqlookupd", action="store_true", help="skip this checkout's mqlookupd")
@@ -324,25 +329,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--idle", type=float, default=0.3,
                    help="seconds the bystanders run alone before each /nodes (default 0.3)")
     p.add_argument("--json", help="also save every sample to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.nsqlookupd:
+        try:
+            args.nsqlookupd = find_nsqd(args.nsqd_bin, "nsqlookupd")
+        except ValueError as exc:
+            p.error(f"--nsqd-bin: {exc}")
+    return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     results = []
     try:
         for n in args.brokers:
             for target in targets(args):
                 results.append(asyncio.run(measure(target, args, n)))
-    except (BrokerError, OSError, asyncio.IncompleteReadError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except asyncio.IncompleteReadError as exc:  # a daemon that closed a connection
+        raise BenchError(f"connection closed: {exc}") from None
     print()
     print(table(results, args))
     if args.json:
-        save_json(args.json, args, "results", results)
+        save_json(args.json, args, results=results)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

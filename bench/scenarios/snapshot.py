@@ -1,4 +1,4 @@
-"""Snapshot of a live broker (issue #12): reactor stall, MB/s, then `analyze` end to end.
+"""``python -m bench snapshot``: snapshot of a live broker: reactor stall, MB/s, then `analyze`.
 
 A real broker (twistd, loopback ports) gets a backlog of `--messages`
 messages of `--body-size` bytes on one topic with one channel, published
@@ -19,7 +19,7 @@ bytes over the POST's wall time and over `copy_seconds` (the LMDB copy).
 Scenarios: the default LMDB mode; `--durable` adds the same with a durable
 store; the memory backend with `--memory-messages` (default 100,000), all
 held. Then `python -m spark_bridge analyze SNAP` (subprocess, wall time
-until its pipes close, as bench/spark_bridge.py does) on the last LMDB
+until its pipes close, as the spark-bridge scenario does) on the last LMDB
 snapshot, unless `--no-analyze`.
 
 Usage::
@@ -31,23 +31,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import http.client
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
 import struct
-import sys
 import threading
 import time
 
-from bench import wire
-from bench.broker import Broker, read_proc
-from bench.run import machine
-from bench.spark_bridge import breakdown, fail, run_child
+from bench.harness import wire
+from bench.harness.broker import Broker, proc_memory
+from bench.harness.report import heading, load_average, percentile, save_json
+from bench.harness.spark_cli import jvm_archive, run_analyze
 
 now = time.perf_counter
 
@@ -59,16 +55,11 @@ PING = b"GET /ping HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 def rss_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, RssAnon) in MB: RSS counts the LMDB pages the broker has mapped, RssAnon not."""
-    got = read_proc(pid)
-    anon = 0.0
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    anon = int(line.split()[1]) / 1024
+        memory = proc_memory(pid)
     except OSError:
-        pass
-    return (got[0] / 1024 if got else 0.0), anon
+        return 0.0, 0.0
+    return memory.get("VmRSS", 0) / 1024, memory.get("RssAnon", 0) / 1024
 
 
 def _body(i: int, size: int) -> bytes:
@@ -214,26 +205,21 @@ class Probe(threading.Thread):
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * q))]
+    """The ``q`` percentile of unsorted round trips; NaN (printed as such) for none."""
+    got = percentile(sorted(values), q)
+    return float("nan") if got is None else got
 
 
-def post_snapshot(http_address: tuple[str, int], name: str) -> tuple[float, dict]:
-    conn = http.client.HTTPConnection(*http_address, timeout=600)
+def post_snapshot(http_address: str, name: str) -> tuple[float, dict]:
+    """``POST /snapshot?out=NAME``: its wall time and the JSON answer."""
     started = now()
-    conn.request("POST", f"/snapshot?out={name}")
-    answer = conn.getresponse()
-    body = answer.read()
-    wall = now() - started
-    conn.close()
-    if answer.status != 200:
-        raise RuntimeError(f"POST /snapshot: {answer.status} {body[:300]!r}")
-    return wall, json.loads(body)
+    body = wire.http_request(http_address, "/snapshot", "POST", timeout=600, out=name)
+    return now() - started, json.loads(body)
 
 
-def scenario(label: str, backend: str, extra: list[str], args, messages: int) -> dict:
+def scenario(
+    label: str, backend: str, extra: list[str], args: argparse.Namespace, messages: int
+) -> dict:
     """One broker: backlog, in flight, deferred, then --repeat snapshots under the probe."""
     print(f"\n== {label}: {messages:,} messages x {args.body_size} B, "
           f"--mem-queue-size={args.mem_queue_size}, {args.in_flight:,} in flight, "
@@ -242,7 +228,7 @@ def scenario(label: str, backend: str, extra: list[str], args, messages: int) ->
     broker.start()
     result: dict = {"label": label, "backend": backend, "extra": extra, "messages": messages}
     try:
-        http_address = wire.parse_address(broker.http_address)
+        assert broker.address is not None and broker.http_address is not None
         result["rss_start_mb"] = rss_mb(broker.pid)
         wire.create_topic_channel(broker.address, TOPIC, CHANNEL)
         result["fill_s"] = fill(broker.address, messages, args.body_size, args.batch)
@@ -255,7 +241,7 @@ def scenario(label: str, backend: str, extra: list[str], args, messages: int) ->
         print(f"    in flight on the holder: {holder.received:,}", flush=True)
         time.sleep(1.0)  # let the broker settle (memory queue refilled from the store)
 
-        probe = Probe(http_address)
+        probe = Probe(wire.parse_address(broker.http_address))
         probe.start()
         time.sleep(args.baseline)
         base_end = now()
@@ -265,7 +251,7 @@ def scenario(label: str, backend: str, extra: list[str], args, messages: int) ->
         for i in range(args.repeat):
             time.sleep(0.5)
             t0 = now()
-            wall, answer = post_snapshot(http_address, f"bench-{i}")
+            wall, answer = post_snapshot(broker.http_address, f"bench-{i}")
             t1 = now()
             time.sleep(0.05)  # the round trip in progress at t1 finishes
             during = probe.window(t0, t1)
@@ -323,25 +309,15 @@ def med(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def analyze(snap: str, expected: int, args, workdir: str) -> dict | None:
-    """`python -m spark_bridge analyze SNAP` end to end, as bench/spark_bridge.py runs it."""
-    from spark_bridge.jvm_archive import build_archive, java_options
-
-    archive = not os.environ.get("MQD_NO_JVM_ARCHIVE")
-    if archive and java_options() is None:
-        started = now()
-        build_archive()
-        print(f"    set-up: JVM class archive built in {now() - started:.0f} s (not timed)", flush=True)
+def analyze(snap: str, expected: int, args: argparse.Namespace, workdir: str) -> dict | None:
+    """`python -m spark_bridge analyze SNAP` end to end, as the spark-bridge scenario runs it."""
+    archive = jvm_archive("    ")
     report = os.path.join(workdir, "report.html")
     print(f"\n== analyze: python -m spark_bridge analyze {snap} --master {args.master} --report report.html "
           f"(JVM class archive: {'yes' if archive else 'no'})", flush=True)
-    an = run_child(["analyze", snap, "--master", args.master, "--report", report], workdir, "analyze",
-                   echo_stderr=True)
-    if an["rc"] != 0 or not os.path.isfile(report):
-        fail("analyze", an)
+    an = run_analyze([snap, "--master", args.master, "--report", report], report, workdir)
+    if an is None:
         return None
-    for label, seconds in breakdown(an):
-        print(f"    {label:<42} {seconds:6.1f} s")
     print(f"    analyze: {an['wall']:.1f} s wall end to end, {expected / an['wall']:,.0f} msgs/s; "
           f"peak RSS {an['single_peak_mb']:,.0f} MB ({an['single_peak_name']})", flush=True)
     return {"wall_s": an["wall"], "msgs_per_s": expected / an["wall"], "archive": archive,
@@ -367,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the brokers' data and snapshots")
     args = p.parse_args(argv)
 
-    print(f"snapshot bench, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {machine()}, "
-          f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(heading("snapshot bench", f"load average {load_average():.1f}"), flush=True)
     results = []
     workdirs = []
     try:
@@ -388,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         table(results, an, args)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"machine": machine(), "results": results, "analyze": an}, f, indent=1)
+            save_json(args.json, args, results=results, analyze=an)
     finally:
         for w in workdirs:
             if args.keep:
@@ -399,10 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def table(results: list[dict], an: dict | None, args) -> None:
-    print(f"\nmqd snapshot bench, {datetime.date.today().isoformat()}, {machine()}, "
-          f"Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the end; "
-          f"median of {args.repeat} snapshots\n")
+def table(results: list[dict], an: dict | None, args: argparse.Namespace) -> None:
+    print("\n" + heading("mqd snapshot bench", f"load average {load_average():.1f} at the end",
+                         f"median of {args.repeat} snapshots") + "\n")
     print("| broker | messages (held) | capture (reactor) | per 10k held | probe max / p99 "
           "(baseline) | snapshot wall | MB | MB/s wall | MB/s copy | broker RSS (RssAnon) before / after |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -421,7 +394,3 @@ def table(results: list[dict], an: dict | None, args) -> None:
     if an is not None:
         print(f"\nanalyze ({args.master}, JVM class archive: {'yes' if an['archive'] else 'no'}) on the "
               f"lmdb snapshot: {an['wall_s']:.1f} s end to end, {an['msgs_per_s']:,.0f} msgs/s")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Benchmark the Spark bridge end to end: snapshot + analyze + export of a broker backlog (issue #7).
+"""``python -m bench spark-bridge``: snapshot + analyze + export of a broker backlog, end to end.
 
 Fills an LMDB data directory with N messages through the real store (``LmdbStore``),
 shaped like a broker's backlog: 4 topics with nearly empty topic queues and 2-3
@@ -17,32 +17,27 @@ values. Then, each timed on its own:
      first (not timed) when missing; MQD_NO_JVM_ARCHIVE=1 runs without it;
   3. ``python -m spark_bridge export SNAPDIR --out FILE``: wall time, rows/s.
 
-The fill is timed and printed but is not part of the benchmark. Targets (issue #7,
-1,000,000 x 200 B on local[2]): snapshot >= 500 MB/s, analyze < 25 s end to end
-including the SparkSession start.
+The fill is timed and printed but is not part of the benchmark. Targets
+(1,000,000 x 200 B on local[2]): snapshot >= 500 MB/s, analyze < 25 s end to
+end including the SparkSession start.
 
 Usage::
 
-    python -m bench.spark_bridge [--messages 1000000] [--body-size 200]
+    python -m bench spark-bridge [--messages 1000000] [--body-size 200]
         [--master local[2]] [--workdir DIR] [--keep] [--seed 7]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from bench.broker import REPO, checkout_env
-from bench.run import machine
+from bench.harness.report import heading, machine
+from bench.harness.spark_cli import fail, jvm_archive, run_analyze, run_child
 from mqd.nsqd.snapshot_format import take_snapshot
 from spark_bridge.sample import MAX_MESSAGES, write_sample
 
@@ -56,150 +51,12 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-class TreeSampler(threading.Thread):
-    """Peak RSS of a process and its descendants, sampled from /proc every 100 ms.
-
-    getrusage/wait4 give the largest single waited-for process, never the sum
-    of a tree that runs at once (the driver, its JVM, Spark's Python workers).
-    """
-
-    PAGE = os.sysconf("SC_PAGE_SIZE")
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid = pid
-        self.peak_total = 0  # bytes, whole tree at once
-        self.peak_single = 0  # bytes, largest single process
-        self.peak_name = ""
-        self.stopped = threading.Event()
-
-    def sample(self) -> None:
-        procs: dict[int, tuple[int, int, str]] = {}  # pid -> (ppid, rss bytes, comm)
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            fields = stat[stat.rindex(")") + 2 :].split()
-            procs[int(entry)] = (int(fields[1]), int(fields[21]) * self.PAGE, comm)
-        tree, frontier = set(), {self.pid}
-        while frontier:
-            tree |= frontier
-            frontier = {p for p, (pp, _, _) in procs.items() if pp in frontier} - tree
-        total = 0
-        for p in tree:
-            if p in procs:
-                _, rss, comm = procs[p]
-                total += rss
-                if rss > self.peak_single:
-                    self.peak_single, self.peak_name = rss, comm
-        self.peak_total = max(self.peak_total, total)
-
-    def run(self) -> None:
-        while not self.stopped.wait(0.1):
-            self.sample()
-
-
-def run_child(args: list[str], log_dir: str, name: str, echo_stderr: bool = False) -> dict:
-    """Run `python -m spark_bridge ARGS`; wall time, exit code, output, memory.
-
-    Reaped with os.wait4 so the rusage is this child's alone (and of the
-    descendants it waited for): ru_maxrss is one process's peak, not a sum.
-    A /proc sampler sees the whole tree (the JVM included). Each stderr line
-    is kept with its arrival time since the start.
-    """
-    cmd = [sys.executable, "-m", "spark_bridge", *args]
-    out_path = os.path.join(log_dir, f"{name}.stdout")
-    err_lines: list[tuple[float, str]] = []
-    t0 = now()
-    with open(out_path, "w") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True,
-                             env=checkout_env(), cwd=REPO)
-        sampler = TreeSampler(p.pid)
-        sampler.start()
-        assert p.stderr is not None
-        for line in p.stderr:
-            err_lines.append((now() - t0, line))
-            if echo_stderr:
-                print(f"    | {line.rstrip()}", flush=True)
-        sampler.stopped.set()
-        _pid, status, usage = os.wait4(p.pid, 0)
-    wall = now() - t0
-    sampler.join()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    with open(out_path) as f:
-        stdout = f.read()
-    return {
-        "cmd": cmd,
-        "rc": p.returncode,
-        "wall": wall,
-        "stdout": stdout,
-        "stderr": "".join(line for _, line in err_lines),
-        "stderr_lines": err_lines,
-        "maxrss_mb": usage.ru_maxrss / 1024,  # KiB on Linux
-        "tree_peak_mb": sampler.peak_total / 2**20,
-        "single_peak_mb": sampler.peak_single / 2**20,
-        "single_peak_name": sampler.peak_name,
-    }
-
-
-STEP = re.compile(r"^\[(\d+)/(\d+)\] (.+): ([\d.]+) s$")
-READY = re.compile(r"^Spark ready in ([\d.]+) s\b")
-TOTAL = re.compile(r"^analyzed [\d,]+ messages in ([\d.]+) s", re.M)
-
-
-def breakdown(res: dict) -> list[tuple[str, float]]:
-    """Where analyze's wall time went, from its progress lines and final summary.
-
-    The CLI times itself from just before the SparkSession start to after the
-    report is written. Its questions run as concurrent Spark jobs, all
-    submitted at once, so their span is the slowest one's time (each job's
-    own time, from submission, is listed under it). What neither covers:
-    creating the DataFrame (Spark asks a Python process for the data
-    source), the roll-ups, the text and HTML reports (Spark and its JVM
-    shut down meanwhile). Before it: interpreter start and imports (the
-    arrival of "starting Spark"); after it: interpreter exit.
-    """
-    rows: list[tuple[str, float]] = []
-    first = next((t for t, line in res["stderr_lines"] if line.startswith("starting Spark")), None)
-    if first is not None:
-        rows.append(("interpreter start, imports", first))
-    session = 0.0
-    jobs: list[tuple[str, float]] = []
-    for _, line in res["stderr_lines"]:
-        line = line.strip()
-        if m := READY.match(line):
-            session = float(m.group(1))
-            rows.append(("SparkSession start", session))
-        elif m := STEP.match(line):
-            jobs.append((f"  [{m.group(1)}/{m.group(2)}] {m.group(3)}", float(m.group(4))))
-    span = max((s for _, s in jobs), default=0.0)
-    rows.append(("questions (concurrent jobs)", span))
-    rows += sorted(jobs)
-    m = TOTAL.search(res["stdout"])
-    if m and first is not None:
-        cli_total = float(m.group(1))
-        rows.append(("DataFrame, roll-ups, reports, Spark stop", cli_total - session - span))
-        rows.append(("exit", res["wall"] - first - cli_total))
-    return rows
-
-
-def fail(what: str, res: dict) -> None:
-    print(f"\n{what} failed (exit {res['rc']}): {' '.join(res['cmd'])}", file=sys.stderr)
-    print(res["stdout"][-4000:], file=sys.stderr)
-    print(res["stderr"][-4000:], file=sys.stderr)
-
-
 def met(ok: bool) -> str:
     return "met" if ok else "NOT met"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.spark_bridge",
+    p = argparse.ArgumentParser(prog="python -m bench spark-bridge",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--body-size", type=int, default=200, help="bytes per body (default 200)")
@@ -214,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="spark-bridge-bench-", dir=args.workdir)
-    print(f"spark_bridge bench: {args.messages:,} messages x {args.body_size} B, master {args.master}, "
-          f"{machine()}, Python {platform.python_version()}")
+    print(f"spark_bridge bench: {args.messages:,} messages x {args.body_size} B, "
+          f"master {args.master}, {machine()}")
     print(f"workdir {workdir}", flush=True)
     try:
         return run(args, workdir)
@@ -226,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run(args, workdir: str) -> int:
+def run(args: argparse.Namespace, workdir: str) -> int:
     n = args.messages
     data_dir = os.path.join(workdir, "data")
     snap_dir = os.path.join(workdir, "snap")
@@ -267,28 +124,17 @@ def run(args, workdir: str) -> int:
           f"({mb / cli['wall']:,.0f} MB/s)", flush=True)
     shutil.rmtree(snap_cli_dir, ignore_errors=True)
 
-    # 3. analyze, on a machine set up as the README says: with the JVM class
-    # archive, built here (not timed) if it is missing, unless switched off.
-    from spark_bridge.jvm_archive import build_archive, java_options
-
-    archive = not os.environ.get("MQD_NO_JVM_ARCHIVE")
-    if archive and java_options() is None:
-        started = now()
-        build_archive()
-        print(f"set-up:    JVM class archive built in {now() - started:.0f} s "
-              "(python -m spark_bridge jvm-archive, once per machine; not timed)", flush=True)
+    # 3. analyze, on a machine set up as documented (the JVM class archive).
+    archive = jvm_archive()
     json_args = ["--json-field", args.json_field] if args.json_field else []
     print(f"analyze:   python -m spark_bridge analyze SNAPDIR --master {args.master} "
           f"{' '.join(json_args)} --report report.html "
           f"(JVM class archive: {'yes' if archive else 'no'})", flush=True)
-    an = run_child(["analyze", snap_dir, "--master", args.master, *json_args,
-                    "--report", report], workdir, "analyze", echo_stderr=True)
-    if an["rc"] != 0 or not os.path.isfile(report):
-        fail("analyze" + ("" if an["rc"] != 0 else " (no report file)"), an)
+    an = run_analyze([snap_dir, "--master", args.master, *json_args, "--report", report],
+                     report, workdir)
+    if an is None:
         return 1
-    steps = breakdown(an)
-    for label, seconds in steps:
-        print(f"    {label:<42} {seconds:6.1f} s")
+    steps = an["steps"]
     print(f"analyze:   {an['wall']:.1f} s wall end to end, {n / an['wall']:,.0f} msgs/s, "
           f"report {os.path.getsize(report) / 1e3:,.0f} kB", flush=True)
     print(f"           peak RSS: largest process {an['single_peak_mb']:,.0f} MB "
@@ -318,8 +164,7 @@ def run(args, workdir: str) -> int:
 
     spark_start = next((s for label, s in steps if label == "SparkSession start"), None)
     print()
-    print(f"mqd spark_bridge bench, {datetime.date.today().isoformat()}, {machine()}, "
-          f"Python {platform.python_version()}")
+    print(heading("mqd spark_bridge bench"))
     print()
     print(f"- data: {n:,} messages x {args.body_size} B, {len(manifest.queues)} queues, "
           f"master {args.master}")
@@ -341,7 +186,3 @@ def run(args, workdir: str) -> int:
           f"({an['single_peak_name']}), {an['tree_peak_mb']:,.0f} MB whole tree; "
           f"export {ex['maxrss_mb']:,.0f} MB")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

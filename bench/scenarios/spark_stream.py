@@ -5,9 +5,9 @@ alternating within a repetition (mqd, nsqd; then nsqd, mqd; ...), a fresh
 broker for every run:
 
 1. Throughput. A broker (mqd ``--backend=memory``, or the real nsqd when
-   ``--nsqd-bin`` points at it or an ``nsqd`` is on PATH),
+   ``--nsqd-bin`` or ``$NSQD_BIN`` points at it or an ``nsqd`` is on PATH),
    both with ``--mem-queue-size=10000000``, gets ``--messages`` 200-byte
-   bodies pre-published by TCP MPUB (bench/writer.py). Then one `local[2]`
+   bodies pre-published by TCP MPUB (bench/harness/load.py). Then one `local[2]`
    query: ``readStream.format("mqd")`` -> ``foreachBatch`` that counts the
    batch and writes the count, as one message, with
    ``groupBy().count().write.format("mqd")`` to an output topic. Wall
@@ -29,7 +29,7 @@ broker for every run:
    passes bodies through to an output topic; a paced writer process
    publishes ``--rate`` msgs/s for ``--seconds`` with the publish time
    (``time.time_ns()``) in each body, and a raw consumer process
-   (bench/reader.py) on the output topic records arrival - publish time for
+   (bench/harness/load.py) on the output topic records arrival - publish time for
    every message: p50/p99.
 
 ``--profile-source`` instead runs the source's driver side
@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import datetime
 import io
 import json
 import math
@@ -58,19 +57,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.parse
-import urllib.request
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from bench import wire
-from bench.broker import Broker, BrokerError
-from bench.reader import ReaderConfig, reader_main
-from bench.run import machine, percentile, save_json
-from bench.writer import WriterConfig, publish, writer_main
+from bench.harness import wire
+from bench.harness.broker import NSQD_BIN_ENV, REPO, Broker, BrokerError, find_nsqd, nsqd_command
+from bench.harness.load import ReaderConfig, WriterConfig, fill, reader_main, writer_main
+from bench.harness.pyspy import pyspy_path, thread_table
+from bench.harness.report import fmt, load_average, machine, median, percentile, save_json, today
 
-DEFAULT_NSQD = shutil.which("nsqd") or "none"
 MEM_QUEUE_SIZE = 10_000_000
 TOPIC, CHANNEL = "stream", "spark"
 OUT_TOPIC, OUT_CHANNEL = "stream-out", "check"
@@ -85,40 +81,20 @@ def broker_for(kind: str, args: argparse.Namespace) -> Broker:
     extra = [f"--max-rdy-count={args.max_rdy}"] if args.max_rdy else []
     if kind == "mqd":
         return Broker("memory", MEM_QUEUE_SIZE, extra)
-    argv = [args.nsqd_bin, "--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
-            "--data-path={data}", f"--mem-queue-size={MEM_QUEUE_SIZE}", *extra]
-    return Broker(argv=argv)
-
-
-def http(address: str, path: str, **params: str) -> bytes:
-    url = f"http://{address}{path}?{urllib.parse.urlencode(params)}"
-    req = urllib.request.Request(url, data=b"" if not path.startswith("/stats") else None)
-    with urllib.request.urlopen(req, timeout=30) as answer:
-        return answer.read()
-
-
-def create(http_address: str, topic: str, channel: str) -> None:
-    http(http_address, "/topic/create", topic=topic)
-    http(http_address, "/channel/create", topic=topic, channel=channel)
+    return Broker(argv=nsqd_command(args.nsqd_bin, MEM_QUEUE_SIZE, extra))
 
 
 def channel_counts(http_address: str, topic: str, channel: str) -> tuple[int, int]:
     """(depth, in_flight_count) of a channel from /stats."""
-    stats = json.loads(http(http_address, "/stats", format="json", topic=topic, channel=channel))
-    stats = stats.get("data", stats)  # pre-1.0 nsqd wrapped it
-    for t in stats["topics"]:
-        for c in t["channels"]:
-            if t["topic_name"] == topic and c["channel_name"] == channel:
-                return c["depth"], c["in_flight_count"]
-    raise BrokerError(f"no channel {topic}/{channel} in /stats")
+    got = wire.stats_counts(http_address, topic, channel)
+    if got is None:
+        raise BrokerError(f"no channel {topic}/{channel} in /stats")
+    return got
 
 
 def prepublish(address: tuple[str, int], topic: str, count: int, size: int) -> float:
     """`count` bodies by pipelined TCP MPUB of 1,000; returns msgs/s."""
-    res = publish(WriterConfig(address, topic, size=size, batch=1000, pipeline=4,
-                               duration=None, count=count))
-    if res["messages"] != count:
-        raise BrokerError(f"prepublish: {res['messages']} of {count} acked")
+    res = fill(address, topic, count, size=size, batch=1000, pipeline=4)
     return count / max(1e-9, res["t_end"] - res["t_start"])
 
 
@@ -145,7 +121,7 @@ def read_bodies(address: tuple[str, int], topic: str, channel: str, count: int) 
 
 
 @contextlib.contextmanager
-def running(kind: str, args: argparse.Namespace):
+def running(kind: str, args: argparse.Namespace) -> Iterator[Broker]:
     broker = broker_for(kind, args)
     try:
         broker.start()
@@ -157,10 +133,6 @@ def running(kind: str, args: argparse.Namespace):
 
 
 # -- results -----------------------------------------------------------------------------------
-
-
-def load_avg() -> float:
-    return os.getloadavg()[0]
 
 
 @dataclass
@@ -221,8 +193,8 @@ def throughput_run(spark, kind: str, args: argparse.Namespace, max_per_trigger: 
     from pyspark.sql import functions as F
 
     with running(kind, args) as broker:
-        create(broker.http_address, TOPIC, CHANNEL)
-        create(broker.http_address, OUT_TOPIC, OUT_CHANNEL)
+        wire.http_create(broker.http_address, TOPIC, CHANNEL)
+        wire.http_create(broker.http_address, OUT_TOPIC, OUT_CHANNEL)
         pub_rate = prepublish(broker.address, TOPIC, messages, args.size)
         checkpoint = tempfile.mkdtemp(prefix="spark-stream-bench-")
         address = f"{broker.address[0]}:{broker.address[1]}"
@@ -252,7 +224,7 @@ def throughput_run(spark, kind: str, args: argparse.Namespace, max_per_trigger: 
                                           f"(depth {depth}, in flight {in_flight})")
                     time.sleep(0.05)
                 seconds = now() - t0
-                load = load_avg()
+                load = load_average()
             finally:
                 query.stop()
             progress = query.recentProgress
@@ -273,8 +245,8 @@ def throughput_run(spark, kind: str, args: argparse.Namespace, max_per_trigger: 
 def latency_run(spark, kind: str, args: argparse.Namespace) -> LatencyRun:
     ctx = mp.get_context("spawn")
     with running(kind, args) as broker:
-        create(broker.http_address, TOPIC, CHANNEL)
-        create(broker.http_address, OUT_TOPIC, OUT_CHANNEL)
+        wire.http_create(broker.http_address, TOPIC, CHANNEL)
+        wire.http_create(broker.http_address, OUT_TOPIC, OUT_CHANNEL)
         address = f"{broker.address[0]}:{broker.address[1]}"
         checkpoint = tempfile.mkdtemp(prefix="spark-stream-lat-")
         per_trigger = max(10_000, 4 * int(args.rate))
@@ -315,7 +287,7 @@ def latency_run(spark, kind: str, args: argparse.Namespace) -> LatencyRun:
                 ready += what == "ready"
             start.set()
             load_at = now() + args.seconds / 2
-            load = load_avg()
+            load = load_average()
             while len(results) < 2:
                 what, who, data = queue.get(timeout=args.seconds + 90)
                 if what == "error":
@@ -323,7 +295,7 @@ def latency_run(spark, kind: str, args: argparse.Namespace) -> LatencyRun:
                 if what == "result":
                     results[who] = data
                 if now() >= load_at:
-                    load = load_avg()
+                    load = load_average()
         finally:
             for p in procs:
                 if p.pid is not None:
@@ -405,12 +377,12 @@ def profile_source(args: argparse.Namespace) -> int:
     results = []
     mpt = args.max_per_trigger[0]
     for mode in ("plain", "cprofile", "py-spy"):
-        pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        pyspy = pyspy_path()
         if mode == "py-spy" and not os.path.exists(pyspy):
             print("py-spy not installed: skipped (pip install py-spy)")
             continue
         with running("mqd", args) as broker:
-            create(broker.http_address, TOPIC, CHANNEL)
+            wire.http_create(broker.http_address, TOPIC, CHANNEL)
             prepublish(broker.address, TOPIC, args.messages, args.size)
             address = f"{broker.address[0]}:{broker.address[1]}"
             if mode == "plain":
@@ -428,7 +400,7 @@ def profile_source(args: argparse.Namespace) -> int:
             else:
                 path = f"{args.profile_out or tempfile.mktemp(prefix='spark-stream-')}.pyspy.txt"
                 cmd = [pyspy, "record", "--rate", "200", "--format", "raw", "--threads",
-                       "--subprocesses", "-o", path, "--", sys.executable, "-m", "bench.spark_stream",
+                       "--subprocesses", "-o", path, "--", sys.executable, "-m", "bench", "spark-stream",
                        "_source-loop", address, str(args.messages), str(mpt), str(args.max_rdy)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -437,38 +409,16 @@ def profile_source(args: argparse.Namespace) -> int:
                     continue
                 r = json.loads(lines[-1])
                 print(f"py-spy samples: {path}")
-                print(top_frames(path))
+                with open(path) as f:
+                    print(thread_table(f.read()))
         r["mode"] = mode
-        r["load"] = load_avg()
+        r["load"] = load_average()
         results.append(r)
         print(f"{mode}: {r['messages']:,} msgs in {r['seconds']:.2f} s = {r['rate']:,.0f} msgs/s, "
               f"{r['batches']} batches, phases " + ", ".join(
                   f"{k} {v:.2f} s" for k, v in r["phases"].items())
               + f", load {r['load']:.2f}", flush=True)
     return 0
-
-
-def top_frames(path: str, n: int = 25) -> str:
-    """Self time per function (leaf frame) and per thread from py-spy's raw (collapsed) output."""
-    leaf: dict[str, int] = {}
-    threads: dict[str, int] = {}
-    total = 0
-    with open(path) as f:
-        for line in f:
-            stack, _, count = line.rstrip().rpartition(" ")
-            if not count.isdigit():
-                continue
-            c = int(count)
-            total += c
-            frames = stack.split(";")
-            thread = next((f for f in frames[:2] if f.startswith("thread")), frames[0])
-            threads[thread] = threads.get(thread, 0) + c
-            leaf[frames[-1]] = leaf.get(frames[-1], 0) + c
-    out = [f"{total} samples; by thread:"]
-    out += [f"  {c / total:6.1%}  {k}" for k, c in sorted(threads.items(), key=lambda x: -x[1])[:8]]
-    out.append("self time by frame:")
-    out += [f"  {c / total:6.1%}  {k}" for k, c in sorted(leaf.items(), key=lambda x: -x[1])[:n]]
-    return "\n".join(out)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -480,15 +430,6 @@ def nsqd_version(path: str) -> str:
                               timeout=10).stdout.strip() or "nsqd"
     except OSError:
         return "nsqd"
-
-
-def _f(v: float | None, spec: str = ",.0f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def _med(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
@@ -524,16 +465,16 @@ def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
             runs = [r for r in tput if r.broker == kind and r.max_per_trigger == mpt]
             if not runs:
                 continue
-            ph = {k: _med([r.durations_ms.get(k) for r in runs])
+            ph = {k: median([r.durations_ms.get(k) for r in runs])
                   for k in ("latestOffset", "addBatch", "walCommit", "commitOffsets")}
             loads = [r.load for r in runs]
             lines.append(
-                f"| {kind} | {mpt:,} | {_f(_med([r.wall_rate for r in runs]))} "
-                f"| {_f(_med([r.steady_rate for r in runs]))} "
-                f"| {_f(_med([r.seconds for r in runs]), '.1f')} "
-                f"| {_f(_med([r.batches for r in runs]), '.0f')} "
-                f"| {_f(_med([r.first_batch_s for r in runs]), '.1f')} "
-                f"| {' / '.join(_f(ph[k], '.0f') for k in ph)} "
+                f"| {kind} | {mpt:,} | {fmt(median([r.wall_rate for r in runs]))} "
+                f"| {fmt(median([r.steady_rate for r in runs]))} "
+                f"| {fmt(median([r.seconds for r in runs]), '.1f')} "
+                f"| {fmt(median([r.batches for r in runs]), '.0f')} "
+                f"| {fmt(median([r.first_batch_s for r in runs]), '.1f')} "
+                f"| {' / '.join(fmt(ph[k], '.0f') for k in ph)} "
                 f"| {min(loads):.1f}-{max(loads):.1f} |")
     if lat:
         lines += [
@@ -551,10 +492,10 @@ def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
                 continue
             loads = [r.load for r in runs]
             lines.append(
-                f"| {kind} | {_f(_med([r.published for r in runs]))} "
-                f"| {_f(_med([r.received for r in runs]))} "
-                f"| {_f(_med([r.p50_ms for r in runs]))} | {_f(_med([r.p99_ms for r in runs]))} "
-                f"| {_f(_med([r.max_ms for r in runs]))} | {min(loads):.1f}-{max(loads):.1f} |")
+                f"| {kind} | {fmt(median([r.published for r in runs]))} "
+                f"| {fmt(median([r.received for r in runs]))} "
+                f"| {fmt(median([r.p50_ms for r in runs]))} | {fmt(median([r.p99_ms for r in runs]))} "
+                f"| {fmt(median([r.max_ms for r in runs]))} | {min(loads):.1f}-{max(loads):.1f} |")
     return "\n".join(lines)
 
 
@@ -577,8 +518,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         prog="python -m bench spark-stream",
         description="Throughput and latency of the mqd Structured Streaming source and sink, "
         "on mqd and (if found) nsqd.")
-    p.add_argument("--nsqd-bin", help="nsqd binary, or its directory (default: nsqd on PATH; "
-                   "'none' for mqd only)")
+    p.add_argument("--nsqd-bin", help="nsqd binary, or the directory of NSQ's binaries "
+                   "(default: $NSQD_BIN, else nsqd on PATH; 'none' for mqd only)")
     p.add_argument("--messages", type=int, default=1_000_000, help="pre-published per throughput run")
     p.add_argument("--size", type=int, default=200, help="body bytes")
     p.add_argument("--runs", type=int, default=3, help="runs per broker and setting (median)")
@@ -597,13 +538,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tree", help="import spark_bridge from this directory instead (e.g. a patched "
                    "copy), here and in Spark's Python workers (through PYTHONPATH)")
     args = p.parse_args(argv)
-    nsqd = args.nsqd_bin if args.nsqd_bin is not None else (
-        DEFAULT_NSQD)
-    if nsqd != "none" and os.path.isdir(nsqd):
-        nsqd = os.path.join(nsqd, "nsqd")
-    if nsqd != "none" and not os.access(nsqd, os.X_OK):
-        p.error(f"--nsqd-bin: {nsqd} is not an executable")
-    args.nsqd_bin = None if nsqd == "none" else nsqd
+    value = args.nsqd_bin or os.environ.get(NSQD_BIN_ENV) or shutil.which("nsqd") or "none"
+    try:
+        args.nsqd_bin = find_nsqd(value)
+    except ValueError as exc:
+        p.error(f"--nsqd-bin: {exc}")
     return args
 
 
@@ -613,16 +552,15 @@ def use_tree(tree: str) -> None:
     if not os.path.isdir(os.path.join(tree, "spark_bridge")):
         raise SystemExit(f"--tree: no spark_bridge package in {tree}")
     sys.path.insert(0, tree)
-    sys.path.append(str(Path(__file__).parent.parent))  # bench itself, once '' means the tree
+    sys.path.append(str(REPO))  # bench itself, once '' means the tree
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH"),
-                                                             str(Path(__file__).parent.parent)]))
+                                                             str(REPO)]))
     # Spark's Python processes run `python -m ...` in the JVM's directory, which comes
     # first on their path: it must be the tree, not this checkout.
     os.chdir(tree)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str]) -> int:
     if argv[:1] == ["_source-loop"]:  # the py-spy child of --profile-source
         address, messages, mpt, max_rdy = argv[1], *map(int, argv[2:5])
         print(json.dumps(source_loop(address, messages, mpt, max_rdy)), flush=True)
@@ -641,13 +579,13 @@ def main(argv: list[str] | None = None) -> int:
     spark = build_session("local[2]", conf={"spark.ui.enabled": "false"})
     session_s = now() - t
     header = {
-        "date": datetime.date.today().isoformat(), "machine": machine(),
+        "date": today(), "machine": machine(),
         "python": platform.python_version(), "pyspark": pyspark.__version__,
         "nsqd": nsqd_version(args.nsqd_bin) if args.nsqd_bin else "no nsqd",
         "session_s": session_s, "brokers": brokers,
         "spark_bridge": os.path.dirname(os.path.dirname(sys.modules["spark_bridge"].__file__)),
     }
-    print(f"SparkSession local[2] in {session_s:.1f} s; load {load_avg():.2f}", flush=True)
+    print(f"SparkSession local[2] in {session_s:.1f} s; load {load_average():.2f}", flush=True)
     if args.tree:
         worker = spark.sparkContext.parallelize([0], 1).map(
             lambda _: __import__("spark_bridge").__file__).collect()[0]
@@ -669,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  failures):
                     tput.append(r)
                     print(f"{kind:<4} mpt {mpt:>7,} run {rep + 1}: {r.wall_rate:>9,.0f} msgs/s "
-                          f"wall ({r.seconds:.1f} s), steady {_f(r.steady_rate)}, "
-                          f"{r.batches} batches, first {_f(r.first_batch_s, '.1f')} s, "
+                          f"wall ({r.seconds:.1f} s), steady {fmt(r.steady_rate)}, "
+                          f"{r.batches} batches, first {fmt(r.first_batch_s, '.1f')} s, "
                           f"phases {json.dumps({k: round(v) for k, v in r.durations_ms.items()})}"
                           f", load {r.load:.2f}", flush=True)
         if "latency" not in args.skip:
@@ -678,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                                              lambda kind: latency_run(spark, kind, args), failures):
                 lat.append(r)
                 print(f"{kind:<4} latency run {rep + 1}: {r.received:,}/{r.published:,} "
-                      f"p50 {_f(r.p50_ms)} ms p99 {_f(r.p99_ms)} ms max {_f(r.max_ms)} ms, "
+                      f"p50 {fmt(r.p50_ms)} ms p99 {fmt(r.p99_ms)} ms max {fmt(r.max_ms)} ms, "
                       f"load {r.load:.2f}", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -689,16 +627,5 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         print("\nfailed runs (left out of the medians):\n  " + "\n  ".join(failures))
     if args.json:
-        save_json(args.json, args, "throughput", tput)
-        with open(args.json) as f:
-            doc = json.load(f)
-        doc["latency"] = [vars(r) for r in lat]
-        doc["header"] = header
-        doc["failures"] = failures
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+        save_json(args.json, args, throughput=tput, latency=lat, header=header, failures=failures)
     return 1 if failures else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
-"""``python -m bench torture``: the figures of issue #16 for the README.
+"""``python -m bench torture``: fuzz, kill -9 and abuse figures of a broker, for the docs.
 
-Runs the machinery of tests/reliability (tests/reliability/_fault_support.py)
-longer than CI does, each part on a fresh twistd broker, and prints:
+Runs the machinery of the reliability tests (tests/support: abuse.py,
+broker_fuzz.py, crash_loop.py) longer than CI does, each part on a fresh twistd broker, and prints:
 
 - fuzz: random V2 streams and HTTP requests over real sockets (plus a sweep
   of snapshot names and config bodies), with the control checks after every
@@ -19,32 +19,27 @@ checkout: ``python -m bench torture --kill-rounds 20``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.run import machine
-from tests.integration._support import FAST_SCAN, BrokerProcess
-from tests.reliability._fault_support import (
+from bench.harness.report import heading, save_json
+from tests.support.abuse import (
     AbuseResult,
-    Control,
     abuse_auth_pending,
     abuse_deflate_bomb,
     abuse_fin_flood,
     abuse_huge_mpub,
     abuse_never_reading_consumer,
     abuse_slow_consumer,
-    crash_rounds,
-    fuzz_broker,
-    log_problems,
     silent_server,
 )
+from tests.support.broker_fuzz import fuzz_broker
+from tests.support.control_checks import Control, log_problems
+from tests.support.crash_loop import crash_rounds
+from tests.support.processes import FAST_SCAN, BrokerProcess
 
 ABUSES = {
     "fin-flood": (abuse_fin_flood, []),
@@ -139,8 +134,11 @@ def table(results: list[AbuseResult]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench torture", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench torture",
+        description="Fuzz, kill -9 and abuse a broker, longer than CI does, and report the figures.",
+    )
     p.add_argument("--fuzz-streams", type=int, default=3000, help="random V2 streams (0: skip)")
     p.add_argument("--kill-rounds", type=int, default=20, help="kill -9 rounds (0: skip)")
     p.add_argument("--abuse-seconds", type=float, default=10.0, help="seconds per abuse")
@@ -153,12 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str]) -> int:
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="mqd-torture-"))
-    say(f"mqd torture, {datetime.date.today().isoformat()}, {machine()}, "
-        f"Python {platform.python_version()}; work dir {workdir}")
-    figures: dict = {"date": datetime.date.today().isoformat(), "machine": machine()}
+    say(heading("mqd torture", f"work dir {workdir}"))
+    figures: dict = {}
     results: list[AbuseResult] = []
     failed: list[str] = []
 
@@ -204,10 +201,5 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         say(f"\nFAILED: {', '.join(failed)}")
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(figures, out, indent=2)
+        save_json(args.json, args, **figures)
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

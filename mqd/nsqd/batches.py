@@ -73,7 +73,7 @@ log = get_logger(__name__)
 # A published chunk: at most this many messages, or this many bytes past its
 # first message. With the default LMDB store a turn (a chunk of one-byte
 # messages, then the store's commit of it) measured 8-15 ms on 2 cores
-# (bench/big_batch.py); a chunk is ~2.5 us a message.
+# (bench/scenarios/big_batch.py); a chunk is ~2.5 us a message.
 CHUNK_MESSAGES = 2048
 CHUNK_BYTES = 1 << 20
 # Checking costs ~10x less a message than publishing: a turn checks this

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.client import REPO, channel_counts, medians, ratio, top_frames
-from bench.stacks import strip_line as _strip_line
+from bench.harness.broker import REPO
+from bench.harness.pyspy import strip_line as _strip_line
+from bench.harness.pyspy import top_frames
+from bench.harness.report import ratio
+from bench.harness.wire import channel_counts
+from bench.scenarios.client import medians
 
 STATS = {
     "version": "1.3.0",

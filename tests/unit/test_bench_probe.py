@@ -1,4 +1,4 @@
-"""The ceiling probe (bench/probe.py) speaks enough V2 to stay a valid yardstick.
+"""The ceiling probe (bench/harness/probe.py) speaks enough V2 to stay a valid yardstick.
 
 If it answered the bench clients wrongly (lost messages, ignored RDY, FINs
 that never free the window) its figures would be no ceiling for mqd's.
@@ -11,8 +11,8 @@ import json
 import pytest
 from twisted.internet.testing import StringTransport
 
-from bench.probe import ProbeFactory
-from tests.unit.conftest import (
+from bench.harness.probe import ProbeFactory
+from tests.support.v2_frames import (
     CLOSE_WAIT,
     MAGIC,
     Frame,

@@ -1,4 +1,4 @@
-"""Pure helpers of the memory, latency and flame benchmarks (issue #17).
+"""Pure helpers of the memory, latency and flame benchmarks.
 
 Figures are never asserted; these check the arithmetic the reports rest on:
 py-spy's collapsed stacks read right, percentiles, the writer's pacing
@@ -11,10 +11,10 @@ import math
 
 import pytest
 
-from bench.flame import frame_counts, frame_name, top, top_table
-from bench.latency import latency_summary, split_rate
-from bench.memory import nsqd_estimate, per_message, pymalloc_block
-from bench.writer import due_commands
+from bench.harness.load import due_commands
+from bench.harness.pyspy import frame_counts, frame_name, top, top_table
+from bench.scenarios.latency import latency_summary, split_rate
+from bench.scenarios.memory import nsqd_estimate, per_message, pymalloc_block
 
 COLLAPSED = """\
 <module> (twistd:8);run (twisted/base.py:1);doRead (twisted/tcp.py:10);_parse (mqd/nsqd/protocol/v2.py:400) 6

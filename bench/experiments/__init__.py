@@ -1,0 +1,1 @@
+"""One-off investigations kept for the record: how a design decision was measured."""

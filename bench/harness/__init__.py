@@ -1,0 +1,1 @@
+"""What every scenario uses: brokers, the wire, the load processes, sessions, reports."""
