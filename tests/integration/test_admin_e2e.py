@@ -26,8 +26,9 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from tests.integration._admin_support import Cluster, NotificationSink, Page, chromium
-from tests.integration._support import RawConn, command, http_request, wait_for
+from tests.support.admin import Cluster, NotificationSink, Page, chromium
+from tests.support.processes import http_request, wait_for
+from tests.support.raw_conn import RawConn, command
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,9 @@ from twisted.internet import defer, reactor, threads
 from mqd.client.consumer import Consumer
 from mqd.client.errors import AuthFailedError, ConnectionClosed, UnauthorizedError
 from mqd.client.producer import Producer
-from tests.integration._certs import make_certs
-from tests.integration._client_support import (
+from tests.support.authd import PUBLISH, SUBSCRIBE, AuthServer, grant
+from tests.support.certs import make_certs, tls_flags
+from tests.support.client_e2e import (
     Recorder,
     channel_stats,
     free_port,
@@ -28,9 +29,7 @@ from tests.integration._client_support import (
     sleep,
     wait_until,
 )
-from tests.integration._support import FAST_SCAN
-from tests.integration.test_auth import PUBLISH, SUBSCRIBE, AuthServer, grant
-from tests.integration.test_tls_compression import tls_flags
+from tests.support.processes import FAST_SCAN
 
 
 @pytest.fixture(scope="module")

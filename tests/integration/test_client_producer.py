@@ -16,8 +16,9 @@ from twisted.logger import formatEvent, globalLogPublisher
 
 from mqd.client.errors import BadMessageError, ConnectionClosed, StoppedError
 from mqd.client.producer import Producer
-from tests.integration._client_support import channel_stats, free_port, wait_until
-from tests.integration._support import FAST_SCAN, Collector
+from tests.support.client_e2e import channel_stats, free_port, wait_until
+from tests.support.processes import FAST_SCAN
+from tests.support.pynsq_loop import Collector
 
 
 @pytest.fixture(autouse=True)

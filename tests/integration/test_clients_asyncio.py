@@ -29,10 +29,9 @@ import asyncnsq
 import pytest
 from asyncnsq.tcp.protocol import DeflateReader, SnappyReader
 
-from tests.integration._support import FAST_SCAN
+from tests.support.client_scenario import DEFER_MS, REQUEUE_DELAY_MS, check_scenario
+from tests.support.processes import FAST_SCAN
 
-DEFER_MS = 500
-REQUEUE_DELAY_MS = 300
 DEADLINE = 15.0
 EXPECTED = {"pub-1", "mpub-1", "mpub-2", "dpub-1"}
 PINNED = "2.0.1" if sys.version_info >= (3, 12) else "1.2.1"  # as pyproject.toml's `test` extra
@@ -80,24 +79,11 @@ async def roundtrip(address: str, topic: str, channel: str, compression: str | N
         await asyncio.sleep(0.05)  # let the cancelled reader tasks finish
 
 
-def check(result: dict) -> None:
-    """Every message finished; the requeues came back with attempts 2, after their delays."""
-    deliveries = result["deliveries"]
-    first = {}
-    for body, attempts, at in deliveries:
-        first.setdefault((body, attempts), at)
-    assert set(first) == {("pub-1", 1), ("pub-1", 2), ("mpub-1", 1), ("mpub-1", 2),
-                          ("mpub-2", 1), ("dpub-1", 1)}, deliveries
-    assert len(deliveries) == 6, deliveries
-    assert first[("mpub-1", 2)] - first[("mpub-1", 1)] >= REQUEUE_DELAY_MS / 1000 - 0.02
-    assert first[("dpub-1", 1)] - result["deferred_at"] >= DEFER_MS / 1000 - 0.02
-
-
 @pytest.mark.parametrize("compression", [None, "snappy", "deflate"])
 def test_asyncnsq_publish_consume_requeue_defer(start_broker, name, compression):
     broker = start_broker(*FAST_SCAN)
     result = asyncio.run(roundtrip(broker.tcp_address, name(), name("c"), compression))
-    check(result)
+    check_scenario(result)
     expected = DECODERS.get(compression)
     if expected is not None:
         assert result["decoders"]["writer"] is expected

@@ -21,8 +21,8 @@ import subprocess
 import pytest
 
 from tests.ensure_node import NODE_DIR, ensure
-from tests.integration._support import FAST_SCAN
-from tests.integration.test_clients_asyncio import DEFER_MS, REQUEUE_DELAY_MS, check
+from tests.support.client_scenario import DEFER_MS, REQUEUE_DELAY_MS, check_scenario
+from tests.support.processes import FAST_SCAN
 
 SCRIPT_TIMEOUT = 30.0
 
@@ -64,7 +64,7 @@ def test_nsqjs_publish_consume_requeue_defer(node_packages, start_broker, name, 
     broker = start_broker(*FAST_SCAN)
     result = run_script("nsqjs_roundtrip.js", broker, name(), name("c"), compression)
     assert result["version"] == node_packages["nsqjs"]
-    check(result)
+    check_scenario(result)
     on = {"snappy": compression == "snappy", "deflate": compression == "deflate",
           "version": "1.3.0"}
     assert result["negotiated"] == {"writer": on, "reader": on}
@@ -79,4 +79,4 @@ def test_squeaky_publish_consume_requeue_defer(node_packages, start_broker, name
     broker = start_broker(*FAST_SCAN)
     result = run_script("squeaky_roundtrip.js", broker, name(), name("c"))
     assert result["version"] == node_packages["squeaky"]
-    check(result)
+    check_scenario(result)

@@ -1,4 +1,4 @@
-"""A cluster on loopback: two brokers announcing themselves to one mqlookupd (H1-H4).
+"""A cluster on loopback: two brokers announcing themselves to one mqlookupd, re-announcing to a new or restarted one.
 
 Consumers find producers only through lookupd here, as a pynsq Reader given
 `lookupd_http_addresses` does in production.
@@ -11,7 +11,8 @@ import json
 import nsq
 import pytest
 
-from tests.integration._support import FAST_SCAN, Collector, http_request
+from tests.support.processes import FAST_SCAN, http_request
+from tests.support.pynsq_loop import Collector
 
 
 def producers(lookupd, topic: str) -> set[tuple[str, int, int]]:
@@ -71,7 +72,7 @@ def test_restarted_lookupd_gets_every_registration_back(cluster, start_lookupd, 
     loop.run_until(lambda: producers(lookupd, "with-channel") == {node(b) for b in brokers},
                    what="both registered")
     lookupd.kill()
-    # A new lookupd (new ports); the brokers are told at run time (H3).
+    # A new lookupd (new ports); the brokers are told at run time.
     replacement = start_lookupd()
     for broker in brokers:
         status, _ = http_request(broker.http_address, "PUT", "/config/nsqlookupd_tcp_addresses",
@@ -103,7 +104,7 @@ def test_lookupd_back_on_the_same_port_gets_every_registration_back(cluster, sta
         assert broker.post("/topic/create?topic=t") == 200
     loop.run_until(lambda: producers(lookupd, "t") == {node(b) for b in brokers}, what="both registered")
     lookupd.kill()
-    # The brokers keep redialling (with a backoff) and re-announce on reconnecting (H2).
+    # The brokers keep redialling (with a backoff) and re-announce on reconnecting.
     again = start_lookupd(f"--tcp-address={lookupd.tcp_address}")
     loop.run_until(lambda: producers(again, "t") == {node(b) for b in brokers},
                    timeout=20, what="both brokers registered again")

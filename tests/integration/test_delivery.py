@@ -1,4 +1,4 @@
-"""Delivery rules on the wire: REQ, TOUCH, DPUB limits, late channels (NSQ A4, B9-B11, C1)."""
+"""Delivery rules on the wire: REQ, TOUCH, DPUB limits, late channels."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.support.processes import FAST_SCAN
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 
 @pytest.fixture

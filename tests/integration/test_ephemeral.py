@@ -1,8 +1,11 @@
-"""#ephemeral channels and topics (NSQ E1, E2, E4)."""
+"""#ephemeral channels and topics: gone with their last reader, never in nsqd.dat, bounded by mem-queue-size."""
 
 from __future__ import annotations
 
-from tests.integration._support import FAST_SCAN, Collector, RawConn, command, mpub_body
+from tests.support.processes import FAST_SCAN
+from tests.support.pynsq_loop import Collector
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 
 def _wait_for_metadata(loop, broker, topic: str, channels: list[str]) -> None:

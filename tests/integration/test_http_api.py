@@ -1,4 +1,4 @@
-"""The nsqd HTTP API over real HTTP against a running broker (NSQ D1-D3, F1-F5, J1-J6).
+"""The nsqd HTTP API over real HTTP against a running broker.
 
 Requests go through http.client (no proxy, no extra dependency); consumers
 are raw V2 sockets so a test sees exactly what is delivered and when a
@@ -16,15 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration._support import (
-    FAST_SCAN,
-    FRAME_ERROR,
-    FRAME_RESPONSE,
-    RawConn,
-    command,
-    mpub_body,
-    wait_for,
-)
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.raw_conn import FRAME_ERROR, FRAME_RESPONSE, RawConn, command
+from tests.support.v2_frames import mpub_body
 
 V1 = "nsq; version=1.0"
 JSON_TYPE = "application/json; charset=utf-8"

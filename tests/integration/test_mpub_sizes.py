@@ -1,4 +1,4 @@
-"""Issue #15: MPUB is read as nsqd reads it (raw sockets against a real broker).
+"""MPUB is read as nsqd reads it (raw sockets against a real broker).
 
 nsqd range-checks MPUB's declared body size (<= 0 and > --max-body-size are
 fatal E_BAD_BODY) and then reads the message count and each message from
@@ -14,7 +14,9 @@ import struct
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.support.processes import FAST_SCAN
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 I32 = struct.Struct(">i")
 MAX_BODY = 1000

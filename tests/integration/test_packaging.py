@@ -9,7 +9,7 @@ import zipfile
 
 import pytest
 
-from tests.integration._support import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", ".tox", "build", "dist", "*.egg-info", "__pycache__", ".ruff_cache",

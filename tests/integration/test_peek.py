@@ -1,4 +1,4 @@
-"""GET /channel/peek and /topic/peek on a real broker process, over real sockets (issue #12).
+"""GET /channel/peek and /topic/peek on a real broker process, over real sockets.
 
 A backlog is split over every place a message can be (memory queue,
 backend, in flight at a raw TCP client, deferred by /pub?defer= and by a
@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, RawConn, command, http_request, wait_for
+from tests.support.processes import FAST_SCAN, http_request, wait_for
+from tests.support.raw_conn import RawConn, command
 
 MODES = {
     "lmdb": (),

@@ -1,4 +1,4 @@
-"""A channel declared in mqlookupd exists on a broker from the topic's first message (A5).
+"""A channel declared in mqlookupd exists on a broker from the topic's first message.
 
 The channel is declared with mqlookupd's `POST /channel/create` (what
 mqadmin and nsqadmin do); the broker, connected to that lookupd, asks its
@@ -7,7 +7,8 @@ mqadmin and nsqadmin do); the broker, connected to that lookupd, asks its
 
 from __future__ import annotations
 
-from tests.integration._support import FAST_SCAN, RawConn, command, http_request, wait_for
+from tests.support.processes import FAST_SCAN, http_request, wait_for
+from tests.support.raw_conn import RawConn, command
 
 
 def _channels(broker, topic: str) -> dict[str, tuple[int, int]]:

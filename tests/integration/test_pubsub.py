@@ -7,7 +7,7 @@ from collections import Counter
 
 import nsq
 
-from tests.integration._support import Collector
+from tests.support.pynsq_loop import Collector
 
 
 def test_pub_mpub_dpub_answer_ok(broker, loop, name):
@@ -64,7 +64,7 @@ def test_reader_consumes_everything_exactly_once(broker, loop, name):
     expected: list[bytes] = []
 
     # Published before any channel exists: held at the topic, then handed to
-    # the first channel (NSQ A3).
+    # the first channel.
     for i in range(50):
         body = b"early-%d" % i
         expected.append(body)
@@ -166,7 +166,7 @@ def test_readers_sharing_a_channel_split_the_messages(broker, loop, name):
 
 
 def test_sample_rate_50_delivers_about_half(broker, loop, name):
-    """IDENTIFY sample_rate=50 through pynsq: about half the channel's messages (NSQ D6)."""
+    """IDENTIFY sample_rate=50 through pynsq: about half the channel's messages."""
     topic = name()
     got = Collector()
     loop.reader(broker, topic, "c", got, max_in_flight=100, sample_rate=50)

@@ -1,4 +1,4 @@
-"""The wire as a raw socket sees it: what pynsq hides (NSQ I1, I2, I6, B12)."""
+"""The wire as a raw socket sees it: what pynsq hides: fatal and non-fatal errors, size limits, the RDY window."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import struct
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, RawConn, command, mpub_body
+from tests.support.processes import FAST_SCAN
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 
 @pytest.mark.parametrize("magic", [b"  V1", b"GET ", b"V2  "])
@@ -105,7 +107,7 @@ def test_fin_with_malformed_id_is_fatal(broker, name):
 
 
 def test_rdy_0_holds_messages_and_rdy_is_a_window(broker, name):
-    """B1/B2: nothing before RDY; at most RDY unacknowledged; FIN frees a slot."""
+    """Nothing before RDY; at most RDY unacknowledged; FIN frees a slot."""
     topic = name()
     with RawConn(broker) as conn, RawConn(broker) as producer:
         conn.send(command(f"SUB {topic} c"))

@@ -1,8 +1,9 @@
-"""Topics and channels survive a restart through nsqd.dat (NSQ G1, E4)."""
+"""Topics and channels survive a restart through nsqd.dat, which an idle restart leaves as it was."""
 
 from __future__ import annotations
 
-from tests.integration._support import FAST_SCAN, Collector
+from tests.support.processes import FAST_SCAN
+from tests.support.pynsq_loop import Collector
 
 
 def test_restart_keeps_topics_and_channels(start_broker, loop, name):

@@ -7,47 +7,14 @@ counts can be compared with the depths /stats reports.
 
 from __future__ import annotations
 
-import http.client
 import json
 import subprocess
 import sys
 import threading
 
 from mqd.nsqd.snapshot_format import read_manifest
-from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env
-
-
-def create(broker, topic: str, channel: str) -> None:
-    assert call(broker, "POST", f"/topic/create?topic={topic}")[0] == 200
-    assert call(broker, "POST", f"/channel/create?topic={topic}&channel={channel}")[0] == 200
-
-
-def call(broker, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection(broker.http_host, broker.http_port, timeout=30)
-    try:
-        conn.request(method, path, body=body)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
-def publish(broker, topic: str, n: int, start: int = 0) -> None:
-    body = b"\n".join(b'{"n": %d}' % i for i in range(start, start + n))
-    status, text = call(broker, "POST", f"/mpub?topic={topic}", body)
-    assert status == 200, text
-
-
-def queue_stats(broker) -> dict[str, dict]:
-    """/stats of every topic and channel, by queue name (`topic` or `topic:channel`)."""
-    status, text = call(broker, "GET", "/stats?format=json")
-    assert status == 200
-    out = {}
-    for topic in json.loads(text)["topics"]:
-        out[topic["topic_name"]] = topic
-        for channel in topic["channels"]:
-            out[f"{topic['topic_name']}:{channel['channel_name']}"] = channel
-    return out
+from tests.support.broker_http import call, create, publish, queue_stats
+from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env
 
 
 def depths(broker) -> dict[str, int]:

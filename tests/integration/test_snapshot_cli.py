@@ -13,8 +13,9 @@ import sys
 import pytest
 
 from mqd.nsqd.snapshot_format import read_manifest
-from tests.integration._support import FAST_SCAN, REPO_ROOT, RawConn, child_env, command, wait_for
-from tests.integration.test_snapshot import call, create, publish, queue_stats
+from tests.support.broker_http import call, create, publish, queue_stats
+from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env, wait_for
+from tests.support.raw_conn import RawConn, command
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Issue #12 against the real broker: a snapshot holds the whole queue state, in every mode.
+"""Snapshots of the real broker: a snapshot holds the whole queue state, in every mode.
 
 Each mode (default LMDB with a small --mem-queue-size, so a backlog is
 split over memory and the store; --durable; the memory backend) gets the
@@ -25,9 +25,10 @@ import pytest
 
 from mqd.nsqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.records import ARROW_SCHEMA, open_snapshot, read_ranges, snapshot_ranges
-from tests.integration._support import FAST_SCAN, FRAME_RESPONSE, RawConn, command, wait_for
-from tests.integration._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
-from tests.integration.test_snapshot import call, create, queue_stats
+from tests.support.broker_http import call, create, queue_stats
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
+from tests.support.traffic import Traffic, consumer, http_publisher, number, tcp_publisher
 
 MODES = {
     "lmdb": (),

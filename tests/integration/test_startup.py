@@ -7,15 +7,10 @@ import time
 
 import pytest
 
-from tests.integration._support import (
-    FAST_SCAN,
-    Collector,
-    RawConn,
-    child_env,
-    command,
-    mpub_body,
-    twistd_command,
-)
+from tests.support.processes import FAST_SCAN, child_env, twistd_command
+from tests.support.pynsq_loop import Collector
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 
 def _write_yaml(path, text: str):
@@ -27,7 +22,7 @@ def _held_by_ephemeral_topic(broker, name) -> list[bytes]:
     """Publish 10 to an ephemeral topic with no channel, then drain it.
 
     Such a topic keeps at most mem-queue-size messages and drops the rest
-    (NSQ E1), which makes the setting visible from outside.
+    (as nsqd's do), which makes the setting visible from outside.
     """
     topic = name() + "#ephemeral"
     bodies = [b"q%02d" % i for i in range(10)]

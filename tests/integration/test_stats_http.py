@@ -1,4 +1,4 @@
-"""/stats, /metrics and statsd of a running broker, after real publishing and consuming (J4, K1-K4)."""
+"""/stats, /metrics and statsd of a running broker, after real publishing and consuming."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import socket
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration._support import _NO_PROXY, FAST_SCAN, RawConn, command, mpub_body, wait_for
+from tests.support.processes import FAST_SCAN, NO_PROXY, wait_for
+from tests.support.raw_conn import RawConn, command
+from tests.support.v2_frames import mpub_body
 
 
 def get(broker, path: str) -> tuple[int, dict[str, str], bytes]:
-    with _NO_PROXY.open(f"http://{broker.http_address}{path}", timeout=5) as response:
+    with NO_PROXY.open(f"http://{broker.http_address}{path}", timeout=5) as response:
         return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
 
 

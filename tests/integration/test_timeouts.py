@@ -1,10 +1,12 @@
-"""In-flight timeouts: a message nobody answers comes back (NSQ B5, B6)."""
+"""In-flight timeouts: a message nobody answers comes back; a FIN after its timeout fails."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, Collector, RawConn, command
+from tests.support.processes import FAST_SCAN
+from tests.support.pynsq_loop import Collector
+from tests.support.raw_conn import RawConn, command
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def test_unanswered_message_is_redelivered_after_msg_timeout(quick_broker, loop,
 
 
 def test_fin_after_timeout_fails_without_closing(quick_broker, name):
-    """B6 on the wire: a FIN that comes too late is E_FIN_FAILED, non-fatal."""
+    """On the wire: a FIN that comes too late is E_FIN_FAILED, non-fatal."""
     topic = name()
     with RawConn(quick_broker) as consumer, RawConn(quick_broker) as producer:
         consumer.send(command(f"SUB {topic} c"))

@@ -16,74 +16,16 @@ import urllib.request
 
 import pytest
 
-from tests._codec_clients import DeflateClient, SnappyClient
-from tests.integration._certs import make_certs
-from tests.integration._support import (
-    _NO_PROXY,
-    FRAME_ERROR,
-    FRAME_RESPONSE,
-    Collector,
-    RawConn,
-    command,
-)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory):
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-def tls_flags(certs, *extra: str) -> tuple[str, ...]:
-    return (f"--tls-cert={certs.server_cert}", f"--tls-key={certs.server_key}",
-            "--https-address=127.0.0.1:0", *extra)
-
-
-def client_context(certs, *, client_cert: bool = False, other: bool = False) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(certs.ca))
-    if client_cert:
-        ctx.load_cert_chain(str(certs.client_cert), str(certs.client_key))
-    if other:
-        ctx.load_cert_chain(str(certs.other_client_cert), str(certs.other_client_key))
-    return ctx
+from tests.support.certs import client_context, tls_flags
+from tests.support.processes import NO_PROXY
+from tests.support.pynsq_loop import Collector
+from tests.support.raw_conn import FRAME_ERROR, FRAME_RESPONSE, RawConn, UpgradingConn, command
 
 
 def pynsq_tls(certs, **options: str) -> dict:
     """pynsq's keyword arguments for TLS verified against the test CA."""
     return {"tls_v1": True,
             "tls_options": {"cert_reqs": ssl.CERT_REQUIRED, "ca_certs": str(certs.ca), **options}}
-
-
-class UpgradingConn(RawConn):
-    """A raw V2 client that negotiates TLS and/or compression as pynsq/go-nsq do."""
-
-    codec = None
-
-    def negotiate(self, *, tls: ssl.SSLContext | None = None, snappy: bool = False,
-                  deflate: bool = False, **fields) -> dict:
-        body = dict(feature_negotiation=True, tls_v1=tls is not None, snappy=snappy,
-                    deflate=deflate, **fields)
-        self.send(command("IDENTIFY", json.dumps(body).encode()))
-        frame_type, payload = self.read_frame()
-        assert frame_type == FRAME_RESPONSE, payload
-        answer = json.loads(payload)
-        if tls is not None and answer["tls_v1"]:
-            assert not self._buf, "the broker sent bytes before the TLS handshake"
-            self.sock = tls.wrap_socket(self.sock, server_hostname="127.0.0.1")
-            assert self.read_frame() == (FRAME_RESPONSE, b"OK")
-        if answer["snappy"] or answer["deflate"]:
-            self.codec = SnappyClient() if answer["snappy"] else DeflateClient()
-            self._buf = self.codec.decompress(self._buf)
-            assert self.read_frame() == (FRAME_RESPONSE, b"OK")
-        return answer
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(self.codec.compress(data) if self.codec else data)
-
-    def send_raw(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _decode(self, chunk: bytes) -> bytes:
-        return self.codec.decompress(chunk) if self.codec else chunk
 
 
 def pub_and_consume(broker, name, **upgrade) -> dict:
@@ -190,7 +132,7 @@ def test_tls_required_tcp_and_http(start_broker, certs, name):
         assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
     assert broker.https_port
     with pytest.raises(urllib.error.HTTPError) as refused:
-        _NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5)
+        NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5)
     assert refused.value.code == 403
     assert json.loads(refused.value.read()) == {"message": "TLS_REQUIRED", "https_port": broker.https_port}
     https = urllib.request.build_opener(urllib.request.ProxyHandler({}),
@@ -201,7 +143,7 @@ def test_tls_required_tcp_and_http(start_broker, certs, name):
 
 def test_tcp_https_keeps_plain_http(start_broker, certs):
     broker = start_broker(*tls_flags(certs, "--tls-required=tcp-https"))
-    with _NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5) as response:
+    with NO_PROXY.open(f"http://{broker.http_address}/ping", timeout=5) as response:
         assert response.read() == b"OK"
 
 

@@ -17,14 +17,8 @@ from urllib.parse import quote
 
 import pytest
 
-from tests.integration._support import (
-    FAST_SCAN,
-    RawConn,
-    child_env,
-    command,
-    http_request,
-    wait_for,
-)
+from tests.support.processes import FAST_SCAN, child_env, http_request, wait_for
+from tests.support.raw_conn import RawConn, command
 
 HEADER = [
     "------rate------+----------------depth----------------+--------------metadata---------------",

@@ -6,20 +6,15 @@ import gzip
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, RawConn, command, wait_for
+from tests.support.cli_tools import TIMEOUT, has_channel, tool
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.raw_conn import RawConn, command
 
 pytestmark = pytest.mark.slow
-
-TIMEOUT = 30
-
-
-def tool(name: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", f"mqd.tools.{name}", *args]
 
 
 def pub(broker, topic: str, lines: list[bytes], *args: str, addresses=None) -> subprocess.CompletedProcess:
@@ -59,11 +54,6 @@ def channel_stats(broker, topic: str, channel: str) -> dict | None:
                 if c["channel_name"] == channel:
                     return c
     return None
-
-
-def has_channel(broker, topic: str) -> bool:
-    _, stats = broker.get(f"/stats?format=json&topic={topic}")
-    return any(t["topic_name"] == topic and t["channels"] for t in stats["topics"] or [])
 
 
 def lines_of(n: int, prefix: str = "line") -> list[bytes]:

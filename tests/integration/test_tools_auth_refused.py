@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from tests.integration._support import http_request, wait_for
-from tests.integration.test_auth import SUBSCRIBE, AuthServer, grant
-from tests.integration.test_tools import TIMEOUT, has_channel, tool
+from tests.support.authd import SUBSCRIBE, AuthServer, grant
+from tests.support.cli_tools import TIMEOUT, has_channel, tool
+from tests.support.processes import http_request, wait_for
 
 pytestmark = pytest.mark.slow
 

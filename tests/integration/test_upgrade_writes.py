@@ -25,9 +25,9 @@ import ssl
 
 import pytest
 
-from tests._codec_clients import DeflateClient, SnappyClient
-from tests.integration._support import FRAME_RESPONSE, command
-from tests.integration.test_tls_compression import UpgradingConn, certs, client_context, tls_flags  # noqa: F401
+from tests.support.certs import client_context, tls_flags
+from tests.support.codec_clients import DeflateClient, SnappyClient
+from tests.support.raw_conn import FRAME_RESPONSE, UpgradingConn, command
 
 CONNECTIONS = 20
 CODECS = {"snappy": SnappyClient, "deflate": DeflateClient}
@@ -129,7 +129,7 @@ def test_commands_pipelined_after_identify_wait_for_the_codec(start_broker, name
 
 
 @pytest.mark.parametrize("kind", ["snappy", "deflate"])
-def test_tls_ok_and_compressed_ok_are_separate_writes(start_broker, certs, kind):  # noqa: F811
+def test_tls_ok_and_compressed_ok_are_separate_writes(start_broker, certs, kind):
     broker = start_broker(*tls_flags(certs))
     ctx = client_context(certs)
     with UpgradingConn(broker) as conn:

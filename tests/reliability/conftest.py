@@ -1,9 +1,10 @@
-"""The reliability suite: each of issue #16's defects as a named regression test,
-plus fuzzing, a model-based test and fault tests (kill -9, a full disk, stuck clients).
+"""The reliability suite: a regression test for each defect found in a review of the
+broker, named after the behaviour it checks, plus fuzzing, a model-based test and
+fault tests (kill -9, a full disk, stuck clients).
 
-In-process tests reuse the unit fixtures (a broker on a `task.Clock`, V2
-clients on StringTransports); tests of real processes reuse the
-integration fixtures (`start_broker`, `start_lookupd`, `loop`).
+In-process tests use the fixtures of tests/conftest.py (a broker on a
+`task.Clock`, V2 clients on StringTransports), as do the tests of real
+processes (`start_broker`, `start_lookupd`, `loop`).
 """
 
 import os
@@ -12,16 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import loop, name, start_broker, start_lookupd  # noqa: F401
-from tests.unit.conftest import (  # noqa: F401
-    broker,
-    clock,
-    connect,
-    http,
-    make_broker,
-    publish,
-    sync_threads,
-)
+from mqd.nsqd import batches
+from tests.support.reactor_turns import CHUNK
 
 
 @pytest.fixture
@@ -44,3 +37,10 @@ def tmpfs(tmp_path):
     yield mount
     for mnt in mounts:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch) -> None:
+    """Big batches published `CHUNK` messages (text: 2 * `CHUNK` lines) per reactor turn."""
+    monkeypatch.setattr(batches, "CHUNK_MESSAGES", CHUNK)
+    monkeypatch.setattr(batches, "TEXT_PIECE", 2 * CHUNK)

@@ -1,14 +1,14 @@
-"""Issue #16, defects 8, 15 and 3 (mqlookupd's half): bad client input.
+"""Bad client input, answered as nsqd and nsqlookupd answer it.
 
-8: every bad argument or IDENTIFY body gets nsqd's (or nsqlookupd's) answer,
-   never an exception out of the protocol and a dropped connection. nsqd
-   reads RDY/REQ/DPUB numbers with ByteToBase10 (uint64 arithmetic that
-   wraps, so any number of digits parses) and IDENTIFY bodies with Go's
-   encoding/json (nesting is an error, not a crash).
-15: IDENTIFY's fields are typed as Go unmarshals them into identifyDataV2
-   (and nsqlookupd's PeerInfo): a float literal is no int, a JSON null
-   leaves the default, keys match case-insensitively.
-3: mqlookupd stops reading from a client that does not read its answers.
+- Every bad argument or IDENTIFY body gets nsqd's (or nsqlookupd's) answer,
+  never an exception out of the protocol and a dropped connection. nsqd
+  reads RDY/REQ/DPUB numbers with ByteToBase10 (uint64 arithmetic that
+  wraps, so any number of digits parses) and IDENTIFY bodies with Go's
+  encoding/json (nesting is an error, not a crash).
+- IDENTIFY's fields are typed as Go unmarshals them into identifyDataV2
+  (and nsqlookupd's PeerInfo): a float literal is no int, a JSON null
+  leaves the default, keys match case-insensitively.
+- mqlookupd stops reading from a client that does not read its answers.
 """
 
 from __future__ import annotations
@@ -29,25 +29,12 @@ from twisted.logger import globalLogPublisher
 from mqd.lookup.protocol import LookupdFactory
 from mqd.lookup.protocol import frame as v1_frame
 from mqd.lookup.registry import RegistrationDB
-from tests.unit.conftest import (
-    ERROR,
-    Client,
-    Frame,
-    Msg,
-    cmd,
-    consumer,
-    dpub,
-    err,
-    new_broker,
-    ok,
-    parse_frames,
-    pub,
-    scan,
-    sized,
-)
-from tests.unit.test_lookupd_protocol import IDENTIFY as PEER
-from tests.unit.test_lookupd_protocol import Conn
-from tests.unit.test_v2_fuzz import check_answer_or_close, fresh_broker
+from tests.support.inprocess_broker import new_broker, scan
+from tests.support.inprocess_fuzz import check_answer_or_close, fresh_broker
+from tests.support.lookupd_clients import IDENTIFY as PEER
+from tests.support.lookupd_clients import Conn
+from tests.support.v2_client import Client, consumer
+from tests.support.v2_frames import ERROR, Frame, Msg, cmd, dpub, err, ok, parse_frames, pub, sized
 
 DECODE_FAILED = err("E_BAD_BODY IDENTIFY failed to decode JSON body")
 V1_DECODE_FAILED = v1_frame(b"E_BAD_BODY IDENTIFY failed to decode JSON body")
@@ -105,12 +92,12 @@ def _lookupd_conn() -> Conn:
     return conn
 
 
-# -- defect 8: RDY / REQ / DPUB numbers -----------------------------------------------------
+# -- RDY / REQ / DPUB numbers -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("raw", ["9" * 5000, "1" + "0" * 4400, "18446744073709551615",
                                  "9223372036854775808", "18446744073709551617", "9" * 4301])
-def test_defect08_rdy_count_of_any_length_parses_as_nsqd_does(broker, logged_failures, raw):
+def test_rdy_count_of_any_length_parses_as_nsqd_does(broker, logged_failures, raw):
     c = consumer(broker, rdy=None)
     count = go_int64(go_byte_to_base10(raw))
     out = c.request(cmd("RDY", raw))
@@ -125,7 +112,7 @@ def test_defect08_rdy_count_of_any_length_parses_as_nsqd_does(broker, logged_fai
 
 
 @pytest.mark.parametrize("raw", ["9" * 400, "9" * 5000, "18446744073709551615"])
-def test_defect08_req_timeout_wrapping_negative_requeues_at_once(broker, publish, logged_failures, raw):
+def test_req_timeout_wrapping_negative_requeues_at_once(broker, publish, logged_failures, raw):
     # (2**64 - 1) ms is -1 ms as nsqd's time.Duration: clamped to 0, requeued now.
     c = consumer(broker, rdy=1)
     publish(b"x")
@@ -137,7 +124,7 @@ def test_defect08_req_timeout_wrapping_negative_requeues_at_once(broker, publish
 
 @pytest.mark.parametrize("raw", ["1" + "0" * 399, "9" * 19, "1000000000000", "18446744073709552",
                                  "5" * 4400])
-def test_defect08_req_timeout_of_any_length_is_clamped_as_nsqd_does(broker, publish, clock, logged_failures, raw):
+def test_req_timeout_of_any_length_is_clamped_as_nsqd_does(broker, publish, clock, logged_failures, raw):
     c = consumer(broker, rdy=1)
     publish(b"x")
     [m] = c.messages()
@@ -152,7 +139,7 @@ def test_defect08_req_timeout_of_any_length_is_clamped_as_nsqd_does(broker, publ
     assert logged_failures == []
 
 
-def test_defect08_dpub_timeout_of_thousands_of_digits_is_out_of_range(connect, logged_failures):
+def test_dpub_timeout_of_thousands_of_digits_is_out_of_range(connect, logged_failures):
     c = connect()
     assert c.request(dpub("t", "9" * 5000, b"x")) == [
         err("E_INVALID DPUB timeout 18446744073709551615 out of range 0-3600000")]
@@ -162,7 +149,7 @@ def test_defect08_dpub_timeout_of_thousands_of_digits_is_out_of_range(connect, l
     assert logged_failures == []
 
 
-def test_defect08_dpub_timeout_wraps_like_go(connect, broker):
+def test_dpub_timeout_wraps_like_go(connect, broker):
     # 18446744073709552 ms * 1e6 wraps to 384000 ns: nsqd defers by 0.384 ms.
     c = connect()
     assert c.request(cmd("SUB", "t", "c")) == [ok()]
@@ -177,7 +164,7 @@ def test_defect08_dpub_timeout_wraps_like_go(connect, broker):
         err("E_INVALID DPUB timeout 1000000000000000 out of range 0-3600000")]
 
 
-def test_defect08_bad_arguments_are_echoed_byte_for_byte(broker, connect):
+def test_bad_arguments_are_echoed_byte_for_byte(broker, connect):
     # nsqd prints the argument with %s: the bytes as sent, UTF-8 or not.
     c = consumer(broker, rdy=None)
     assert c.request(b"RDY 1\xff\n") == [err(b"E_INVALID RDY could not parse count 1\xff")]
@@ -197,7 +184,7 @@ def test_defect08_bad_arguments_are_echoed_byte_for_byte(broker, connect):
     assert c.request(b"P\xffB t\n") == [err(b"E_INVALID invalid command P\xffB")]
 
 
-# -- defect 8: IDENTIFY bodies --------------------------------------------------------------
+# -- IDENTIFY bodies -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("body", [
@@ -206,7 +193,7 @@ def test_defect08_bad_arguments_are_echoed_byte_for_byte(broker, connect):
     member("client_id", deep(50_000, '{"a":', "}")),
     member("heartbeat_interval", deep(20_000)),
 ])
-def test_defect08_identify_deeply_nested_json_is_bad_body(connect, logged_failures, body):
+def test_identify_deeply_nested_json_is_bad_body(connect, logged_failures, body):
     c = connect()
     assert c.request(identify_raw(body.encode())) == [DECODE_FAILED]
     assert c.closed
@@ -214,7 +201,7 @@ def test_defect08_identify_deeply_nested_json_is_bad_body(connect, logged_failur
 
 
 @pytest.mark.parametrize("literal", ["1" * 5000, "-" + "9" * 5000, "1e999999", "1" * 5000 + ".5"])
-def test_defect08_identify_huge_number_in_unknown_field_is_skipped(connect, literal):
+def test_identify_huge_number_in_unknown_field_is_skipped(connect, literal):
     # Go only scans the values of fields identifyDataV2 does not have.
     c = connect()
     assert c.request(identify_raw(b'{"x": %s, "client_id": "k"}' % literal.encode())) == [ok()]
@@ -223,7 +210,7 @@ def test_defect08_identify_huge_number_in_unknown_field_is_skipped(connect, lite
     assert c.request(identify_raw(b'{"msg_timeout": %s}' % literal.encode())) == [DECODE_FAILED]
 
 
-def test_defect08_lookupd_identify_null_is_missing_fields(logged_failures):
+def test_lookupd_identify_null_is_missing_fields(logged_failures):
     conn = _lookupd_conn()
     assert conn.send(b"IDENTIFY\n" + sized(b"null")) == V1_MISSING
     assert conn.closed
@@ -232,14 +219,14 @@ def test_defect08_lookupd_identify_null_is_missing_fields(logged_failures):
 
 @pytest.mark.parametrize("body", [deep(100_000), member("x", deep(100_000)),
                                   member("tcp_port", deep(20_000, '{"a":', "}"))])
-def test_defect08_lookupd_identify_deeply_nested_json_is_bad_body(logged_failures, body):
+def test_lookupd_identify_deeply_nested_json_is_bad_body(logged_failures, body):
     conn = _lookupd_conn()
     assert conn.send(b"IDENTIFY\n" + sized(body.encode())) == V1_DECODE_FAILED
     assert conn.closed
     assert logged_failures == []
 
 
-def test_defect08_lookupd_identify_huge_numbers():
+def test_lookupd_identify_huge_numbers():
     conn = _lookupd_conn()
     body = json.dumps(PEER)[:-1].encode() + b', "x": ' + b"7" * 5000 + b"}"
     assert json.loads(conn.send(b"IDENTIFY\n" + sized(body))[4:])["tcp_port"] == 4160
@@ -248,7 +235,7 @@ def test_defect08_lookupd_identify_huge_numbers():
     assert conn.send(b"IDENTIFY\n" + sized(body.encode())) == V1_DECODE_FAILED
 
 
-# -- defect 8: nothing a client sends escapes the protocol -----------------------------------
+# -- nothing a client sends escapes the protocol --------------------------------------------
 
 _digits = st.one_of(st.text(alphabet="0123456789", max_size=25),
                     st.builds(str.__mul__, st.sampled_from("123456789"), st.integers(4000, 6000)))
@@ -263,7 +250,7 @@ _arg = st.one_of(_digits.map(str.encode), _junk,
 @example(verb=b"RDY", args=[b"9" * 5000], subscribe=True)
 @example(verb=b"REQ", args=[b"ID", b"9" * 400], subscribe=True)
 @example(verb=b"DPUB", args=[b"t", b"9" * 5000], subscribe=False)
-def test_defect08_any_command_arguments_are_answered_or_closed(verb, args, subscribe):
+def test_any_command_arguments_are_answered_or_closed(verb, args, subscribe):
     failures: list[dict] = []
     observer = lambda e: failures.append(e) if "log_failure" in e else None  # noqa: E731
     globalLogPublisher.addObserver(observer)
@@ -306,7 +293,7 @@ _identify_body = st.one_of(
 @given(body=_identify_body)
 @example(body=member("x", deep(5000)).encode())
 @example(body=member("x", "1" * 5000).encode())
-def test_defect08_any_identify_body_is_answered_or_closed(body):
+def test_any_identify_body_is_answered_or_closed(body):
     with tempfile.TemporaryDirectory() as path:
         # Without compression, so every answer can be parsed here.
         broker = new_broker(path, Clock(), deflate=False, snappy=False)
@@ -327,7 +314,7 @@ _peer_body = st.fixed_dictionaries(
 @given(body=st.one_of(_identify_body, _peer_body), line=_junk)
 @example(body=b"null", line=b"PING")
 @example(body=deep(5000).encode(), line=b"PING")
-def test_defect08_lookupd_any_input_is_answered_or_closed(body, line):
+def test_lookupd_any_input_is_answered_or_closed(body, line):
     conn = _lookupd_conn()
     out = conn.send(b"IDENTIFY\n" + sized(body))
     assert len(out) == 4 + struct.unpack(">i", out[:4])[0]
@@ -341,20 +328,20 @@ def test_defect08_lookupd_any_input_is_answered_or_closed(body, line):
     conn.close()
 
 
-# -- defect 15: IDENTIFY's field types ------------------------------------------------------
+# -- IDENTIFY's field types ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field", INT_FIELDS)
 @pytest.mark.parametrize("literal", ["1000.0", "-0.0", "1e3", "1E3", '""', '"1000"', "[]", "{}", "true",
                                      "9223372036854775808", "-9223372036854775809"])
-def test_defect15_identify_int_fields_take_only_go_ints(connect, field, literal):
+def test_identify_int_fields_take_only_go_ints(connect, field, literal):
     c = connect()
     assert c.request(identify_raw(b'{"%s": %s}' % (field.encode(), literal.encode()))) == [DECODE_FAILED]
     assert c.closed
 
 
 @pytest.mark.parametrize("field", INT_FIELDS)
-def test_defect15_identify_int_fields_accept_minus_zero_and_null(connect, field):
+def test_identify_int_fields_accept_minus_zero_and_null(connect, field):
     c = connect()
     assert c.request(identify_raw(b'{"%s": -0, "client_id": "z"}' % field.encode())) == [ok()]
     c = connect()
@@ -362,7 +349,7 @@ def test_defect15_identify_int_fields_accept_minus_zero_and_null(connect, field)
     assert c.proto.client_id == "z"
 
 
-def test_defect15_identify_int_ranges(connect):
+def test_identify_int_ranges(connect):
     c = connect()
     assert c.request(identify_raw(b'{"sample_rate": 2147483648}')) == [DECODE_FAILED]
     c = connect()
@@ -380,12 +367,12 @@ def test_defect15_identify_int_ranges(connect):
     ("feature_negotiation", "1"), ("feature_negotiation", '"true"'), ("tls_v1", '""'),
     ("snappy", "0.0"), ("deflate", "[]"), ("deflate", "0"),
 ])
-def test_defect15_identify_string_and_bool_fields_typed(connect, field, literal):
+def test_identify_string_and_bool_fields_typed(connect, field, literal):
     c = connect()
     assert c.request(identify_raw(b'{"%s": %s}' % (field.encode(), literal.encode()))) == [DECODE_FAILED]
 
 
-def test_defect15_identify_null_leaves_defaults(connect):
+def test_identify_null_leaves_defaults(connect):
     c = connect()
     assert c.request(identify_raw(b"null")) == [ok()]
     assert not c.closed
@@ -396,7 +383,7 @@ def test_defect15_identify_null_leaves_defaults(connect):
     assert (c.proto.client_id, c.proto.msg_timeout) == ("", 60.0)
 
 
-def test_defect15_identify_keys_match_case_insensitively(connect):
+def test_identify_keys_match_case_insensitively(connect):
     c = connect()
     assert c.request(identify_raw(b'{"HEARTBEAT_INTERVAL": 5}')) == [
         err("E_BAD_BODY IDENTIFY heartbeat interval (5) is invalid")]
@@ -420,12 +407,12 @@ def test_defect15_identify_keys_match_case_insensitively(connect):
     b'{"x": NaN}', b'{"x": Infinity}', b'{"x": -Infinity}', b"\xef\xbb\xbf{}",
     '{"client_id": "a"}'.encode("utf-16-le"), '{"client_id": "a"}'.encode("utf-32"),
 ])
-def test_defect15_identify_json_go_rejects(connect, body):
+def test_identify_json_go_rejects(connect, body):
     c = connect()
     assert c.request(identify_raw(body)) == [DECODE_FAILED]
 
 
-def test_defect15_identify_strings_are_valid_unicode(connect):
+def test_identify_strings_are_valid_unicode(connect):
     # Go turns invalid UTF-8 and lone surrogate escapes into U+FFFD.
     c = connect()
     assert c.request(identify_raw(b'{"client_id": "a\\ud800b", "hostname": "h\xffx"}')) == [ok()]
@@ -440,7 +427,7 @@ def test_defect15_identify_strings_are_valid_unicode(connect):
     ({"tcp_port": "-0"}, V1_MISSING),
     ({"version": "null"}, V1_MISSING),
 ])
-def test_defect15_lookupd_identify_field_types(changes, answer):
+def test_lookupd_identify_field_types(changes, answer):
     fields = {**PEER, **{k: f"@{k}@" for k in changes}}
     body = json.dumps(fields)
     for key, literal in changes.items():
@@ -450,7 +437,7 @@ def test_defect15_lookupd_identify_field_types(changes, answer):
     assert conn.closed
 
 
-def test_defect15_lookupd_identify_keys_match_case_insensitively():
+def test_lookupd_identify_keys_match_case_insensitively():
     conn = _lookupd_conn()
     body = json.dumps({k.upper(): v for k, v in PEER.items()}).encode()
     assert json.loads(conn.send(b"IDENTIFY\n" + sized(body))[4:])["version"] == "1.3.0"
@@ -458,10 +445,10 @@ def test_defect15_lookupd_identify_keys_match_case_insensitively():
     assert conn.proto.peer.tcp_port == 4150
 
 
-# -- defect 3: mqlookupd stops reading while its answers are not read -----------------------
+# -- mqlookupd stops reading while its answers are not read ---------------------------------
 
 
-def test_defect03_lookupd_is_a_streaming_producer_of_its_transport():
+def test_lookupd_is_a_streaming_producer_of_its_transport():
     conn = _lookupd_conn()
     transport = conn.transport
     assert transport.producer is conn.proto and transport.streaming
@@ -507,7 +494,7 @@ def _recv_frames(sock: socket.socket, count: int, timeout: float = 30.0) -> list
     return out
 
 
-def test_defect03_lookupd_stops_reading_from_a_client_that_does_not_read(start_lookupd):
+def test_lookupd_stops_reading_from_a_client_that_does_not_read(start_lookupd):
     lookupd = start_lookupd()
     pid = lookupd.proc.pid
     addr = (lookupd.tcp_host, lookupd.tcp_port)
@@ -553,7 +540,7 @@ def test_defect03_lookupd_stops_reading_from_a_client_that_does_not_read(start_l
 # -- real processes: no traceback in the log --------------------------------------------------
 
 
-def test_defect08_lookupd_process_answers_bad_identify_without_traceback(start_lookupd):
+def test_lookupd_process_answers_bad_identify_without_traceback(start_lookupd):
     lookupd = start_lookupd()
     for body, answer in [(b"null", V1_MISSING), (deep(100_000).encode(), V1_DECODE_FAILED),
                          (b'{"tcp_port": 1.0}', V1_DECODE_FAILED)]:
@@ -576,7 +563,7 @@ def test_defect08_lookupd_process_answers_bad_identify_without_traceback(start_l
     assert "Traceback" not in log and "Unhandled" not in log, lookupd.describe()
 
 
-def test_defect08_broker_process_answers_bad_arguments_without_traceback(start_broker):
+def test_broker_process_answers_bad_arguments_without_traceback(start_broker):
     broker = start_broker()
     host, port = broker.tcp_host, broker.tcp_port
     cases = [

@@ -1,4 +1,4 @@
-"""Issue #16, defect 6: a legal but huge publish held the reactor for seconds.
+"""A legal but huge publish must not hold the reactor: it used to, for seconds.
 
 One MPUB of 1,048,575 one-byte messages kept every other client waiting
 ~2.5 s and grew the broker by ~320 MB; a text /mpub of 2.6 M lines, ~8 s
@@ -23,59 +23,11 @@ import pytest
 from mqd.http.response import ApiError
 from mqd.nsqd import batches as publisher
 from mqd.nsqd.http.publish import split_text_mpub
-from tests.unit._http import HTTPClient, error, parse_response
-from tests.unit.conftest import (
-    Client,
-    cmd,
-    consumer,
-    err,
-    failing_once,
-    identify,
-    mpub,
-    mpub_body,
-    ok,
-    pub,
-    sized,
-)
-
-# Small chunks, so a batch of a few thousand messages spans many turns.
-CHUNK = 64
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    monkeypatch.setattr(publisher, "CHUNK_MESSAGES", CHUNK)
-    monkeypatch.setattr(publisher, "TEXT_PIECE", 2 * CHUNK)
-
-
-def turn(clock) -> int:
-    """One reactor turn: run the calls due now that were scheduled before it began.
-
-    What they schedule for "now" waits for the next turn, as in a real
-    reactor (task.Clock.advance would run those too, i.e. all turns at once).
-    """
-    due = [c for c in clock.getDelayedCalls() if c.getTime() <= clock.seconds()]
-    for call in due:
-        if call.active():
-            clock.calls.remove(call)
-            call.called = 1
-            call.func(*call.args, **call.kw)
-    return len(due)
-
-
-def run_turns(clock, until, limit: int = 100_000) -> int:
-    """Turns until `until()` holds; how many it took."""
-    for n in range(limit):
-        if until():
-            return n
-        assert turn(clock), "nothing left to run"
-    raise AssertionError("too many turns")
-
-
-def publisher_client(broker, port: int = 5000) -> Client:
-    p = Client(broker, port=port)
-    assert p.request(identify(heartbeat_interval=-1)) == [ok()]
-    return p
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import failing_once
+from tests.support.reactor_turns import CHUNK, run_turns, turn
+from tests.support.v2_client import consumer, publisher_client
+from tests.support.v2_frames import cmd, err, mpub, mpub_body, ok, pub, sized
 
 
 def drain(broker, clock, topic: str, n: int) -> list[bytes]:
@@ -95,7 +47,7 @@ def drain(broker, clock, topic: str, n: int) -> list[bytes]:
 # -- TCP MPUB -------------------------------------------------------------------------------
 
 
-def test_defect06_bystander_answered_between_chunks_of_a_huge_mpub(broker, clock, small_chunks):
+def test_bystander_answered_between_chunks_of_a_huge_mpub(broker, clock, small_chunks):
     n = 40 * CHUNK + 7
     bodies = [b"%d" % i for i in range(n)]
     p = publisher_client(broker)
@@ -122,7 +74,7 @@ def test_defect06_bystander_answered_between_chunks_of_a_huge_mpub(broker, clock
     assert 0 < got.index(b"b1") < n
 
 
-def test_defect06_huge_mpub_holds_the_connection_input_until_answered(broker, clock, small_chunks):
+def test_huge_mpub_holds_the_connection_input_until_answered(broker, clock, small_chunks):
     """What arrives while a big MPUB is published waits: commands are answered in order."""
     n = 10 * CHUNK
     p = publisher_client(broker)
@@ -137,7 +89,7 @@ def test_defect06_huge_mpub_holds_the_connection_input_until_answered(broker, cl
     assert drain(broker, clock, "big", n + 1)[-1] == b"after"
 
 
-def test_defect06_huge_mpub_bad_last_message_found_over_turns_publishes_nothing(broker, clock, small_chunks):
+def test_huge_mpub_bad_last_message_found_over_turns_publishes_nothing(broker, clock, small_chunks):
     n = 20 * CHUNK
     body = mpub_body([b"x"] * (n - 1)) + struct.pack(">i", 0)
     body = struct.pack(">i", n) + body[4:]
@@ -151,9 +103,9 @@ def test_defect06_huge_mpub_bad_last_message_found_over_turns_publishes_nothing(
     assert broker.topics["big"].message_count == 0
 
 
-def test_defect06_huge_mpub_bytes_inside_the_declared_size_are_the_next_command(
+def test_huge_mpub_bytes_inside_the_declared_size_are_the_next_command(
         broker, clock, small_chunks):
-    # nsqd reads MPUB's messages from the stream (#15): the declared size is
+    # nsqd reads MPUB's messages from the stream: the declared size is
     # no frame, so the NOP inside it is a command of its own (no answer).
     body = mpub_body([b"x"] * (5 * CHUNK)) + b"NOP\n"
     p = publisher_client(broker)
@@ -164,7 +116,7 @@ def test_defect06_huge_mpub_bytes_inside_the_declared_size_are_the_next_command(
     assert broker.topics["big"].message_count == 5 * CHUNK
 
 
-def test_defect06_store_failure_mid_way_keeps_earlier_chunks_and_fails_the_mpub(
+def test_store_failure_mid_way_keeps_earlier_chunks_and_fails_the_mpub(
         make_broker, clock, small_chunks):
     """nsqd's PutMessages: messages put before the failure stay published; E_MPUB_FAILED (fatal)."""
     broker = make_broker(backend="lmdb", mem_queue_size=0)  # every message is written
@@ -185,7 +137,7 @@ def test_defect06_store_failure_mid_way_keeps_earlier_chunks_and_fails_the_mpub(
     assert drain(broker, clock, "big", published) == [b"%d" % i for i in range(published)]
 
 
-def test_defect06_durable_huge_mpub_acks_after_the_commit_of_its_last_chunk(make_broker, clock, small_chunks):
+def test_durable_huge_mpub_acks_after_the_commit_of_its_last_chunk(make_broker, clock, small_chunks):
     broker = make_broker(backend="lmdb", durable=True)
     n = 10 * CHUNK
     p = publisher_client(broker)
@@ -206,7 +158,7 @@ def test_defect06_durable_huge_mpub_acks_after_the_commit_of_its_last_chunk(make
     assert p.read() == [ok(), ok()]
 
 
-def test_defect06_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
+def test_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
     n = 10 * CHUNK
     p = publisher_client(broker)
     p.send(mpub("big", [b"x"] * n))
@@ -218,7 +170,7 @@ def test_defect06_client_gone_mid_batch_still_publishes_it(broker, clock, small_
     assert topic.message_count == n
 
 
-def test_defect06_topic_deleted_mid_batch_is_mpub_failed_exiting(broker, clock, small_chunks):
+def test_topic_deleted_mid_batch_is_mpub_failed_exiting(broker, clock, small_chunks):
     n = 10 * CHUNK
     p = publisher_client(broker)
     p.send(mpub("big", [b"x"] * n))
@@ -230,7 +182,7 @@ def test_defect06_topic_deleted_mid_batch_is_mpub_failed_exiting(broker, clock, 
     assert broker.health is None
 
 
-def test_defect06_two_huge_mpubs_take_turns(broker, clock, small_chunks):
+def test_two_huge_mpubs_take_turns(broker, clock, small_chunks):
     n = 10 * CHUNK
     a, b = publisher_client(broker), publisher_client(broker, port=5001)
     a.send(mpub("ta", [b"a"] * n))
@@ -243,7 +195,7 @@ def test_defect06_two_huge_mpubs_take_turns(broker, clock, small_chunks):
     assert a.read() == [ok()] and b.read() == [ok()]
 
 
-def test_defect06_huge_mpub_memory_stays_near_its_bytes(make_broker, clock):
+def test_huge_mpub_memory_stays_near_its_bytes(make_broker, clock):
     """Python memory beyond the command's own bytes is bounded by a chunk, not the batch.
 
     Default settings (LMDB, mem-queue-size 10000) and a subscribed channel.
@@ -279,7 +231,7 @@ def _binary(bodies: list[bytes]) -> bytes:
 
 
 @pytest.mark.parametrize("binary", [False, True])
-def test_defect06_http_huge_mpub_published_over_turns(broker, clock, small_chunks, binary):
+def test_http_huge_mpub_published_over_turns(broker, clock, small_chunks, binary):
     n = 20 * CHUNK + 3
     bodies = [b"%d" % i for i in range(n)]
     http = HTTPClient(broker)
@@ -304,7 +256,7 @@ def test_defect06_http_huge_mpub_published_over_turns(broker, clock, small_chunk
     (False, b"x\n" * 5000 + b"x", (413, "BODY_TOO_BIG")),
     (True, _binary([b"x"] * (20 * CHUNK)) + struct.pack(">i", 11) + b"y" * 11, (413, "BAD_MESSAGE")),
 ])
-def test_defect06_http_huge_mpub_bad_message_publishes_nothing(make_broker, clock, small_chunks,
+def test_http_huge_mpub_bad_message_publishes_nothing(make_broker, clock, small_chunks,
                                                                binary, body, expected):
     if binary:
         body = struct.pack(">i", 20 * CHUNK + 1) + body[4:]
@@ -319,7 +271,7 @@ def test_defect06_http_huge_mpub_bad_message_publishes_nothing(make_broker, cloc
     assert broker.topics["big"].message_count == 0
 
 
-def test_defect06_http_durable_huge_mpub_answers_after_the_commit(make_broker, clock, small_chunks):
+def test_http_durable_huge_mpub_answers_after_the_commit(make_broker, clock, small_chunks):
     broker = make_broker(backend="lmdb", durable=True)
     n = 10 * CHUNK
     transport = HTTPClient(broker).send("POST", "/mpub?topic=big", b"x\n" * n)
@@ -331,7 +283,7 @@ def test_defect06_http_durable_huge_mpub_answers_after_the_commit(make_broker, c
     assert parse_response(transport.value()).body == b"OK"
 
 
-def test_defect06_http_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
+def test_http_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
     from twisted.internet.error import ConnectionDone
     from twisted.python.failure import Failure
 
@@ -406,7 +358,7 @@ def _connect(address: str) -> socket.socket:
     return sock
 
 
-def test_defect06_real_broker_serves_a_bystander_during_a_max_size_mpub(start_broker, record_property):
+def test_real_broker_serves_a_bystander_during_a_max_size_mpub(start_broker, record_property):
     """1,048,575 one-byte messages in one MPUB while another client PUBs round trip after round trip.
 
     The bystander is answered while the batch is part-way in (its topic's

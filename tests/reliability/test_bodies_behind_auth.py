@@ -2,7 +2,7 @@
 mqadmin passes it on and acts only on nodes the cluster knows.
 
 Real processes throughout: twistd mqd with `--auth-http-address` pointing
-at the auth server of tests/integration/_authd.py (its own process),
+at the auth server of tests/support/authd_server.py (its own process),
 twistd mqadmin in front of the broker, and plain HTTP clients. Before,
 `GET /channel/peek` handed any HTTP client the bodies a TCP client without
 a secret was refused (`E_AUTH_FIRST` on SUB), `POST /snapshot` wrote them
@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from tests.integration._admin_support import AdminProcess
-from tests.integration._certs import make_certs
-from tests.integration._support import _NO_PROXY, FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command
-from tests.integration.test_auth import SUBSCRIBE, AuthServer, grant, identify_auth
-from tests.integration.test_tls_compression import client_context, tls_flags
+from tests.support.admin import AdminProcess
+from tests.support.authd import SUBSCRIBE, AuthServer, grant, identify_auth
+from tests.support.certs import client_context, make_certs, tls_flags
+from tests.support.processes import NO_PROXY
+from tests.support.raw_conn import FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command
 
 BODY = b"the body only subscribers may read"
 
@@ -41,7 +41,7 @@ def request(address: str, method: str, path: str, secret: str | None = None,
     elif header is not None:
         req.add_header("Authorization", header)
     try:
-        with _NO_PROXY.open(req, timeout=15) as response:
+        with NO_PROXY.open(req, timeout=15) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), e.read()
@@ -72,7 +72,7 @@ def secured(start_broker, authd):
 def publish(broker, body: bytes = BODY) -> None:
     """One message into t (HTTP /pub needs no secret, as in nsqd)."""
     req = urllib.request.Request(f"http://{broker.http_address}/pub?topic=t", data=body, method="POST")
-    with _NO_PROXY.open(req, timeout=15) as response:
+    with NO_PROXY.open(req, timeout=15) as response:
         assert response.status == 200
 
 
@@ -169,7 +169,7 @@ def _delete(admin: AdminProcess, node: str, topic: str) -> tuple[int, Any, bytes
     req = urllib.request.Request(admin.url(f"api/nodes/{node}"), method="DELETE",
                                  data=json.dumps({"topic": topic}).encode())
     try:
-        with _NO_PROXY.open(req, timeout=15) as response:
+        with NO_PROXY.open(req, timeout=15) as response:
             return response.status, response.headers, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read()

@@ -51,7 +51,7 @@ from mqd.client.producer import Producer
 from mqd.client.protocol import NSQClientProtocol
 from mqd.nsqd import lookup_peer as peer_module
 from mqd.nsqd.lookup_peer import LookupPeer, LookupPeerProtocol
-from tests.unit.conftest import new_broker
+from tests.support.inprocess_broker import new_broker
 
 _OVERRIDE = int(os.environ.get("MQD_FUZZ_EXAMPLES", "0"))
 # Seconds: anything still pending after this is a hang. Every wait here ends within about a

@@ -1,14 +1,14 @@
-"""Issues #18 and #19: starting and stopping on a full disk, and the listen backlog.
+"""Starting and stopping on a full disk, and the listen backlog.
 
-- #18 (1): a broker whose disk is full at start-up comes up serving what
+- A broker whose disk is full at start-up comes up serving what
   its store holds (consumers drain it, which frees space), /ping says NOK
   and publishes fail until a commit succeeds; a brand-new data directory
   that cannot even be created stops start-up with one line.
-- #19 (3): a clean shutdown that cannot write everything writes what fits
+- A clean shutdown that cannot write everything writes what fits
   in bounded transactions, says in one line how many could not be written,
   and saves those to a spill file next to the store that the next start
   writes back.
-- #19 (2): every listener of both daemons uses a large backlog
+- Every listener of both daemons uses a large backlog
   (--listen-backlog, default net.core.somaxconn as nsqd's Go listeners),
   not Twisted's 50.
 
@@ -35,25 +35,24 @@ from mqd.lookup.tap import build_service as build_lookupd
 from mqd.nsqd.tap import build_service as build_mqd
 from mqd.options import LOOKUPD_OPTIONS, MQD_OPTIONS, ConfigError, resolve, system_backlog
 from mqd.service import ListeningService
-from tests.integration._support import (
+from tests.support.certs import make_certs
+from tests.support.durable_load import drain
+from tests.support.full_disk import SmallDisk, fill_disk
+from tests.support.inprocess_broker import lmdb_store, msgs, new_broker
+from tests.support.lmdb_stores import bodies, expected, queue_t, records
+from tests.support.processes import (
     FAST_SCAN,
-    FRAME_ERROR,
-    FRAME_RESPONSE,
     BrokerProcess,
-    RawConn,
     child_env,
-    command,
     http_request,
-    mpub_body,
     twistd_command,
     wait_for,
 )
-from tests.integration.test_durability import drain
-from tests.reliability.test_faults import _fill
-from tests.unit.conftest import Client, consumer, err, mpub, msgs, new_broker, ok, pub
-from tests.unit.test_lmdb import bodies, expected, lmdb_store, queue_t, records
+from tests.support.raw_conn import FRAME_ERROR, FRAME_RESPONSE, RawConn, command
+from tests.support.v2_client import Client, consumer
+from tests.support.v2_frames import err, mpub, mpub_body, ok, pub
 
-# -- #19 (2): the listen backlog ---------------------------------------------------------
+# -- the listen backlog ---------------------------------------------------------
 
 
 def _listen_all(top, reactor: MemoryReactor) -> None:
@@ -69,12 +68,10 @@ def _backlogs(reactor: MemoryReactor) -> list[int]:
 
 @pytest.fixture
 def tls_files(tmp_path):
-    from tests.integration._certs import make_certs
-
     return make_certs(tmp_path / "certs")
 
 
-def test_defect19_listeners_use_a_large_backlog_by_default(tmp_path):
+def test_listeners_use_a_large_backlog_by_default(tmp_path):
     reactor = MemoryReactor()
     top = build_mqd(resolve(MQD_OPTIONS, {"data-path": str(tmp_path), "backend": "memory"}), reactor)
     _listen_all(top, reactor)
@@ -87,7 +84,7 @@ def test_defect19_listeners_use_a_large_backlog_by_default(tmp_path):
     assert _backlogs(reactor) == [system_backlog()] * 2
 
 
-def test_defect19_listen_backlog_is_configurable_for_every_listener(tmp_path):
+def test_listen_backlog_is_configurable_for_every_listener(tmp_path):
     sock = tmp_path / "mqd.sock"
     reactor = MemoryReactor()
     flags = {"data-path": str(tmp_path), "backend": "memory", "listen-backlog": "1234",
@@ -104,7 +101,7 @@ def test_defect19_listen_backlog_is_configurable_for_every_listener(tmp_path):
     assert _backlogs(reactor) == [777, 777]
 
 
-def test_defect19_https_listener_and_explicit_endpoint_backlog(tmp_path, tls_files):
+def test_https_listener_and_explicit_endpoint_backlog(tmp_path, tls_files):
     reactor = MemoryReactor()
     flags = {"data-path": str(tmp_path), "backend": "memory", "listen-backlog": "300",
              # An endpoint string naming its own backlog keeps it.
@@ -116,7 +113,7 @@ def test_defect19_https_listener_and_explicit_endpoint_backlog(tmp_path, tls_fil
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "65536", "lots"])
-def test_defect19_listen_backlog_checked(value):
+def test_listen_backlog_checked(value):
     with pytest.raises(ConfigError, match="--listen-backlog"):
         resolve(MQD_OPTIONS, {"listen-backlog": value})
 
@@ -129,7 +126,7 @@ def _listen_queue(port: int) -> int | None:
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to read a socket's backlog")
-def test_defect19_real_listeners_have_the_backlog(start_broker, start_lookupd):
+def test_real_listeners_have_the_backlog(start_broker, start_lookupd):
     broker = start_broker("--listen-backlog=1000")
     assert _listen_queue(broker.tcp_port) == 1000
     assert _listen_queue(broker.http_port) == 1000
@@ -139,71 +136,7 @@ def test_defect19_real_listeners_have_the_backlog(start_broker, start_lookupd):
     assert _listen_queue(lookupd.http_port) == expected
 
 
-# -- #19 (3): a clean shutdown on a nearly full disk --------------------------------------
-
-
-class _Txn:
-    """A write transaction on a disk with room for `disk.room` more records: commit fails beyond."""
-
-    def __init__(self, disk: _SmallDisk, real) -> None:
-        self.disk, self.real, self.puts = disk, real, 0
-
-    def put(self, key, value, **kw):
-        self.puts += 1
-        return self.real.put(key, value, **kw)
-
-    def cursor(self, *args, **kw):
-        return _Cursor(self, self.real.cursor(*args, **kw))
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-    def __enter__(self) -> _Txn:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None or self.puts > self.disk.room:
-            self.real.abort()
-            if exc_type is None:
-                self.disk.failed += 1
-                raise lmdb.Error("mdb_txn_commit: No space left on device")
-            return
-        self.real.commit()
-        self.disk.room -= self.puts
-
-
-class _Cursor:
-    """A cursor of a `_Txn`: the records `putmulti` writes count against the room too."""
-
-    def __init__(self, txn: _Txn, real) -> None:
-        self.txn, self.real = txn, real
-
-    def putmulti(self, items, *args, **kw):
-        items = list(items)
-        self.txn.puts += len(items)
-        return self.real.putmulti(items, *args, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
-class _SmallDisk:
-    """Stands in for a store's LMDB environment: only `room` more records fit, in any transactions.
-
-    Whatever the store does with LMDB goes through `env.begin`, so this
-    works on any version of the commit path.
-    """
-
-    def __init__(self, store, room: int) -> None:
-        self.real, self.room, self.failed = store.env, room, 0
-        store.env = self
-
-    def begin(self, write=False, **kw):
-        txn = self.real.begin(write=write, **kw)
-        return _Txn(self, txn) if write else txn
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
+# -- a clean shutdown on a nearly full disk --------------------------------------
 
 
 @pytest.fixture
@@ -220,12 +153,12 @@ def log_lines():
     globalLogPublisher.removeObserver(observe)
 
 
-def test_defect19_shutdown_on_full_disk_keeps_what_fits_and_spills_the_rest(tmp_path, clock, log_lines):
+def test_shutdown_on_full_disk_keeps_what_fits_and_spills_the_rest(tmp_path, clock, log_lines):
 
     store, q = queue_t(tmp_path, clock, 3)
     clock.advance(0)  # 3 committed
     q.put(msgs(100, 3))
-    disk = _SmallDisk(store, room=40)
+    disk = SmallDisk(store, room=40)
     store.close()  # the one-transaction commit of 100 does not fit; bounded ones do, up to 40
 
     assert disk.failed >= 1
@@ -253,7 +186,7 @@ def test_defect19_shutdown_on_full_disk_keeps_what_fits_and_spills_the_rest(tmp_
     store.close()
 
 
-def test_defect19_shutdown_spill_keeps_durable_records_and_rewrites(tmp_path, clock, log_lines):
+def test_shutdown_spill_keeps_durable_records_and_rewrites(tmp_path, clock, log_lines):
 
     store = lmdb_store(tmp_path, clock, durable=True)
     q = store.open_queue("t")
@@ -264,7 +197,7 @@ def test_defect19_shutdown_spill_keeps_durable_records_and_rewrites(tmp_path, cl
     first[1].attempts = 7
     q.update(first[1:])  # a rewrite (timeout), then 20 new ones
     q.put(msgs(20, 5))
-    _SmallDisk(store, room=10)
+    SmallDisk(store, room=10)
     store.close()
     assert (tmp_path / SPILL_FILE).exists()
     assert any("11 of 21 messages could not be written" in line for line in log_lines), log_lines
@@ -279,9 +212,9 @@ def test_defect19_shutdown_spill_keeps_durable_records_and_rewrites(tmp_path, cl
     store.close()
 
 
-def test_defect19_shutdown_waits_for_room_when_the_rest_cannot_be_saved(tmp_path, clock, log_lines):
+def test_shutdown_waits_for_room_when_the_rest_cannot_be_saved(tmp_path, clock, log_lines):
     store, _ = queue_t(tmp_path, clock, 50)
-    disk = _SmallDisk(store, room=20)
+    disk = SmallDisk(store, room=20)
     store.spill_path = str(tmp_path / "gone" / SPILL_FILE)  # a spill that cannot be written either
     closed = store.close()
     lines = [line for line in log_lines if "could not be written" in line]
@@ -303,10 +236,10 @@ def test_defect19_shutdown_waits_for_room_when_the_rest_cannot_be_saved(tmp_path
     store.close()
 
 
-def test_defect19_corrupt_spill_file_stops_start_up_with_one_line(tmp_path, clock):
+def test_corrupt_spill_file_stops_start_up_with_one_line(tmp_path, clock):
 
     store, _ = queue_t(tmp_path, clock, 10)
-    _SmallDisk(store, room=5)
+    SmallDisk(store, room=5)
     store.close()
     spill = tmp_path / SPILL_FILE
     spill.write_bytes(spill.read_bytes()[:-3])  # torn
@@ -315,7 +248,7 @@ def test_defect19_corrupt_spill_file_stops_start_up_with_one_line(tmp_path, cloc
     assert str(spill) in str(info.value) and "\n" not in str(info.value)
 
 
-def test_defect19_failed_store_at_shutdown_still_saves_memory(tmp_path, clock, log_lines):
+def test_failed_store_at_shutdown_still_saves_memory(tmp_path, clock, log_lines):
     """A broker whose store already failed (a full disk) stops: what memory holds is spilled, not dropped."""
 
     broker = new_broker(tmp_path, clock, backend="lmdb", mem_queue_size=100)
@@ -323,7 +256,7 @@ def test_defect19_failed_store_at_shutdown_still_saves_memory(tmp_path, clock, l
     assert p.request(mpub("t", [b"a%d" % i for i in range(30)])) == [ok()]
     consumer(broker, "t", "c", rdy=0)
     clock.advance(0)
-    disk = _SmallDisk(broker.store, room=0)
+    disk = SmallDisk(broker.store, room=0)
     assert p.request(mpub("t", [b"b%d" % i for i in range(130)])) == [ok()]  # overflows to the store
     clock.advance(0)
     assert broker.store.failure and disk.failed
@@ -340,10 +273,10 @@ def test_defect19_failed_store_at_shutdown_still_saves_memory(tmp_path, clock, l
     broker.close()
 
 
-# -- #18 (1): starting on a full disk ------------------------------------------------------
+# -- starting on a full disk ------------------------------------------------------
 
 
-def test_defect18_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monkeypatch, log_lines):
+def test_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monkeypatch, log_lines):
 
 
     broker = new_broker(tmp_path, clock, backend="lmdb", durable=True)
@@ -399,7 +332,7 @@ def test_defect18_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monke
     broker.close()
 
 
-def test_defect18_failure_clears_when_room_returns_even_if_drained_meanwhile(tmp_path, clock):
+def test_failure_clears_when_room_returns_even_if_drained_meanwhile(tmp_path, clock):
     """A full disk, then consumers take everything that was waiting to be written: the retry must still
     find out that there is room again (it used to have nothing to write, so /ping stayed NOK forever)."""
     store = lmdb_store(tmp_path, clock)
@@ -429,7 +362,7 @@ def test_defect18_failure_clears_when_room_returns_even_if_drained_meanwhile(tmp
     store.close()
 
 
-def test_defect18_new_store_on_full_disk_is_one_clear_error(tmp_path, clock, monkeypatch):
+def test_new_store_on_full_disk_is_one_clear_error(tmp_path, clock, monkeypatch):
 
     def no_room(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -444,8 +377,6 @@ def test_defect18_new_store_on_full_disk_is_one_clear_error(tmp_path, clock, mon
 
 
 # -- the same on a real broker and a real full disk (a tmpfs, root only) ---------------------
-
-
 
 
 class _Broker(BrokerProcess):
@@ -472,7 +403,7 @@ def _pub(broker, topic: str, body: bytes) -> tuple[int, bytes]:
         return conn.read_frame()
 
 
-def test_defect18_real_broker_starts_on_a_full_disk(tmp_path, tmpfs):
+def test_real_broker_starts_on_a_full_disk(tmp_path, tmpfs):
     mnt = tmpfs(16)
     broker = _broker(tmp_path, mnt / "data", "--durable", "--lmdb-map-size=2097152", *FAST_SCAN)
     try:
@@ -485,7 +416,7 @@ def test_defect18_real_broker_starts_on_a_full_disk(tmp_path, tmpfs):
             conn.send(command("MPUB t", mpub_body(bodies)))
             assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
         broker.stop_cleanly()
-        filler = _fill(mnt)
+        filler = fill_disk(mnt)
 
         broker.start()  # before the fix: a traceback from Broker.open, and no broker
         log = broker.log()
@@ -511,9 +442,9 @@ def test_defect18_real_broker_starts_on_a_full_disk(tmp_path, tmpfs):
         broker.kill()
 
 
-def test_defect18_real_broker_new_data_dir_on_a_full_disk_is_one_line(tmp_path, tmpfs):
+def test_real_broker_new_data_dir_on_a_full_disk_is_one_line(tmp_path, tmpfs):
     mnt = tmpfs(4)
-    _fill(mnt)
+    fill_disk(mnt)
     proc = subprocess.run(
         twistd_command("--tcp-address=127.0.0.1:0", "--http-address=127.0.0.1:0",
                        f"--data-path={mnt / 'new'}"),
@@ -534,7 +465,7 @@ def _big_body(i: int, size: int) -> bytes:
     return head + bytes([i % 251]) * (size - len(head))
 
 
-def test_defect19_real_shutdown_on_a_nearly_full_disk_loses_nothing(tmp_path, tmpfs):
+def test_real_shutdown_on_a_nearly_full_disk_loses_nothing(tmp_path, tmpfs):
     mnt = tmpfs(32)
     broker = _broker(tmp_path, mnt / "data", "--mem-queue-size=100000", "--lmdb-map-size=1048576")
     try:
@@ -548,7 +479,7 @@ def test_defect19_real_shutdown_on_a_nearly_full_disk_loses_nothing(tmp_path, tm
                 batch = [_big_body(i, size) for i in range(start, start + 200)]
                 conn.send(command("MPUB t", mpub_body(batch)))
                 assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
-        filler = _fill(mnt)
+        filler = fill_disk(mnt)
         os.truncate(filler, filler.stat().st_size - (6 << 20))  # 6 MB free
 
         broker.proc.send_signal(signal.SIGTERM)

@@ -24,22 +24,17 @@ import time
 import lmdb
 import pytest
 
-from tests.integration._support import (
-    FAST_SCAN,
-    FRAME_MESSAGE,
-    FRAME_RESPONSE,
-    RawConn,
-    command,
-    mpub_body,
-    wait_for,
-)
-from tests.integration.test_durability import drain
-from tests.reliability._fault_support import raw_http
-from tests.reliability.test_big_batches import CHUNK, publisher_client, run_turns, small_chunks  # noqa: F401
-from tests.reliability.test_faults import _fill
-from tests.unit._http import HTTPClient, error, parse_response
-from tests.unit.conftest import Client, cmd, consumer, dpub, err, failing_once, mpub, ok, pub, scan
-from tests.unit.test_lmdb_broker import FULL, crash, delivered, lmdb_broker, restart
+from tests.support.control_checks import raw_http
+from tests.support.durable_load import drain
+from tests.support.full_disk import fill_disk
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import failing_once, scan
+from tests.support.lmdb_stores import FULL, crash, delivered, lmdb_broker, restart
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.raw_conn import FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command
+from tests.support.reactor_turns import CHUNK, run_turns
+from tests.support.v2_client import Client, consumer, publisher_client
+from tests.support.v2_frames import cmd, dpub, err, mpub, mpub_body, ok, pub
 
 KINDS = ["PUB", "MPUB", "DPUB", "HTTP /pub", "HTTP /mpub", "HTTP /mpub binary"]
 
@@ -326,7 +321,7 @@ def test_real_full_disk_refused_publishes_never_come_back(tmp_path, tmpfs, start
     refused: set[bytes] = set()
     seq = 0
     for kind in KINDS:
-        filler = _fill(mnt)
+        filler = fill_disk(mnt)
         deadline = time.monotonic() + 20
         while True:
             assert time.monotonic() < deadline, f"{kind}: no publish refused\n{broker.describe()}"

@@ -13,31 +13,19 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration._support import (
-    FAST_SCAN,
-    FRAME_ERROR,
-    FRAME_RESPONSE,
-    RawConn,
-    command,
-    wait_for,
-)
-from tests.integration.test_durability import check_body, drain, make_body
-from tests.reliability._fault_support import (
-    abuse_fin_flood,
-    abuse_never_reading_consumer,
-    abuse_slow_consumer,
-    crash_rounds,
-    log_problems,
-    raw_http,
-)
+from tests.support.abuse import abuse_fin_flood, abuse_never_reading_consumer, abuse_slow_consumer
+from tests.support.control_checks import log_problems, raw_http
+from tests.support.crash_loop import crash_rounds
+from tests.support.durable_load import check_body, drain, make_body
+from tests.support.full_disk import fill_disk
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.raw_conn import FRAME_ERROR, FRAME_RESPONSE, RawConn, command
 
 # -- kill -9 in a loop ----------------------------------------------------------------------
 
@@ -62,25 +50,6 @@ def test_kill_9_in_a_loop_loses_no_acknowledged_message(start_broker):
 def small_disk(tmpfs):
     """A 16 MB tmpfs of its own, so the broker's data path can really fill up."""
     return tmpfs(16)
-
-
-def _fill(path: Path) -> Path:
-    """Write a filler file until the disk is full."""
-    filler = path / "filler"
-    block = b"\0" * (256 * 1024)
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(block)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
-        small = b"\0" * 4096
-        try:  # the last pages too
-            while True:
-                f.write(small)
-        except OSError:
-            pass
-    return filler
 
 
 def _publish(broker, topic: str, body: bytes) -> bytes:
@@ -116,7 +85,7 @@ def test_full_disk_fails_publishes_then_recovers_by_itself(small_disk, start_bro
 
     for _ in range(50):
         assert publish_one() == b"OK"
-    filler = _fill(small_disk)
+    filler = fill_disk(small_disk)
 
     # Publishing goes on until the store's commits fail: then PUB and /pub fail and /ping says NOK.
     answers = []
@@ -168,7 +137,7 @@ def _queue_stats(broker) -> dict[str, tuple[int, int, int]]:
 
 
 def test_snapshot_on_a_full_disk_answers_an_error_and_changes_nothing(small_disk, start_broker):
-    """Issue #12: a snapshot that cannot be written, or of a failing store, is an error; nothing moves."""
+    """A snapshot that cannot be written, or of a failing store, is an error; nothing moves."""
     data = small_disk / "data"
     broker = start_broker(f"--data-path={data}", "--lmdb-map-size=2097152", "--mem-queue-size=10",
                           "--sync-timeout=50ms", *FAST_SCAN, data_path=False)
@@ -182,7 +151,7 @@ def test_snapshot_on_a_full_disk_answers_an_error_and_changes_nothing(small_disk
     assert len(acked) == 40
     before = _queue_stats(broker)
     assert before == {"full:c": (40, 0, 0)}
-    filler = _fill(small_disk)
+    filler = fill_disk(small_disk)
 
     # No room for the copy: refused before writing (the free space the store
     # keeps), no snapshot (nor half of one), the broker as it was.

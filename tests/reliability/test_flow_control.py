@@ -28,18 +28,18 @@ import pytest
 from mqd.nsqd.protocol.upgrades import UPGRADE_GAP
 from mqd.wire.compression import SNAPPY_STREAM_HEADER
 from tests.support.auth_fakes import FakeAuth, answer, auth
-from tests.support.authd import PUBLISH, grant  # noqa: F401
-from tests.support.certs import client_context, tls_flags  # noqa: F401
+from tests.support.authd import PUBLISH, grant
+from tests.support.certs import client_context, tls_flags
 from tests.support.codec_clients import DeflateClient, SnappyClient
 from tests.support.raw_conn import (
     FRAME_ERROR,
     FRAME_RESPONSE,
     RawConn,
-    UpgradingConn,  # noqa: F401
+    UpgradingConn,
     command,
     select_sockets,
 )
-from tests.support.v2_client import Client
+from tests.support.v2_client import Client, tls_client
 from tests.support.v2_frames import Msg, cmd, err, identify, ok, parse_frames, pub
 
 BAD_ID = b"0123456789abcdef"
@@ -114,8 +114,6 @@ def test_close_while_paused_lets_the_transport_close(connect):
 def test_tls_handshake_pause_keeps_reading(broker):
     """Until the handshake is done the TLS layer holds the OK back and pauses its producer:
     the connection must still read, or the handshake never completes."""
-    from tests.support.v2_client import tls_client
-
     c = tls_client(broker)
     c.send(identify(feature_negotiation=True, tls_v1=True))
     assert c.proto.tls and not c.proto.tls_version
@@ -162,7 +160,7 @@ FLOOD = 20 * 1024 * 1024
 
 
 @pytest.mark.parametrize("kind", ["plain", "tls", "deflate", "tls+deflate"])
-def test_client_that_never_reads_keeps_broker_memory_bounded(start_broker, certs, kind):  # noqa: F811
+def test_client_that_never_reads_keeps_broker_memory_bounded(start_broker, certs, kind):
     broker = start_broker(*tls_flags(certs)) if kind.startswith("tls") else start_broker()
     pid = broker.proc.pid
     flooder = UpgradingConn(broker)
@@ -245,7 +243,7 @@ def test_client_that_never_reads_keeps_broker_memory_bounded(start_broker, certs
 
 
 @pytest.mark.parametrize("deflate", [False, True])
-def test_tls_connection_with_a_producer_still_closes_on_a_fatal_error(start_broker, certs, deflate):  # noqa: F811
+def test_tls_connection_with_a_producer_still_closes_on_a_fatal_error(start_broker, certs, deflate):
     """The TLS layer keeps a connection whose producer is registered open: closing unregisters it."""
     broker = start_broker(*tls_flags(certs))
     with UpgradingConn(broker) as conn:
@@ -317,7 +315,7 @@ def test_input_kept_during_auth_on_a_deflate_connection_is_parsed_once(auth_brok
     assert auth_broker.topics["t"].depth() == 1
 
 
-def test_client_streaming_while_auth_waits_keeps_broker_memory_bounded(start_broker, authd):  # noqa: F811
+def test_client_streaming_while_auth_waits_keeps_broker_memory_bounded(start_broker, authd):
     authd.answers["slow"] = grant(PUBLISH, identity="slowpoke")
     authd.slow.add("slow")  # answered after 3 s
     broker = start_broker(f"--auth-http-address={authd.address}", "--http-client-request-timeout=10s")

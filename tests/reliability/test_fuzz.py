@@ -2,7 +2,7 @@
 lost, a well-behaved client still served.
 
 In-process (hypothesis): the protocols on StringTransports and the HTTP
-resources through tests/unit/_http.py, on a broker driven by a `task.Clock`.
+resources through tests/support/http_client.py, on a broker driven by a `task.Clock`.
 Before the fuzzed input, a control connection publishes messages into a
 control channel; after it, the control client must get correct answers,
 the channel must still count every acknowledged message and give them all
@@ -20,12 +20,11 @@ the real-process test) instead of the CI counts.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from urllib.parse import quote
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
@@ -35,8 +34,10 @@ from mqd.logs import set_log_level
 from mqd.lookup.protocol import LookupdFactory, frame
 from mqd.lookup.registry import RegistrationDB
 from mqd.message import IdFactory
-from tests.integration._support import FAST_SCAN
-from tests.reliability._fault_support import (
+from tests.support.broker_fuzz import fuzz_broker
+from tests.support.control_checks import Control, log_problems
+from tests.support.fuzz_inputs import (
+    EXAMPLES_OVERRIDE,
     HTTP_BODIES,
     HTTP_METHODS,
     HTTP_PATHS,
@@ -44,89 +45,22 @@ from tests.reliability._fault_support import (
     HTTP_QUERY_VALUES,
     LOOKUPD_TOKENS,
     V2_TOKENS,
-    Control,
-    LogWatch,
-    fuzz_broker,
+    examples,
     http_sweep,
-    log_problems,
-    queue_count,
 )
-from tests.unit._http import HTTPClient, parse_response
-from tests.unit.conftest import (
-    MAGIC,
-    NODE_ID,
-    START_TIME,
-    Client,
-    cmd,
-    identify,
-    new_broker,
-    ok,
-    pub,
-    sized,
-)
-from tests.unit.test_lookupd_http import LookupdClient
-from tests.unit.test_lookupd_protocol import Conn
-from tests.unit.test_v2_fuzz import check_answer_or_close
-
-_OVERRIDE = int(os.environ.get("MQD_FUZZ_EXAMPLES", "0"))
-
-
-def examples(ci_count: int) -> settings:
-    return settings(max_examples=_OVERRIDE or ci_count, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-CONTROL_TOPIC, CONTROL_CHANNEL = "zz_control", "zz_control_c"
+from tests.support.http_client import HTTPClient, parse_response
+from tests.support.inprocess_broker import NODE_ID, START_TIME
+from tests.support.inprocess_fuzz import Harness, check_answer_or_close
+from tests.support.log_watch import LogWatch
+from tests.support.lookupd_clients import Conn, LookupdClient
+from tests.support.processes import FAST_SCAN
+from tests.support.v2_client import Client
+from tests.support.v2_frames import MAGIC, cmd, pub, sized
 
 
 @pytest.fixture(autouse=True)
 def _snapshots_in_line(sync_threads):
     """The in-process brokers here run on a Clock in temporary directories (see sync_threads)."""
-
-
-class Harness:
-    """A broker on a Clock with a control channel full of acknowledged messages."""
-
-    def __init__(self, path: str, n: int = 5, **flags) -> None:
-        self.clock = Clock()
-        self.clock.advance(START_TIME)
-        self.broker = new_broker(path, self.clock, **flags)
-        self.http = HTTPClient(self.broker)
-        self.publisher = Client(self.broker, port=1)
-        assert self.publisher.request(identify(heartbeat_interval=-1)) == [ok()]
-        assert self.http.post(f"/topic/create?topic={CONTROL_TOPIC}").status == 200
-        r = self.http.post(f"/channel/create?topic={CONTROL_TOPIC}&channel={CONTROL_CHANNEL}")
-        assert r.status == 200, r
-        self.bodies: list[bytes] = []
-        for _ in range(n):
-            self.publish()
-
-    def publish(self) -> None:
-        body = b"control-%d" % len(self.bodies)
-        answer = self.publisher.request(pub(CONTROL_TOPIC, body))
-        assert answer == [ok()], f"control PUB answered {answer}"
-        self.bodies.append(body)
-
-    def check(self, what: str) -> None:
-        """The control client is answered correctly and every control message is counted."""
-        self.publish()
-        assert self.publisher.request(cmd("NOP")) == []
-        r = self.http.get("/ping")
-        assert (r.status, r.body) == (200, b"OK"), f"/ping after {what}: {r}"
-        r = self.http.get("/stats?format=json")
-        assert r.status == 200, f"/stats?format=json after {what}: {r}"
-        count = queue_count(r.json(), CONTROL_TOPIC, CONTROL_CHANNEL)
-        assert count == len(self.bodies), f"after {what}: {count} of {len(self.bodies)} counted"
-        for path in ("/stats", "/metrics", "/info"):
-            r = self.http.get(path)
-            assert r.status == 200, f"{path} after {what}: {r}"
-
-    def drain(self) -> None:
-        """Every acknowledged control message comes out, once, intact."""
-        consumer = Client(self.broker, port=2)
-        consumer.sub(CONTROL_TOPIC, CONTROL_CHANNEL, rdy=1000)
-        got = [m.body for m in consumer.messages()]
-        assert sorted(got) == sorted(self.bodies), (got, self.bodies)
 
 
 def _feed(client: Client, data: bytes, chunk: int) -> None:
@@ -414,7 +348,7 @@ def test_real_broker_survives_random_streams_and_requests(start_broker):
     broker = start_broker(*FAST_SCAN)
     control = Control(broker)
     control.setup(20)
-    streams = _OVERRIDE or 300
+    streams = EXAMPLES_OVERRIDE or 300
     report = fuzz_broker(broker, control, streams=streams, http_requests=max(60, streams // 5),
                          seed=16)
     control.drain_and_compare()

@@ -34,6 +34,7 @@ import tempfile
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.address import IPv4Address
@@ -50,24 +51,32 @@ from mqd.clusterinfo.upstream import UpstreamError
 from mqd.nsqd.auth import AuthClient, AuthError
 from mqd.nsqd.http.authorization import AuthCache
 from mqd.options import MQADMIN_OPTIONS, resolve
-from tests.integration._admin_support import AdminProcess
-from tests.integration._support import FRAME_RESPONSE, RawConn, command
-from tests.integration.test_auth import PUBLISH as PUBLISH_ALL
-from tests.integration.test_auth import SUBSCRIBE as SUBSCRIBE_ALL
-from tests.integration.test_auth import AuthServer as AuthServer_
-from tests.integration.test_auth import grant as auth_grant
-from tests.integration.test_auth import identify_auth
-from tests.reliability._fault_support import HTTP_BODIES, HTTP_METHODS, HTTP_QUERY_VALUES, LogWatch
-from tests.reliability.test_fuzz import (
-    _OVERRIDE,
-    CONTROL_CHANNEL,
-    CONTROL_TOPIC,
-    Harness,
+from tests.support.admin import AdminProcess
+from tests.support.auth_fakes import answer
+from tests.support.authd import PUBLISH as PUBLISH_ALL
+from tests.support.authd import SUBSCRIBE as SUBSCRIBE_ALL
+from tests.support.authd import AuthServer as AuthServer_
+from tests.support.authd import grant as auth_grant
+from tests.support.authd import identify_auth
+from tests.support.fuzz_inputs import (
+    EXAMPLES_OVERRIDE,
+    HTTP_BODIES,
+    HTTP_METHODS,
+    HTTP_QUERY_VALUES,
     examples,
 )
-from tests.unit._http import Response, parse_response
-from tests.unit.conftest import Client, cmd, sized
-from tests.unit.test_v2_auth import answer
+from tests.support.http_client import Response, parse_response
+from tests.support.inprocess_fuzz import CONTROL_CHANNEL, CONTROL_TOPIC, Harness
+from tests.support.log_watch import LogWatch
+from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
+from tests.support.v2_client import Client
+from tests.support.v2_frames import cmd, sized
+
+
+@pytest.fixture(autouse=True)
+def _snapshots_in_line(sync_threads):
+    """A snapshot of the in-process brokers here is answered in its request's call (see sync_threads)."""
+
 
 # 5xx answers that are part of the API (everything else 5xx is a bug).
 DOCUMENTED_5XX = {(502, "UPSTREAM_ERROR"), (503, "PEEK_BUSY"), (503, "STORE_FAILED"), (507, "SNAPSHOT_LIMIT")}
@@ -396,7 +405,7 @@ def test_random_requests_to_a_real_broker_with_auth_and_its_mqadmin(start_broker
         admin = AdminProcess(tmp_path / "admin", [f"--nsqd-http-address={broker.http_address}"]).start()
         try:
             rng = random.Random(int(os.environ.get("MQD_FUZZ_SEED", "1")))
-            count = _OVERRIDE or 150
+            count = EXAMPLES_OVERRIDE or 150
             headers = [None, b"Bearer all", b"Bearer nope", b"Bearer", b"Basic eA==", b"\xff\xfe", b"Bearer \x80",
                        b"Bearer " + b"a" * 8000, b"bearer all", b"Bearer all, Bearer all"]
             # (target, the method it serves)

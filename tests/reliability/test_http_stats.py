@@ -1,6 +1,6 @@
-"""Issue #16, defects 7, 9, 12 and 14: auth grants, odd client strings in the
-stats pages, metadata writes and stats cost at many topics, and 500s the
-HTTP API gave for client errors.
+"""Auth grants matched in linear time, odd client strings in the stats pages,
+metadata writes and stats cost at many topics, and client errors answered
+4xx by the HTTP API (never 500).
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mqd.nsqd.auth import AuthError, parse_auth_response
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import Client, cmd, err, new_broker, ok, sized
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import new_broker
+from tests.support.v2_client import Client
+from tests.support.v2_frames import cmd, err, ok, sized
 
-# -- defect 7: auth grants are matched in linear time --------------------------------
+# -- auth grants are matched in linear time --------------------------------
 
 # Nested quantifiers: backtracking tries every split of the name before failing.
 EVIL_GRANT = r"^([a-z0-9]+[-_.]?)+$"
@@ -49,7 +51,7 @@ def auth_client(make_broker, tmp_path):
     return connect
 
 
-def test_defect07_evil_grant_near_miss_answers_at_once(auth_client):
+def test_evil_grant_near_miss_answers_at_once(auth_client):
     # With Python's backtracking re this PUB took ~2^60 steps (hours; 5-8 s at 28 chars).
     c = auth_client(_auth_answer(EVIL_GRANT))
     [frame] = c.request(cmd("AUTH") + sized(b"s"))
@@ -58,7 +60,7 @@ def test_defect07_evil_grant_near_miss_answers_at_once(auth_client):
         err(f'E_UNAUTHORIZED AUTH failed for PUB on "{NEAR_MISS}" ""')]
 
 
-def test_defect07_evil_grant_still_matches_what_it_should():
+def test_evil_grant_still_matches_what_it_should():
     state = parse_auth_response(_auth_answer(EVIL_GRANT), 0.0)
     assert state.allows("orders-eu.v2", "")
     assert not state.allows(NEAR_MISS, "")
@@ -75,7 +77,7 @@ def test_defect07_evil_grant_still_matches_what_it_should():
     "a{1001}",
     "(",
 ])
-def test_defect07_grants_go_cannot_compile_fail_auth(auth_client, pattern):
+def test_grants_go_cannot_compile_fail_auth(auth_client, pattern):
     # nsqd's QueryAuthd: a topic or channel regexp.Compile error fails the whole answer.
     with pytest.raises(AuthError):
         parse_auth_response(_auth_answer(pattern), 0.0)
@@ -106,7 +108,7 @@ def test_grant_lone_surrogate_is_a_replacement_char():
     assert state.allows("a", "")
 
 
-# -- defect 9: a client's odd strings do not break the stats pages -------------------
+# -- a client's odd strings do not break the stats pages -------------------
 
 # IDENTIFY with lone surrogates, as json.dumps writes them: "\ud800" escapes.
 ODD_IDENTIFY = cmd("IDENTIFY") + sized(
@@ -123,7 +125,7 @@ def odd_client(connect):
     return c
 
 
-def test_defect09_stats_text_with_lone_surrogates_is_200(http, odd_client):
+def test_stats_text_with_lone_surrogates_is_200(http, odd_client):
     r = http.get("/stats")
     assert r.status == 200
     text = r.body.decode("utf-8")  # valid UTF-8, as Go writes it
@@ -132,7 +134,7 @@ def test_defect09_stats_text_with_lone_surrogates_is_200(http, odd_client):
     assert text.count("h\ufffdst:") == 2  # the consumer line and the producer line
 
 
-def test_defect09_stats_json_with_lone_surrogates_is_valid(http, odd_client):
+def test_stats_json_with_lone_surrogates_is_valid(http, odd_client):
     r = http.get("/stats?format=json")
     assert r.status == 200
     body = json.loads(r.body.decode("utf-8"))
@@ -144,13 +146,13 @@ def test_defect09_stats_json_with_lone_surrogates_is_valid(http, odd_client):
     assert b"\\ud8" not in r.body.lower() and b"\\udf" not in r.body.lower()
 
 
-def test_defect09_metrics_and_filters_with_lone_surrogates(http, odd_client):
+def test_metrics_and_filters_with_lone_surrogates(http, odd_client):
     assert http.get("/metrics").status == 200
     assert http.get("/stats?topic=t&channel=c").status == 200
     assert http.get("/stats?format=text&include_clients=true").status == 200
 
 
-def test_defect09_auth_identity_with_lone_surrogate(auth_client, make_broker):
+def test_auth_identity_with_lone_surrogate(auth_client, make_broker):
     body = (b'{"ttl":60,"identity":"al\\udc00ce","identity_url":"http://id/\\ud800",'
             b'"authorizations":[{"topic":".*","channels":[".*"],"permissions":["publish"]}]}')
     c = auth_client(body)
@@ -165,10 +167,10 @@ def test_defect09_auth_identity_with_lone_surrogate(auth_client, make_broker):
     assert b"\\udc00" not in r.body and b"\\ud800" not in r.body
 
 
-# -- defect 14: client errors are 4xx, never 500 ----------------------------------------
+# -- client errors are 4xx, never 500 ----------------------------------------
 
 
-def test_defect14_config_deep_json_is_invalid_value(http):
+def test_config_deep_json_is_invalid_value(http):
     deep = b"[" * 100_000 + b"]" * 100_000
     r = http.put("/config/nsqlookupd_tcp_addresses", deep)
     assert error(r) == (400, "INVALID_VALUE")
@@ -204,7 +206,7 @@ def snap_broker(tmp_path, clock, monkeypatch):
     (".hidden", "INVALID_OUT"),
     ("taken", "OUT_EXISTS"),
 ])
-def test_defect14_snapshot_bad_out_is_400(snap_broker, out, message):
+def test_snapshot_bad_out_is_400(snap_broker, out, message):
     broker, http = snap_broker()
     snapshots = os.path.join(broker.data_path, "snapshots")
     os.makedirs(snapshots)
@@ -216,7 +218,7 @@ def test_defect14_snapshot_bad_out_is_400(snap_broker, out, message):
     assert broker.store.copies == 0
 
 
-def test_defect14_snapshot_never_writes_through_a_symlink(snap_broker, tmp_path):
+def test_snapshot_never_writes_through_a_symlink(snap_broker, tmp_path):
     broker, http = snap_broker()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -235,7 +237,7 @@ def test_defect14_snapshot_never_writes_through_a_symlink(snap_broker, tmp_path)
     assert broker.store.copies == 0
 
 
-def test_defect14_snapshots_disk_use_is_bounded(snap_broker):
+def test_snapshots_disk_use_is_bounded(snap_broker):
     from mqd.nsqd.http.snapshot import disk_use
 
     broker, http = snap_broker()
@@ -289,13 +291,13 @@ def _requests(draw):
 @given(request=_requests())
 @example(request=("PUT", "/config/nsqlookupd_tcp_addresses", b"[" * 5000))
 @example(request=("POST", "/snapshot?out=%ff", b""))
-def test_defect14_no_endpoint_answers_500_to_client_input(http, request):
+def test_no_endpoint_answers_500_to_client_input(http, request):
     method, uri, body = request
     r = http.request(method, uri, body if method in ("POST", "PUT") else None)
     assert r.status != 500, (method, uri, body[:80], r.body[:200])
 
 
-# -- defect 12: metadata writes off the reactor, coalesced; stats cheap at many channels --
+# -- metadata writes off the reactor, coalesced; stats cheap at many channels --
 
 
 class Jobs:
@@ -335,7 +337,7 @@ def jobs(broker):
     return runner
 
 
-def test_defect12_metadata_written_off_the_reactor_once_per_burst(broker, clock, jobs, publish):
+def test_metadata_written_off_the_reactor_once_per_burst(broker, clock, jobs, publish):
     publish(b"x", topic="t0")
     clock.advance(0)
     # The reactor only took the state: the file is written by the job.
@@ -354,9 +356,7 @@ def test_defect12_metadata_written_off_the_reactor_once_per_burst(broker, clock,
     assert jobs.pending == []  # nothing changed since
 
 
-def test_defect12_pause_answers_after_the_write(broker, clock, jobs, http):
-    from tests.unit._http import parse_response
-
+def test_pause_answers_after_the_write(broker, clock, jobs, http):
     broker.topic("t").channel("c")
     clock.advance(0)
     jobs.run()
@@ -373,7 +373,7 @@ def test_defect12_pause_answers_after_the_write(broker, clock, jobs, http):
         assert (topic["paused"], topic["channels"][0]["paused"]) == paused
 
 
-def test_defect12_failed_write_is_retried_and_latest_state_wins(broker, clock, jobs):
+def test_failed_write_is_retried_and_latest_state_wins(broker, clock, jobs):
     broker.topic("a")
     clock.advance(0)
     jobs.run(OSError(28, "No space left on device"))
@@ -390,7 +390,7 @@ def test_defect12_failed_write_is_retried_and_latest_state_wins(broker, clock, j
     assert _names(broker) == ["a", "b", "c"]
 
 
-def test_defect12_close_writes_the_final_metadata_synchronously(broker, clock, jobs):
+def test_close_writes_the_final_metadata_synchronously(broker, clock, jobs):
     broker.topic("a")
     clock.advance(0)
     broker.topic("b").channel("c")
@@ -426,7 +426,7 @@ def _calls_per_channel(broker, http, path: str, n: int = 500) -> float:
     return (calls() - base) / n
 
 
-def test_defect12_metrics_cost_per_channel(broker, http):
+def test_metrics_cost_per_channel(broker, http):
     # /metrics made ~200 calls per channel (a sample object, label escaping and
     # number formatting per field); 20k channels held the reactor for seconds.
     assert _calls_per_channel(broker, http, "/metrics") < 50

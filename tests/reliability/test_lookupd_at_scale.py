@@ -14,7 +14,7 @@ Big answers are now written a slice of pieces per reactor turn, so:
 * a client that goes away stops the work, one that does not read pauses it.
 
 The answers' bytes are compared with the naive construction of
-tests/unit/_lookupd_reference.py. Nothing here measures speed: the figures
+tests/support/lookupd_reference.py. Nothing here measures speed: the figures
 come from `python -m bench lookupd`.
 """
 
@@ -38,8 +38,9 @@ from twisted.python.failure import Failure
 from mqd.lookup.http import SLICE, LookupdSite
 from mqd.lookup.protocol import LookupdFactory, LookupdProtocol
 from mqd.lookup.registry import RegistrationDB
-from tests.reliability._fault_support import LogWatch
-from tests.unit._lookupd_reference import (
+from tests.support.inprocess_broker import START_TIME
+from tests.support.log_watch import LogWatch
+from tests.support.lookupd_reference import (
     NaiveRegistrationDB,
     StreamingClient,
     TurnClock,
@@ -50,7 +51,7 @@ from tests.unit._lookupd_reference import (
     naive_nodes,
     naive_topics,
 )
-from tests.unit.conftest import START_TIME, sized
+from tests.support.v2_frames import sized
 
 BROKERS = 1000
 TOPICS = [f"topic{t}" for t in range(5)]

@@ -1,4 +1,4 @@
-"""Model-based test of the V2 protocol (issue #16): a hypothesis state machine
+"""Model-based test of the V2 protocol: a hypothesis state machine
 drives a publisher and consumers of an in-process broker (task.Clock,
 StringTransports) and checks it, after every step, against a model of where
 each message is.
@@ -31,14 +31,10 @@ read, before delivery can spin on it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import shutil
-import signal
 import tempfile
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import HealthCheck
@@ -55,30 +51,28 @@ from hypothesis.stateful import (
 from twisted.internet.task import Clock
 
 from backends.lmdb import KEY, RECORD, LmdbQueue
-from tests.unit.conftest import (
-    HEARTBEAT,
-    START_TIME,
-    Client,
-    Msg,
-    cmd,
-    dpub,
-    err,
-    identify,
-    mpub,
-    new_broker,
-    ok,
-    pub,
-    scan,
+from tests.support.inprocess_broker import START_TIME, new_broker, scan
+from tests.support.invariants import check_durable_invariant
+from tests.support.message_model import (
+    DEFERRED,
+    DONE,
+    EMPTIED,
+    GONE,
+    IN_FLIGHT,
+    LOST,
+    QUEUED,
+    STEP_LIMIT,
+    Consumer,
+    M,
+    NegativeDepth,
+    bounded,
+    guarded,
 )
-
-try:  # the storage helper's cross-check of LMDB records against the channels
-    from tests.reliability.invariants import check_durable_invariant
-except ImportError:  # pragma: no cover - only if invariants.py goes away
-    check_durable_invariant = None
+from tests.support.v2_client import Client
+from tests.support.v2_frames import HEARTBEAT, Msg, cmd, dpub, err, identify, mpub, ok, pub
 
 EXAMPLES = int(os.environ.get("MQD_MODEL_EXAMPLES", "200"))
 STEPS = int(os.environ.get("MQD_MODEL_STEPS", "60"))
-STEP_LIMIT = float(os.environ.get("MQD_MODEL_STEP_LIMIT", "3"))
 # Data paths on tmpfs where there is one: --durable fsyncs every commit, and
 # a crash here is simulated in-process, so a real disk adds only waiting.
 DATA_ROOT = os.environ.get("MQD_MODEL_TMP") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -105,56 +99,6 @@ VARIANTS = {
 MEM_QUEUE_SIZES = (2, 0, 50)
 
 
-class StepTimeout(AssertionError):
-    """A step did not return: the broker is looping."""
-
-
-class _Alarm(BaseException):
-    """Raised by the alarm inside the broker: not an Exception, so no `except Exception` there swallows it."""
-
-
-class NegativeDepth(AssertionError):
-    """A backend queue read more than it held."""
-
-
-@contextmanager
-def bounded(seconds: float):
-    """Fail with StepTimeout if the block runs longer than `seconds` (main thread only).
-
-    The alarm raises a BaseException, which the broker's error handling does
-    not catch, and repeats until the block is left; it becomes an
-    AssertionError here, outside the broker, so hypothesis shrinks it.
-    """
-    armed = [True]
-
-    def on_alarm(signum, frame):
-        if armed[0]:
-            raise _Alarm
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
-    try:
-        yield
-    except _Alarm:
-        armed[0] = False
-        raise StepTimeout(f"step still running after {seconds}s: the broker is looping") from None
-    finally:
-        armed[0] = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def guarded(step):
-    """Run a rule under the hang guard."""
-
-    @functools.wraps(step)
-    def run(self, *args, **kwargs):
-        with bounded(STEP_LIMIT):
-            return step(self, *args, **kwargs)
-
-    return run
-
-
 @pytest.fixture
 def depth_tripwire(monkeypatch):
     """Raise NegativeDepth at the LMDB read that takes a queue's depth below zero.
@@ -177,43 +121,7 @@ def depth_tripwire(monkeypatch):
     monkeypatch.setattr(LmdbQueue, "read", read)
 
 
-# -- the model ------------------------------------------------------------------------------
-
-
-QUEUED, DEFERRED, IN_FLIGHT = "queued", "deferred", "in flight"
-DONE, EMPTIED, LOST = "finished", "emptied", "lost in a crash"
-GONE = (DONE, EMPTIED, LOST)
-
-
-@dataclass(eq=False)
-class M:
-    """One channel's copy of one message, as the model expects it."""
-
-    body: bytes
-    state: str
-    timestamp: int  # ns, the publish time: kept across requeues and restarts
-    attempts: int = 0
-    # After a crash the stored attempts may lag (a delivery alone does not
-    # rewrite the record): the next delivery may say anything in 1..attempts+1.
-    attempts_known: bool = True
-    due: float = 0.0
-    owner: Consumer | None = None
-    deadline: float = 0.0
-    delivered_at: float = 0.0
-    id: bytes | None = None
-
-
-@dataclass(eq=False)
-class Consumer:
-    client: Client
-    topic: str
-    channel: str
-    n: int
-    rdy: int = 0
-    in_flight: set = field(default_factory=set)  # of M
-
-    def __repr__(self) -> str:
-        return f"consumer{self.n}({self.topic}:{self.channel}, rdy {self.rdy}, {len(self.in_flight)} in flight)"
+# -- the state machine ---------------------------------------------------------------------
 
 
 class BrokerModel(RuleBasedStateMachine):
@@ -695,7 +603,7 @@ class BrokerModel(RuleBasedStateMachine):
         broker = self.broker
         store = broker.store
         assert not store._pending()
-        if check_durable_invariant is not None and self.durable:
+        if self.durable:  # LMDB's records cross-checked against the channels
             check_durable_invariant(broker)
         counts: dict[int, int] = {}
         with store.env.begin(db=store.data_db) as txn:

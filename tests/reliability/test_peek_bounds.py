@@ -18,8 +18,9 @@ import json
 import threading
 import time
 
-from tests.integration._support import FRAME_RESPONSE, RawConn, command, http_request
-from tests.reliability._fault_support import measured
+from tests.support.abuse import measured
+from tests.support.processes import http_request
+from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
 
 MB = 1 << 20
 BUDGET = 4 * MB

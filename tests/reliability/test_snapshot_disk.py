@@ -30,9 +30,10 @@ from mqd.nsqd.snapshot_live import snapshot_estimate
 from mqd.nsqd.snapshot_space import Entry, disk_use, retention_victims
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
 from spark_bridge.records import open_snapshot
-from tests.integration._support import FRAME_RESPONSE, RawConn, command, mpub_body
-from tests.reliability._fault_support import log_problems, raw_http
-from tests.unit._http import HTTPClient, error, parse_response
+from tests.support.control_checks import log_problems, raw_http
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
+from tests.support.v2_frames import mpub_body
 
 # -- in-process ------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Issue #16, storage defects 1, 2, 10, 11 and 13: one regression test (or a few) per defect.
+"""Storage defects found in review: one regression test (or a few) per defect, named after the behaviour.
 
 Everything runs in-process on a task.Clock (`clock.advance(0)` runs the
 LMDB group commit). Durable tests check `check_durable_invariant` after each
@@ -17,24 +17,11 @@ from twisted.logger import LogLevel, globalLogPublisher
 from mqd.nsqd import channel as channel_module
 from mqd.nsqd.channel import Channel
 from mqd.nsqd.queuescan import QueueScanner
-from tests.reliability.invariants import check_durable_invariant, stored_keys
-from tests.unit.conftest import (
-    HEARTBEAT,
-    Client,
-    Msg,
-    cmd,
-    dpub,
-    err,
-    failing_once,
-    identify,
-    lmdb_store,
-    mpub,
-    msgs,
-    new_broker,
-    ok,
-    pub,
-    scan,
-)
+from tests.support.http_client import HTTPClient, parse_response
+from tests.support.inprocess_broker import failing_once, lmdb_store, msgs, new_broker, scan
+from tests.support.invariants import check_durable_invariant, stored_keys
+from tests.support.v2_client import Client
+from tests.support.v2_frames import HEARTBEAT, Msg, cmd, dpub, err, identify, mpub, ok, pub
 
 FULL = "LMDB write failed: No space left on device"
 
@@ -87,10 +74,10 @@ def logged():
     globalLogPublisher.removeObserver(capture)
 
 
-# -- defect 1: a deferred record read a second time ---------------------------------------
+# -- a deferred record read a second time ---------------------------------------
 
 
-def test_defect01_durable_deferred_record_not_read_twice(tmp_path, clock):
+def test_durable_deferred_record_not_read_twice(tmp_path, clock):
     broker = lmdb_broker(tmp_path, clock, durable=True)
     c = Client(broker)
     c.sub(rdy=0)
@@ -125,10 +112,8 @@ def test_defect01_durable_deferred_record_not_read_twice(tmp_path, clock):
     broker.close()
 
 
-def test_defect01_durable_deferred_via_http_then_requeued(tmp_path, clock):
+def test_durable_deferred_via_http_then_requeued(tmp_path, clock):
     """The same via POST /pub?defer=, then a REQ and a timeout of the once-deferred message."""
-    from tests.unit._http import HTTPClient, parse_response
-
     broker = lmdb_broker(tmp_path, clock, durable=True, msg_timeout="10s")
     c = Client(broker)
     c.sub(rdy=0)
@@ -162,7 +147,7 @@ def test_defect01_durable_deferred_via_http_then_requeued(tmp_path, clock):
     broker.close()
 
 
-def test_defect01_lmdb_update_keeps_a_held_record_hidden(tmp_path, clock):
+def test_lmdb_update_keeps_a_held_record_hidden(tmp_path, clock):
     store = lmdb_store(tmp_path, clock, durable=True)
     q = store.open_queue("t")
     (held,) = msgs(1)
@@ -206,7 +191,7 @@ class LyingBackend:
         return getattr(self.real, name)
 
 
-def test_defect01_deliver_cannot_spin_on_a_wrong_depth(broker):
+def test_deliver_cannot_spin_on_a_wrong_depth(broker):
     c = Client(broker)
     c.sub(rdy=0)
     channel = broker.topics["t"].channels["c"]
@@ -216,7 +201,7 @@ def test_defect01_deliver_cannot_spin_on_a_wrong_depth(broker):
     assert c.read() == []
 
 
-def test_defect01_lmdb_depth_never_negative(tmp_path, clock, logged):
+def test_lmdb_depth_never_negative(tmp_path, clock, logged):
     store = lmdb_store(tmp_path, clock, durable=True)
     q = store.open_queue("t")
     q.put(msgs(2))
@@ -228,10 +213,10 @@ def test_defect01_lmdb_depth_never_negative(tmp_path, clock, logged):
     store.close()
 
 
-# -- defect 2: attempts past 65,535 -------------------------------------------------------
+# -- attempts past 65,535 -------------------------------------------------------
 
 
-def test_defect02_attempts_wrap_like_nsqd(tmp_path, clock):
+def test_attempts_wrap_like_nsqd(tmp_path, clock):
     broker = lmdb_broker(tmp_path, clock, durable=True)
     c = Client(broker)
     c.sub(rdy=1)
@@ -264,7 +249,7 @@ def test_defect02_attempts_wrap_like_nsqd(tmp_path, clock):
     broker.close()
 
 
-def test_defect02_lmdb_record_packs_any_attempts(tmp_path, clock):
+def test_lmdb_record_packs_any_attempts(tmp_path, clock):
     store = lmdb_store(tmp_path, clock, durable=True)
     q = store.open_queue("t")
     (m,) = msgs(1)
@@ -279,7 +264,7 @@ def test_defect02_lmdb_record_packs_any_attempts(tmp_path, clock):
     store.close()
 
 
-def test_defect02_failing_channel_does_not_stop_the_queue_scan(make_broker, clock, monkeypatch, logged):
+def test_failing_channel_does_not_stop_the_queue_scan(make_broker, clock, monkeypatch, logged):
     broker = make_broker(queue_scan_interval="100ms")
     bad = Client(broker)
     bad.sub("t", "bad", rdy=1)
@@ -319,10 +304,10 @@ def test_defect02_failing_channel_does_not_stop_the_queue_scan(make_broker, cloc
         scanner.stopService()
 
 
-# -- defect 10: messages a sample_rate drops ------------------------------------------------
+# -- messages a sample_rate drops ------------------------------------------------
 
 
-def test_defect10_durable_sample_rate_drops_are_forgotten(tmp_path, clock, monkeypatch):
+def test_durable_sample_rate_drops_are_forgotten(tmp_path, clock, monkeypatch):
     monkeypatch.setattr(channel_module, "random", random.Random(16))
     broker = lmdb_broker(tmp_path, clock, durable=True)
     c = Client(broker)
@@ -353,7 +338,7 @@ def test_defect10_durable_sample_rate_drops_are_forgotten(tmp_path, clock, monke
     broker.close()
 
 
-# -- defect 11: a topic's backlog moved while the disk is full -----------------------------------
+# -- a topic's backlog moved while the disk is full -----------------------------------
 
 
 def fill_disk(broker) -> None:
@@ -365,7 +350,7 @@ def fill_disk(broker) -> None:
 
 
 @pytest.mark.parametrize("durable", [False, True], ids=["default", "durable"])
-def test_defect11_backlog_kept_when_store_fails_mid_move(tmp_path, clock, durable):
+def test_backlog_kept_when_store_fails_mid_move(tmp_path, clock, durable):
     flags = {"durable": True} if durable else {"mem_queue_size": 10}
     broker = lmdb_broker(tmp_path, clock, **flags)
     bodies = [b"%d" % i for i in range(100)]
@@ -402,7 +387,7 @@ def test_defect11_backlog_kept_when_store_fails_mid_move(tmp_path, clock, durabl
     broker.close()
 
 
-def test_defect11_publish_while_move_waits_stays_in_order(tmp_path, clock):
+def test_publish_while_move_waits_stays_in_order(tmp_path, clock):
     broker = lmdb_broker(tmp_path, clock, durable=True)
     p = Client(broker)
     p.send(mpub("t", [b"a", b"b"]))
@@ -426,7 +411,7 @@ def test_defect11_publish_while_move_waits_stays_in_order(tmp_path, clock):
     broker.close()
 
 
-def test_defect11_ephemeral_channel_does_not_take_a_batch_the_store_refuses(tmp_path, clock):
+def test_ephemeral_channel_does_not_take_a_batch_the_store_refuses(tmp_path, clock):
     broker = lmdb_broker(tmp_path, clock, durable=True)
     eph = Client(broker)
     eph.sub("t", "e#ephemeral", rdy=0)
@@ -454,7 +439,7 @@ def test_defect11_ephemeral_channel_does_not_take_a_batch_the_store_refuses(tmp_
     broker.close()
 
 
-def test_defect11_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, clock, logged):
+def test_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, clock, logged):
     broker = lmdb_broker(tmp_path, clock, mem_queue_size=10)
     p = Client(broker)
     assert p.request(mpub("t", [b"%d" % i for i in range(5)])) == [ok()]
@@ -468,7 +453,7 @@ def test_defect11_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, c
     Client(broker).send(pub("other", b"o"))
     clock.advance(0)
     assert broker.health == FULL
-    # Every queue still closes; since issue #19 the memory queues are not
+    # Every queue still closes, and the memory queues are not
     # dropped either: the store takes them and writes what fits in bounded
     # transactions (here all of it: only the one-transaction commit fails).
     assert broker.close() is None
@@ -480,10 +465,10 @@ def test_defect11_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, c
     broker.close()
 
 
-# -- defect 13: the memory store and deleted queues ---------------------------------------------
+# -- the memory store and deleted queues ---------------------------------------------
 
 
-def test_defect13_memory_store_forgets_deleted_queues(broker):
+def test_memory_store_forgets_deleted_queues(broker):
     store = broker.store
     for i in range(1000):
         topic = broker.topic(f"t{i}")

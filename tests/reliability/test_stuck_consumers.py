@@ -1,4 +1,4 @@
-"""Issues #18 (part 2) and #19 (part 1): consumers that stay connected but do not read.
+"""Consumers that stay connected but do not read: what they may pin, and when they are closed.
 
 A stuck consumer may pin its RDY window of messages and one transport
 buffer, never more: while its output is backed up it is handed nothing, so
@@ -27,17 +27,12 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
 from mqd.nsqd.protocol.v2 import V2Factory
-from tests.integration._support import (
-    FRAME_MESSAGE,
-    FRAME_RESPONSE,
-    RawConn,
-    command,
-    select_sockets,
-)
-from tests.reliability._fault_support import _lazy_reader, measured
-from tests.unit.conftest import (
+from tests.support.abuse import lazy_reader, measured
+from tests.support.inprocess_broker import scan
+from tests.support.raw_conn import FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command, select_sockets
+from tests.support.v2_client import Client
+from tests.support.v2_frames import (
     MAGIC,
-    Client,
     Msg,
     cmd,
     identify,
@@ -46,7 +41,6 @@ from tests.unit.conftest import (
     ok,
     parse_frames,
     pub,
-    scan,
 )
 
 BODY_SIZE = 1024
@@ -127,7 +121,7 @@ class StuckClient(Client):
     def buffered(self) -> int:
         """Bytes the broker holds for this client: the transport's buffer and the protocol's own."""
         proto = self.proto
-        unsent = getattr(proto, "_unsent", ())  # the protocol's held frames (none before #19)
+        unsent = getattr(proto, "_unsent", ())  # the frames the protocol holds back, if any
         return len(self.transport.value()) + proto._obuf_len + sum(len(p) for p in unsent)
 
     @property
@@ -163,10 +157,10 @@ def publisher(connect):
     return do
 
 
-# -- #19: nsqd's write deadline ---------------------------------------------------------------
+# -- nsqd's write deadline ---------------------------------------------------------------
 
 
-def test_issue19_output_not_drained_within_heartbeat_interval_closes(broker, clock, publisher, connect):
+def test_output_not_drained_within_heartbeat_interval_closes(broker, clock, publisher, connect):
     c = stuck_consumer(broker, 40001)
     publisher(bodies(200))
     assert c.transport.paused, "200 KB unsent must pause the producer"
@@ -184,7 +178,7 @@ def test_issue19_output_not_drained_within_heartbeat_interval_closes(broker, clo
     assert sorted(m.body for m in healthy.messages()) == bodies(200)
 
 
-def test_issue19_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(broker, clock, publisher):
+def test_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(broker, clock, publisher):
     """The deadline runs while one write waits, as nsqd's per-write SetWriteDeadline does.
 
     300 KB are held for a reader that takes 40 KiB every 5 s: the whole
@@ -211,7 +205,7 @@ def test_issue19_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(
     assert broker.topic("t").channel("c").in_flight_count() == 0
 
 
-def test_issue19_slow_reader_not_read_for_two_heartbeats_is_closed(broker, clock, publisher, connect):
+def test_slow_reader_not_read_for_two_heartbeats_is_closed(broker, clock, publisher, connect):
     """A backlog that takes longer than two heartbeat intervals to read keeps the broker from
     reading the client that long: the read timeout closes it (nsqd closes such slow readers
     when their heartbeat answers come too late), and its messages go to others."""
@@ -232,7 +226,7 @@ def test_issue19_slow_reader_not_read_for_two_heartbeats_is_closed(broker, clock
     assert sorted(m.body for m in healthy.messages()) == bodies(300)
 
 
-def test_issue19_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interval(broker, clock, publisher):
+def test_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interval(broker, clock, publisher):
     """A close waits for the output to be written (loseConnection): a client that never reads
     would keep it, and what it holds, forever. nsqd's last write has its deadline too."""
     c = stuck_consumer(broker, 40003)
@@ -244,10 +238,10 @@ def test_issue19_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interv
     assert c.aborted
 
 
-# -- #18/#19: what a stuck consumer pins ------------------------------------------------------
+# -- what a stuck consumer pins ------------------------------------------------------
 
 
-def test_issue18_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publisher, connect):
+def test_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publisher, connect):
     """Bytes held for a never-reading consumer stay under RDY x frame size + the transport
     buffer however much is published and however often its messages time out; a healthy
     consumer on the same channel gets and finishes every message."""
@@ -294,7 +288,7 @@ def test_issue18_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publ
     assert channel.depth() == 0 and channel.in_flight_count() == 0
 
 
-def test_issue19_timed_out_message_not_rewritten_while_its_copy_is_unsent(broker, clock, publisher):
+def test_timed_out_message_not_rewritten_while_its_copy_is_unsent(broker, clock, publisher):
     """A window that times out while the client is reading its backlog slowly is not
     written again until the earlier copies have all been handed on."""
     c = stuck_consumer(broker, 40006, rdy=500, msg_timeout=1000)
@@ -354,7 +348,7 @@ def _rss_anon_mb(pid: int) -> float:
     raise AssertionError("no RssAnon")
 
 
-def test_issue18_stuck_consumers_on_a_real_broker_keep_memory_bounded(start_broker):
+def test_stuck_consumers_on_a_real_broker_keep_memory_bounded(start_broker):
     """N consumers (RDY 2500) that never read, one that reads 20 KB/s, and a healthy one,
     while 1 KB messages are published (LMDB, the default): the broker's RssAnon stays
     within N x RDY x 1 KB x 2 + 200 MB, every message reaches the healthy consumer, and
@@ -365,7 +359,7 @@ def test_issue18_stuck_consumers_on_a_real_broker_keep_memory_bounded(start_brok
              + command(f"RDY {STUCK_RDY}"))
     stuck = []
     for _ in range(STUCK):
-        s = _lazy_reader(broker, 4096)
+        s = lazy_reader(broker, 4096)
         s.sendall(hello)
         stuck.append(s)
     stop = threading.Event()
@@ -373,7 +367,7 @@ def test_issue18_stuck_consumers_on_a_real_broker_keep_memory_bounded(start_brok
     counts = {"messages": 0, "slow_bytes": 0}
 
     def slow_reader() -> None:
-        s = _lazy_reader(broker, 4096)
+        s = lazy_reader(broker, 4096)
         s.sendall(hello)
         s.settimeout(0.5)
         while not stop.is_set():

@@ -2,24 +2,23 @@
 
 `spark` starts once per run (~8 s) and is shared by every test here; a
 test that changes its configuration restores it. `known_snapshot` is
-`_snapshots.STANDARD_QUEUES` written once per run: tests only read it.
-The real-broker fixtures (`start_broker`) come from tests/integration.
+`tests.support.known_snapshots.STANDARD_QUEUES` written once per run: tests only read it.
+The real-broker fixtures (`start_broker`) are in tests/conftest.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from mqd.message import Message
-from tests.integration.conftest import start_broker, start_lookupd
-from tests.spark._snapshots import STANDARD_QUEUES, build_snapshot, expected_rows
-
-__all__ = ["KnownSnapshot", "known_snapshot", "spark", "start_broker", "start_lookupd"]
+from tests.support.known_snapshots import (
+    STANDARD_QUEUES,
+    KnownSnapshot,
+    build_snapshot,
+    expected_rows,
+)
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +32,6 @@ def spark() -> Iterator[Any]:
         yield session
     finally:
         session.stop()
-
-
-@dataclass(frozen=True)
-class KnownSnapshot:
-    path: Path
-    queues: dict[str, list[Message]]
-    rows: list[dict[str, Any]]  # expected_rows(queues): key order, Arrow's Python types
 
 
 @pytest.fixture(scope="session")

@@ -37,8 +37,8 @@ from spark_bridge import analysis as mq
 from spark_bridge.__main__ import main
 from spark_bridge.report import format_age, render_html, render_text, write_html
 from tests.ensure_browser import BROWSER, DRIVER
-from tests.integration._support import REPO_ROOT, child_env
-from tests.spark._snapshots import Held, build_snapshot, expected_rows, message, micros
+from tests.support.known_snapshots import Held, build_snapshot, expected_rows, message, micros
+from tests.support.processes import REPO_ROOT, child_env
 
 AGES_S = [15, 25, 35, 45, 55, 65, 75, 85, 95, 105]  # orders:billing, publication = now - age
 SIZES = [100 * (i + 1) for i in range(10)]

@@ -11,7 +11,7 @@ from pyspark.sql.types import StructType
 
 from spark_bridge.datasource import PUSHDOWN_CONF, register
 from spark_bridge.records import SPARK_SCHEMA_DDL
-from tests.spark._snapshots import Held, build_snapshot, expected_rows, messages
+from tests.support.known_snapshots import Held, build_snapshot, expected_rows, messages
 
 
 def load(spark, path, partitions: int | None = None):

@@ -27,8 +27,8 @@ from examples.publish_events import (
     publish,
     synthetic_events,
 )
-from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env, http_request, wait_for
-from tests.spark._stream_query import channel_counts
+from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env, http_request, wait_for
+from tests.support.stream_query import channel_counts
 
 EVENTS = 300
 START = datetime(2026, 11, 26, 12, 0, 0, tzinfo=UTC)

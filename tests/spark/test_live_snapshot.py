@@ -17,9 +17,9 @@ import json
 from collections import Counter, defaultdict
 
 from mqd.nsqd.snapshot_format import read_manifest
-from tests.integration._support import FAST_SCAN, wait_for
-from tests.integration._traffic import Traffic, consumer, http_publisher, number, tcp_publisher
-from tests.integration.test_snapshot import call, create, queue_stats
+from tests.support.broker_http import call, create, queue_stats
+from tests.support.processes import FAST_SCAN, wait_for
+from tests.support.traffic import Traffic, consumer, http_publisher, number, tcp_publisher
 
 TOPIC, SOLO = "live", "solo"
 BATCH = 20

@@ -21,7 +21,7 @@ from spark_bridge.records import (
     read_ranges,
     snapshot_ranges,
 )
-from tests.spark._snapshots import Held, build_snapshot, expected_rows, message, messages
+from tests.support.known_snapshots import Held, build_snapshot, expected_rows, message, messages
 
 
 def read_all(path, ranges=None, **kwargs) -> list[pa.RecordBatch]:

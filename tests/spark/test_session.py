@@ -18,7 +18,7 @@ from spark_bridge import jvm_archive, python_launcher
 from spark_bridge.__main__ import _shut_down, main
 from spark_bridge.sample import write_sample_snapshot
 from spark_bridge.session import JAVA_OPTIONS, PUSHDOWN_CONF, session_conf
-from tests.integration._support import child_env
+from tests.support.processes import child_env
 
 
 @pytest.fixture

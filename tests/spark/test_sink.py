@@ -3,7 +3,7 @@
 Counts are read at the broker (/stats), bodies on a sample (/topic/peek,
 which reads without consuming). A task's retry after a broker outage is
 shown by running the task's `write` twice in a process of its own
-(_sink_direct.py): a local[2] session does not retry failed tasks.
+(tests/support/sink_direct.py): a local[2] session does not retry failed tasks.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._support import FAST_SCAN, http_request, wait_for
-from tests.integration.conftest import start_lookupd  # noqa: F401 - a fixture
+from tests.support.processes import FAST_SCAN, http_request, wait_for
 
 ROWS = 100_000
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,9 +51,9 @@ def free_port() -> int:
 
 
 def direct_write(options: dict, rows: list) -> subprocess.CompletedProcess:
-    """One sink task run outside Spark (see _sink_direct.py)."""
+    """One sink task run outside Spark (see tests/support/sink_direct.py)."""
     return subprocess.run(
-        [sys.executable, "-m", "tests.spark._sink_direct", json.dumps(options), json.dumps(rows)],
+        [sys.executable, "-m", "tests.support.sink_direct", json.dumps(options), json.dumps(rows)],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
@@ -143,7 +142,7 @@ def test_the_schema_and_options_are_checked_before_any_task(spark):
             "nsqd", "127.0.0.1:1").option("topic", "no/slash").mode("append").save()
 
 
-def test_brokers_are_found_through_lookupd(start_broker, start_lookupd, spark):  # noqa: F811
+def test_brokers_are_found_through_lookupd(start_broker, start_lookupd, spark):
     lookupd = start_lookupd()
     df = spark.createDataFrame([("via lookupd",)], "body string").coalesce(1)
     write = df.write.format("mqd").option("lookupd", lookupd.http_address).option(

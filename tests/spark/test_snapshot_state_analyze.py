@@ -1,4 +1,4 @@
-"""Issue #12 as a new user met it: a default broker's 10,000-message backlog, snapshotted and analyzed.
+"""Snapshots as a new user meets them: a default broker's 10,000-message backlog, snapshotted and analyzed.
 
 With nsqd's default --mem-queue-size (10,000) the whole backlog sits in
 the channel's memory queue and none of it in LMDB: a copy of the store
@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 from mqd.nsqd.snapshot_format import read_manifest
-from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env
-from tests.integration.test_snapshot import call, create, queue_stats
+from tests.support.broker_http import call, create, queue_stats
+from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env
 
 BACKLOG = 10_000
 

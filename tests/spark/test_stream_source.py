@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._client_support import free_port
-from tests.integration._support import FAST_SCAN, REPO_ROOT, child_env, http_request
-from tests.spark._stream_query import SKIP, channel_counts, start_query
+from tests.support.client_e2e import free_port
+from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env, http_request
+from tests.support.stream_query import SKIP, channel_counts, start_query
 
 TOPIC = "events"
 CHANNEL = "spark"
@@ -85,7 +85,7 @@ def test_a_query_gets_every_message_exactly_once(spark, start_broker, tmp_path):
 
 
 def _start_driver(checkpoint: Path, out: Path, log: Path, **options: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "tests.spark._stream_query", "--checkpoint", str(checkpoint),
+    argv = [sys.executable, "-m", "tests.support.stream_query", "--checkpoint", str(checkpoint),
             "--out", str(out), *(f"--option={k}={v}" for k, v in options.items())]
     with open(log, "ab") as sink:
         # Its own session: SIGKILL of the group kills the whole driver, JVM and Python workers.

@@ -1,9 +1,10 @@
 """What mqadmin's end-to-end tests share: an mqadmin process, a small real cluster, a browser.
 
-`AdminProcess` runs `twistd mqadmin` as `_support` runs mqd and mqlookupd
-(ephemeral loopback port, log to files, waits for /ping). `Cluster` is one
-mqlookupd and two mqd registered with it, plus mqadmin over the lookupd:
-the smallest cluster where nsqadmin's sums across producers mean anything.
+`AdminProcess` runs `twistd mqadmin` as `TwistdProcess` runs mqd and
+mqlookupd (ephemeral loopback port, log to files, waits for /ping).
+`Cluster` is one mqlookupd and two mqd registered with it, plus mqadmin
+over the lookupd: the smallest cluster where nsqadmin's sums across
+producers mean anything.
 `chromium()` is headless Debian Chromium through Selenium, as the Spark
 report's test drives it; `Page` reads the pages through their `data-test`
 hooks (documented at the top of mqd/admin/static/app.js), one script call
@@ -34,9 +35,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
 from tests.ensure_browser import BROWSER, DRIVER
-from tests.integration._support import (
-    _LISTENING,
-    _NO_PROXY,
+from tests.support.processes import (
+    LISTENING,
+    NO_PROXY,
     REPO_ROOT,
     BrokerProcess,
     BrokerStartError,
@@ -76,7 +77,7 @@ class AdminProcess(TwistdProcess):
                                          env=child_env(), cwd=self.workdir)
         deadline = time.monotonic() + timeout
         while not self.http_port:
-            found = {m.group(1): (m.group(2), int(m.group(3))) for m in _LISTENING.finditer(self.log())}
+            found = {m.group(1): (m.group(2), int(m.group(3))) for m in LISTENING.finditer(self.log())}
             if "HTTP" in found:
                 self.http_host, self.http_port = found["HTTP"]
             elif self.proc.poll() is not None:
@@ -90,7 +91,7 @@ class AdminProcess(TwistdProcess):
                 time.sleep(0.02)
         while True:
             try:
-                with _NO_PROXY.open(self.url("ping"), timeout=1) as response:
+                with NO_PROXY.open(self.url("ping"), timeout=1) as response:
                     if response.status == 200:
                         return self
             except OSError:
@@ -111,7 +112,7 @@ class AdminProcess(TwistdProcess):
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with _NO_PROXY.open(req, timeout=15) as response:
+            with NO_PROXY.open(req, timeout=15) as response:
                 status, raw = response.status, response.read()
         except urllib.error.HTTPError as e:
             status, raw = e.code, e.read()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,3 +108,17 @@ def make_certs(directory: Path) -> Certs:
         client_cert=paths["client"][0], client_key=paths["client"][1],
         other_client_cert=directory / "other.pem", other_client_key=directory / "other.key",
     )
+
+
+def tls_flags(certs, *extra: str) -> tuple[str, ...]:
+    return (f"--tls-cert={certs.server_cert}", f"--tls-key={certs.server_key}",
+            "--https-address=127.0.0.1:0", *extra)
+
+
+def client_context(certs, *, client_cert: bool = False, other: bool = False) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(certs.ca))
+    if client_cert:
+        ctx.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+    if other:
+        ctx.load_cert_chain(str(certs.other_client_cert), str(certs.other_client_key))
+    return ctx

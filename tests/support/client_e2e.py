@@ -16,7 +16,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor, task
 
-from tests.integration._support import DEFAULT_TIMEOUT, TwistdProcess
+from tests.support.processes import DEFAULT_TIMEOUT, TwistdProcess
 
 
 def sleep(seconds: float) -> defer.Deferred:

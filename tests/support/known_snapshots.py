@@ -227,3 +227,12 @@ def _standard_queues() -> dict[str, list[Message]]:
 
 
 STANDARD_QUEUES = _standard_queues()
+
+
+@dataclass(frozen=True)
+class KnownSnapshot:
+    """A snapshot written once per run from `queues`, and the rows reading it must give."""
+
+    path: Path
+    queues: dict[str, list[Message]]
+    rows: list[dict[str, Any]]  # expected_rows(queues): key order, Arrow's Python types

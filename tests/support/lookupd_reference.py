@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from mqd.http.response import dumps
 from mqd.lookup.http import LookupdSite, _debug_entry
 from mqd.lookup.registry import Producer, Registration
-from tests.unit._http import Response, parse_response
+from tests.support.http_client import Response, parse_response
 
 
 class NaiveRegistrationDB:

@@ -1,4 +1,4 @@
-"""What the integration tests share: a real broker process, a tornado loop, a raw client.
+"""Real mqd and mqlookupd processes under twistd, and blocking HTTP calls and waits on them.
 
 Everything here waits with a deadline, so a broken broker fails a test
 with a message saying what it was waiting for instead of hanging the run.
@@ -6,25 +6,18 @@ with a message saying what it was waiting for instead of hanging the run.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
-import selectors
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import nsq
-from tornado.ioloop import IOLoop
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TWISTD = os.path.join(os.path.dirname(sys.executable), "twistd")
@@ -36,9 +29,9 @@ FAST_SCAN = ("--queue-scan-interval=20ms", "--queue-scan-refresh-interval=100ms"
 DEFAULT_TIMEOUT = 10.0
 
 # Loopback only: never through an http_proxy from the environment.
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-_LISTENING = re.compile(r"\b(TCP|HTTPS|HTTP): listening on (\S+):(\d+)\s*$", re.MULTILINE)
+LISTENING = re.compile(r"\b(TCP|HTTPS|HTTP): listening on (\S+):(\d+)\s*$", re.MULTILINE)
 
 
 def child_env() -> dict[str, str]:
@@ -114,13 +107,13 @@ class TwistdProcess:
         deadline = time.monotonic() + timeout
         while True:
             found = {m.group(1): (m.group(2), int(m.group(3)))
-                     for m in _LISTENING.finditer(self.log())}
+                     for m in LISTENING.finditer(self.log())}
             if "TCP" in found and "HTTP" in found:
                 self.tcp_host, self.tcp_port = found["TCP"]
                 self.http_host, self.http_port = found["HTTP"]
                 self._wait_until_serving(deadline)
                 # All listeners have logged by the time the reactor serves.
-                found = {m.group(1): int(m.group(3)) for m in _LISTENING.finditer(self.log())}
+                found = {m.group(1): int(m.group(3)) for m in LISTENING.finditer(self.log())}
                 self.https_port = found.get("HTTPS", 0)
                 return self
             if self.proc.poll() is not None:
@@ -144,7 +137,7 @@ class TwistdProcess:
         url = f"http://{self.http_address}/ping"
         while True:
             try:
-                with _NO_PROXY.open(url, timeout=1) as response:
+                with NO_PROXY.open(url, timeout=1) as response:
                     if response.status == 200:
                         return
             except urllib.error.HTTPError as e:
@@ -299,232 +292,6 @@ class BrokerProcess(TwistdProcess):
                 for t in meta.get("topics") or []}
 
 
-# -- the tornado side -------------------------------------------------------------
-
-
-class Loop:
-    """A fresh asyncio/tornado loop for one test; every wait has a deadline.
-
-    pynsq's clients take `IOLoop.current()` when they are built, so a test
-    builds them after this exists and they all run on it.
-    """
-
-    def __init__(self) -> None:
-        self.aio = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.aio)
-        self.io = IOLoop.current()
-        assert self.io.asyncio_loop is self.aio
-        self.clients: list[Any] = []
-
-    def run_until(self, condition: Callable[[], Any], timeout: float = DEFAULT_TIMEOUT,
-                  what: str = "condition", poll: float = 0.005) -> Any:
-        """Run the loop until `condition()` is truthy; AssertionError after `timeout`."""
-
-        async def wait() -> Any:
-            deadline = time.monotonic() + timeout
-            while True:
-                value = condition()
-                if value:
-                    return value
-                if time.monotonic() >= deadline:
-                    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-                await asyncio.sleep(poll)
-
-        return self.aio.run_until_complete(wait())
-
-    def run_for(self, seconds: float) -> None:
-        """Let the loop run (deliveries, heartbeats) for a while."""
-        self.aio.run_until_complete(asyncio.sleep(seconds))
-
-    # -- pynsq clients, closed with the loop --------------------------------------
-
-    def writer(self, broker: BrokerProcess, **kwargs: Any) -> nsq.Writer:
-        """A connected Writer."""
-        kwargs.setdefault("reconnect_interval", 0.2)
-        w = nsq.Writer([broker.tcp_address], **kwargs)
-        self.clients.append(w)
-        self.run_until(lambda: any(c.connected() for c in w.conns.values()),
-                       what="the Writer to connect")
-        return w
-
-    def reader(self, broker: BrokerProcess, topic: str, channel: str,
-               handler: Callable[[nsq.Message], Any], *, wait: bool = True,
-               **kwargs: Any) -> nsq.Reader:
-        """A Reader; with `wait`, returned once the broker has answered its SUB."""
-        r = nsq.Reader(topic=topic, channel=channel, message_handler=handler,
-                       nsqd_tcp_addresses=[broker.tcp_address], **kwargs)
-        responses: list[bytes] = []
-        r.sub_responses = responses
-        original = r._on_connection_ready
-
-        # The Reader sends SUB when its connection is ready; the broker's OK
-        # to it arrives as the connection's first response after that. A
-        # wrapper (not a change to pynsq) lets a test wait for it, so nothing
-        # is published before the subscription exists.
-        def on_ready(conn: Any, **kw: Any) -> None:
-            conn.on("response", lambda conn, data, **_: responses.append(data))
-            original(conn, **kw)
-
-        r._on_connection_ready = on_ready
-        self.clients.append(r)
-        if wait:
-            self.run_until(lambda: b"OK" in responses, what=f"SUB {topic} {channel} to be answered")
-        return r
-
-    def publish(self, writer: nsq.Writer, method: str, *args: Any) -> Any:
-        """pub/mpub/dpub through the Writer; returns what its callback got."""
-        got: list[Any] = []
-        getattr(writer, method)(*args, callback=lambda conn, data: got.append(data))
-        self.run_until(lambda: got, what=f"the answer to {method}")
-        return got[0]
-
-    def close_clients(self, settle: float = 0.1) -> None:
-        """Close every Reader and Writer made so far, and let the closes go out."""
-        clients, self.clients = self.clients, []
-        for client in clients:
-            try:
-                if isinstance(client, nsq.Reader):
-                    client.close()
-                else:
-                    for conn in list(client.conns.values()):
-                        conn.close()
-            except Exception:  # noqa: BLE001 - closing is best effort
-                pass
-        self.run_for(settle)
-
-    def close(self) -> None:
-        try:
-            self.close_clients(0.01)
-        finally:
-            self.io.close(all_fds=True)
-            asyncio.set_event_loop(None)
-
-
-class Collector:
-    """A message handler that records every delivery and finishes it."""
-
-    def __init__(self, respond: Callable[[nsq.Message], Any] | None = None) -> None:
-        self.deliveries: list[tuple[bytes, bytes, int, float]] = []  # (id, body, attempts, at)
-        self.respond = respond
-
-    def __call__(self, message: nsq.Message) -> Any:
-        self.deliveries.append((bytes(message.id), bytes(message.body), message.attempts,
-                                time.monotonic()))
-        if self.respond is not None:
-            return self.respond(message)
-        return True
-
-    @property
-    def bodies(self) -> list[bytes]:
-        return [d[1] for d in self.deliveries]
-
-    def __len__(self) -> int:
-        return len(self.deliveries)
-
-    def __bool__(self) -> bool:  # pynsq tests `if message_handler:`
-        return True
-
-
-# -- a raw V2 connection --------------------------------------------------------------
-
-FRAME_RESPONSE, FRAME_ERROR, FRAME_MESSAGE = 0, 1, 2
-MAGIC_V2 = b"  V2"
-
-
-def command(line: str | bytes, body: bytes | None = None) -> bytes:
-    if isinstance(line, str):
-        line = line.encode()
-    data = line + b"\n"
-    if body is not None:
-        data += struct.pack(">i", len(body)) + body
-    return data
-
-
-def mpub_body(bodies: Iterable[bytes]) -> bytes:
-    bodies = list(bodies)
-    return struct.pack(">i", len(bodies)) + b"".join(struct.pack(">i", len(b)) + b for b in bodies)
-
-
-class RawConn:
-    """A blocking socket speaking V2 by hand, for what pynsq cannot show."""
-
-    def __init__(self, broker: BrokerProcess, magic: bytes | None = MAGIC_V2,
-                 timeout: float = 5.0) -> None:
-        self.sock = socket.create_connection((broker.tcp_host, broker.tcp_port), timeout=timeout)
-        self.timeout = timeout
-        self._buf = b""
-        if magic is not None:
-            self.sock.sendall(magic)
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def _decode(self, chunk: bytes) -> bytes:
-        """What arrived, as protocol bytes (a subclass that negotiates compression decodes)."""
-        return chunk
-
-    def _read_exactly(self, n: int) -> bytes:
-        while len(self._buf) < n:
-            chunk = self.sock.recv(65536)
-            if not chunk:
-                raise ConnectionError(f"connection closed with {len(self._buf)}/{n} bytes read")
-            self._buf += self._decode(chunk)
-        data, self._buf = self._buf[:n], self._buf[n:]
-        return data
-
-    def read_frame(self, skip_heartbeats: bool = True) -> tuple[int, bytes]:
-        while True:
-            size, frame_type = struct.unpack(">ii", self._read_exactly(8))
-            payload = self._read_exactly(size - 4)
-            if skip_heartbeats and frame_type == FRAME_RESPONSE and payload == b"_heartbeat_":
-                self.send(b"NOP\n")
-                continue
-            return frame_type, payload
-
-    def read_message(self) -> tuple[int, int, bytes, bytes]:
-        """(timestamp, attempts, id, body) of the next frame, which must be a message."""
-        frame_type, payload = self.read_frame()
-        assert frame_type == FRAME_MESSAGE, (frame_type, payload)
-        ts, attempts = struct.unpack(">qH", payload[:10])
-        return ts, attempts, payload[10:26], payload[26:]
-
-    def expect_closed(self) -> None:
-        """The broker closes the connection (EOF, or a reset) within the timeout."""
-        assert not self._buf, f"unread bytes before close: {self._buf!r}"
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            try:
-                chunk = self.sock.recv(65536)
-            except ConnectionResetError:
-                return
-            except TimeoutError:
-                break
-            if not chunk:
-                return
-            raise AssertionError(f"expected the broker to close, got {chunk!r}")
-        raise AssertionError("the broker left the connection open")
-
-    def expect_silence(self, seconds: float) -> None:
-        """Nothing but heartbeats arrives for `seconds`, and the connection stays open."""
-        self.sock.settimeout(seconds)
-        try:
-            chunk = self.sock.recv(65536)
-        except TimeoutError:
-            return
-        finally:
-            self.sock.settimeout(self.timeout)
-        raise AssertionError(f"expected silence, got {chunk!r}")
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> RawConn:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 # -- mqlookupd -------------------------------------------------------------------------
 
 
@@ -550,7 +317,7 @@ def http_request(address: str, method: str, path: str, body: bytes | None = None
     """(status, body) of one request to `host:port`, error statuses included, no proxy."""
     request = urllib.request.Request(f"http://{address}{path}", data=body, method=method)
     try:
-        with _NO_PROXY.open(request, timeout=5) as response:
+        with NO_PROXY.open(request, timeout=5) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -568,19 +335,3 @@ def wait_for(condition, timeout: float = 5.0, what: str = "condition"):
         time.sleep(0.01)
 
 
-def select_sockets(readers: Iterable[socket.socket], writers: Iterable[socket.socket],
-                   timeout: float) -> tuple[list[socket.socket], list[socket.socket]]:
-    """select.select's answer for sockets, through epoll: a long test session can hold
-    file descriptors past select()'s limit of 1024."""
-    events: dict[socket.socket, int] = {}
-    for sock in readers:
-        events[sock] = selectors.EVENT_READ
-    for sock in writers:
-        events[sock] = events.get(sock, 0) | selectors.EVENT_WRITE
-    with selectors.DefaultSelector() as selector:
-        for sock, mask in events.items():
-            selector.register(sock, mask)
-        ready = selector.select(timeout)
-    readable = [key.fileobj for key, mask in ready if mask & selectors.EVENT_READ]
-    writable = [key.fileobj for key, mask in ready if mask & selectors.EVENT_WRITE]
-    return readable, writable

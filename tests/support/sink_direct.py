@@ -1,6 +1,6 @@
 """Runs one sink task (`TopicWriter.write`) outside Spark, in a process of its own.
 
-`python -m tests.spark._sink_direct OPTIONS_JSON ROWS_JSON`: rows are
+`python -m tests.support.sink_direct OPTIONS_JSON ROWS_JSON`: rows are
 `[body, topic or null]` pairs. Prints the commit message's
 `{"broker", "topics", "deferred"}` as JSON and exits 0, or prints the
 error's text on stderr and exits 1.

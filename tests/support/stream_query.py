@@ -1,6 +1,6 @@
 """The streaming query the source's tests run: mqd topic -> filter and transform -> Parquet files.
 
-Used in-process on the shared session, and as `python -m tests.spark._stream_query`
+Used in-process on the shared session, and as `python -m tests.support.stream_query`
 by the test that kills a whole Spark driver (JVM and Python) with SIGKILL and
 starts it again on the same checkpoint.
 """

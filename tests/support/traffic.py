@@ -17,15 +17,10 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
-from tests.integration._support import (
-    FRAME_RESPONSE,
-    BrokerProcess,
-    RawConn,
-    command,
-    mpub_body,
-    select_sockets,
-)
-from tests.integration.test_snapshot import call
+from tests.support.broker_http import call
+from tests.support.processes import BrokerProcess
+from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command, select_sockets
+from tests.support.v2_frames import mpub_body
 
 
 def number(body: bytes) -> int:

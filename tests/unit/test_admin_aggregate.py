@@ -27,6 +27,7 @@ from mqd.clusterinfo.aggregate import (
     version_key,
     warning,
 )
+from tests.support.admin_fakes import COUNTER_ROWS
 
 FIXTURES = pathlib.Path(__file__).parent / "admin_fixtures"
 NOW = 1_700_001_000
@@ -167,17 +168,6 @@ def test_topic_on_no_node_is_nsqadmins_empty_topic(nodes):
 def test_all_channels_keyed_topic_colon_channel(nodes):
     assert sorted(all_channel_stats(nodes, NOW)) == ["orders:audit", "orders:billing", "orders:ship"]
     assert sorted(all_channel_stats(nodes, NOW, "orders")) == ["audit", "billing", "ship"]
-
-
-# What /api/counter answers for the two canned brokers (test_admin_api checks it over HTTP).
-COUNTER_ROWS = {
-    f"orders:audit:{A}": {"node": A, "topic_name": "orders", "channel_name": "audit", "message_count": 7},
-    f"orders:billing:{A}": {"node": A, "topic_name": "orders", "channel_name": "billing",
-                            "message_count": 100},
-    f"orders:billing:{B}": {"node": B, "topic_name": "orders", "channel_name": "billing",
-                            "message_count": 50},
-    f"orders:ship:{B}": {"node": B, "topic_name": "orders", "channel_name": "ship", "message_count": 1},
-}
 
 
 def test_counter_rows_per_topic_channel_node(nodes):

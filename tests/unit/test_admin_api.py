@@ -24,10 +24,10 @@ from mqd.admin import api
 from mqd.admin.endpoint import Admin
 from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
-from mqd.clusterinfo.upstream import Upstream, UpstreamError, base_url
+from mqd.clusterinfo.upstream import UpstreamError, base_url
 from mqd.options import MQADMIN_OPTIONS, resolve
-from tests.unit._http import HTTPClient, error
-from tests.unit.test_admin_aggregate import COUNTER_ROWS
+from tests.support.admin_fakes import COUNTER_ROWS, real_upstream
+from tests.support.http_client import HTTPClient, error
 
 FIXTURES = pathlib.Path(__file__).parent / "admin_fixtures"
 NOW = 1_700_001_000
@@ -497,13 +497,6 @@ def server():
     root.address = f"127.0.0.1:{port.getHost().port}"
     yield root
     port.stopListening()
-
-
-def real_upstream(**flags):
-    from twisted.internet import reactor
-
-    flags.setdefault("nsqd-http-address", ["127.0.0.1:4151"])
-    return Upstream(reactor, resolve(MQADMIN_OPTIONS, flags))
 
 
 @pytest_twisted.inlineCallbacks

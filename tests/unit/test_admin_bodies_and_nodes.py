@@ -15,9 +15,8 @@ import pytest_twisted
 
 from mqd.admin.actions import PEEK_ANSWER_MAX
 from mqd.clusterinfo.upstream import UpstreamError
-from tests.unit._http import error
-from tests.unit.test_admin_actions import N1, N2, Cluster, Down, peeked
-from tests.unit.test_admin_api import real_upstream
+from tests.support.admin_fakes import N1, N2, Cluster, Down, peeked, real_upstream
+from tests.support.http_client import error
 
 AUTH = {"Authorization": "Bearer s3cret"}
 

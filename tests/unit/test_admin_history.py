@@ -16,7 +16,7 @@ from mqd.admin.endpoint import Admin
 from mqd.admin.history import History, NodeSample, routes, sampler
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import UpstreamError
-from tests.unit.conftest import START_TIME
+from tests.support.inprocess_broker import START_TIME
 
 A, B = "10.0.0.1:4151", "10.0.0.2:4151"
 BOOT = 1_699_999_000

@@ -21,7 +21,7 @@ from mqd.admin import tap
 from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
 from mqd.admin.web import STATIC_DIR, AdminSite, PatternRouter, merge_routes
 from mqd.options import MQADMIN_OPTIONS, ConfigError, resolve
-from tests.unit._http import HTTPClient, error, parse_response
+from tests.support.http_client import HTTPClient, error, parse_response
 
 PAGE = b'<!doctype html><base href="{{BASE_PATH}}"><script>const BASE = "{{BASE_PATH}}";</script>'
 
@@ -80,7 +80,7 @@ def static_dir(tmp_path):
 
 
 class AdminClient(HTTPClient):
-    """The in-process HTTP client of tests/unit/_http.py, on an AdminSite.
+    """The in-process HTTP client of tests/support/http_client.py, on an AdminSite.
 
     A static file is written by twisted.web's pull producer, which the
     reactor's cooperator drives; here a cooperator on the test's clock

@@ -12,6 +12,8 @@ from backends.memory import MemoryQueue, MemoryStore
 from mqd.message import Message
 from mqd.nsqd.interfaces import IConsumer
 from mqd.nsqd.protocol.v2 import V2Protocol
+from tests.support.v2_client import Client
+from tests.support.v2_frames import cmd, err, mpub, ok, pub
 
 
 def msgs(n: int, start: int = 0) -> list[Message]:
@@ -113,8 +115,6 @@ def test_dummy_queue_drops_everything():
 
 
 def test_ephemeral_channel_overflow_dropped(make_broker):
-    from tests.unit.conftest import Client, mpub, ok
-
     broker = make_broker(mem_queue_size=2)
     c = Client(broker)
     c.sub("t", "c#ephemeral")
@@ -132,8 +132,6 @@ class FailingQueue(MemoryQueue):
 
 
 def test_backend_failure_is_pub_failed(make_broker):
-    from tests.unit.conftest import Client, cmd, err, mpub, pub
-
     broker = make_broker(mem_queue_size=0)
     broker.topic("t")._queue.backend = FailingQueue("t")
     c = Client(broker)
@@ -149,8 +147,6 @@ def test_backend_failure_is_pub_failed(make_broker):
 
 
 def test_requeue_survives_backend_failure(make_broker):
-    from tests.unit.conftest import Client, cmd, mpub, ok
-
     broker = make_broker(mem_queue_size=1)
     c = Client(broker)
     c.sub(rdy=5)

@@ -1,4 +1,4 @@
-"""A broker's whole queue state in a snapshot (issue #12), in-process on a task.Clock.
+"""A broker's whole queue state in a snapshot, in-process on a task.Clock.
 
 Each backend gets the same scene: a channel backlog split over memory and
 the backend, messages in flight with a client, requeued with a delay and
@@ -15,8 +15,10 @@ import pytest
 
 from mqd.nsqd.snapshot_format import HELD_BIT, read_manifest
 from spark_bridge.records import open_snapshot, read_ranges, snapshot_ranges
-from tests.unit._http import HTTPClient, error, parse_response
-from tests.unit.conftest import Client, Msg, cmd, dpub, identify, new_broker, ok, scan
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import new_broker, scan
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, cmd, dpub, identify, ok
 
 MODES = {
     "memory": {"backend": "memory"},

@@ -15,7 +15,7 @@ from twisted.internet.testing import StringTransport
 
 from mqd.wire.compression import DeflateCodec, SnappyCodec
 from mqd.wire.framing import HEARTBEAT, OK
-from tests.unit.test_client_protocol import Conn, error, message_frame, server_json
+from tests.support.client_conn import Conn, error, message_frame, server_json
 
 _SETTINGS = settings(max_examples=150, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])

@@ -33,9 +33,9 @@ from mqd.client.errors import (
 from mqd.client.producer import Producer
 from mqd.client.protocol import NSQClientProtocol
 from mqd.wire.framing import OK
-from tests.unit.test_client_consumer import ERROR, RESPONSE, Lookupd, Network, Recorder, make
-from tests.unit.test_client_producer import ADDRESS, Endpoint, Outcome
-from tests.unit.test_client_protocol import Conn, error, message_frame, ready, response, server_json
+from tests.support.client_conn import Conn, error, message_frame, ready, response, server_json
+from tests.support.consumer_fakes import ERROR, RESPONSE, Lookupd, Network, Recorder, make
+from tests.support.producer_fakes import ADDRESS, Endpoint, Outcome
 
 DEEP = [b"[" * 100_000, b'{"a":' * 100_000, b"[" * 100_000 + b"]" * 100_000]
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from tests.unit.conftest import Client, Msg, cmd, dpub, err, identify, mpub, ok, pub, scan
+from tests.support.inprocess_broker import scan
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, cmd, dpub, err, identify, mpub, ok, pub
 
 
 def bodies(msgs) -> list[bytes]:

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from mqd.nsqd.broker import METADATA_FILE
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import Client, consumer, err, new_broker, pub
+from tests.support.http_client import HTTPClient, error
+from tests.support.inprocess_broker import new_broker
+from tests.support.v2_client import Client, consumer
+from tests.support.v2_frames import err, pub
 
 
 def publish(broker, *bodies: bytes, topic="t") -> None:

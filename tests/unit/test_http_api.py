@@ -7,7 +7,7 @@ import pytest
 from mqd.http.args import Query, go_parse_bool, parse_query
 from mqd.http.response import ApiError
 from mqd.nsqd.http import status as status_module
-from tests.unit._http import HTTPClient, error
+from tests.support.http_client import HTTPClient, error
 
 # -- /ping and /info -----------------------------------------------------------------
 

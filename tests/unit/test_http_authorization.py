@@ -4,7 +4,7 @@ The broker runs on a task.Clock; its auth server is AuthClient's own test
 seam (a fetch function answering per secret), so the TTL, the sharing of
 one query between waiting requests and the bound of the cache are
 driven step by step. The endpoints are reached through real twisted.web
-(tests/unit/_http.py).
+(tests/support/http_client.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from twisted.logger import LogLevel, globalLogPublisher
 
 from mqd.nsqd.auth import AuthClient, AuthError, parse_auth_response
 from mqd.nsqd.http.authorization import CACHE_SIZE, AuthCache
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import START_TIME, settings
-from tests.unit.test_v2_auth import answer
+from tests.support.auth_fakes import answer
+from tests.support.http_client import HTTPClient, error
+from tests.support.inprocess_broker import START_TIME, settings
 
 SUB_ALL = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
 

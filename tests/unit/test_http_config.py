@@ -10,7 +10,7 @@ from twisted.logger import LogLevel
 from mqd import logs
 from mqd.nsqd.http.config import config_name
 from mqd.options import MQD_OPTIONS
-from tests.unit._http import HTTPClient, error
+from tests.support.http_client import HTTPClient, error
 
 
 @pytest.fixture(autouse=True)

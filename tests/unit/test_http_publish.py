@@ -11,8 +11,10 @@ from twisted.python.failure import Failure
 from backends import BackendError
 from mqd.http.response import ApiError
 from mqd.nsqd.http.publish import parse_binary_mpub, split_text_mpub
-from tests.unit._http import HTTPClient, error, parse_response
-from tests.unit.conftest import consumer, failing_once, new_broker, scan, sized
+from tests.support.http_client import HTTPClient, error, parse_response
+from tests.support.inprocess_broker import failing_once, new_broker, scan
+from tests.support.v2_client import consumer
+from tests.support.v2_frames import sized
 
 
 def framed(*bodies: bytes, count: int | None = None) -> bytes:
@@ -57,7 +59,7 @@ def test_pub_creates_the_topic(http, broker):
     ("/pub?topic=t&defer=", b"x", None, (400, "INVALID_DEFER")),
     ("/pub?topic=t&defer=3600001", b"x", None, (400, "INVALID_DEFER")),
     ("/pub?topic=t&defer=99999999999999999999", b"x", None, (400, "INVALID_DEFER")),
-    ("/pub?topic=t&defer=" + "9" * 5000, b"x", None, (400, "INVALID_DEFER")),  # #16: was a 500
+    ("/pub?topic=t&defer=" + "9" * 5000, b"x", None, (400, "INVALID_DEFER")),  # a 500 once
 ])
 def test_pub_errors(make_broker, path, body, headers, expected):
     http = HTTPClient(make_broker(max_msg_size=10))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration._support import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 
 def test_the_import_contracts_hold():

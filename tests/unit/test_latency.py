@@ -1,4 +1,4 @@
-"""End-to-end processing latency (K4): the options, the rolling window, what /stats shows."""
+"""End-to-end processing latency: the options, the rolling window, what /stats shows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from twisted.internet.task import Clock
 from mqd.latency import RESERVOIR_SIZE, LatencyWindow, merged_result, parse_percentiles
 from mqd.nsqd.stats import stats_json, stats_text
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from tests.unit.conftest import Client, cmd, mpublish, scan
+from tests.support.inprocess_broker import scan
+from tests.support.v2_client import Client, mpublish
+from tests.support.v2_frames import cmd
 
 NO_E2E = {"count": 0, "percentiles": None}
 

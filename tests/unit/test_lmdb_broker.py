@@ -13,68 +13,21 @@ import os
 
 import lmdb
 import pytest
-from twisted.internet.task import Clock
 
 from backends.lmdb import ENV_DIR
 from mqd.nsqd import topic as topic_module
 from mqd.nsqd.broker import METADATA_FILE, Broker
 from mqd.options import ConfigError
-from tests.unit.conftest import (
-    HEARTBEAT,
-    Client,
-    Msg,
-    cmd,
-    dpub,
-    err,
-    failing_once,
-    identify,
-    mpub,
-    new_broker,
-    ok,
-    pub,
-    scan,
-    settings,
-)
-
-FULL = "LMDB write failed: No space left on device"
-
-
-def lmdb_broker(path, clock, **flags) -> Broker:
-    return new_broker(path, clock, backend="lmdb", **flags)
-
-
-def same_time(clock: Clock) -> Clock:
-    """A new reactor clock for the next run, at the time the last one stopped."""
-    c = Clock()
-    c.advance(clock.seconds())
-    return c
-
-
-def restart(broker: Broker, **flags) -> Broker:
-    broker.close()
-    return lmdb_broker(broker.data_path, same_time(broker.clock), **flags)
-
-
-def crash(broker: Broker, **flags) -> Broker:
-    """The process dies after its last commit: no close(), no flush of memory."""
-    broker.clock.advance(0)
-    assert not broker.store._pending()
-    broker._unlock_data_path()
-    broker.store.env.close()
-    return lmdb_broker(broker.data_path, same_time(broker.clock), **flags)
+from tests.support.inprocess_broker import failing_once, scan, settings
+from tests.support.lmdb_stores import FULL, crash, delivered, lmdb_broker, restart, same_time
+from tests.support.v2_client import Client
+from tests.support.v2_frames import cmd, dpub, err, identify, mpub, ok, pub
 
 
 def consume(broker: Broker, topic="t", channel="c", rdy=100) -> tuple[Client, list]:
     c = Client(broker)
     c.sub(topic, channel, rdy)
     return c, c.messages()
-
-
-def delivered(c: Client) -> list:
-    """Message frames written since the last read; heartbeats are skipped."""
-    frames = [f for f in c.read() if f != HEARTBEAT]
-    assert all(isinstance(f, Msg) for f in frames), frames
-    return frames
 
 
 # -- restarts in the default (non-durable) mode ------------------------------------------

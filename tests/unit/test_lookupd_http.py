@@ -8,18 +8,12 @@ import pytest
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
-from mqd.lookup.http import LookupdSite
 from mqd.lookup.protocol import LookupdFactory
 from mqd.lookup.registry import GO_ZERO_TIME_NS, RegistrationDB
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import START_TIME, sized
-
-
-class LookupdClient(HTTPClient):
-    """The in-process HTTP client of tests/unit/_http.py, on a LookupdSite."""
-
-    def __init__(self, db: RegistrationDB, clock) -> None:
-        self.site = LookupdSite(db, reactor=clock)
+from tests.support.http_client import error
+from tests.support.inprocess_broker import START_TIME
+from tests.support.lookupd_clients import LookupdClient
+from tests.support.v2_frames import sized
 
 
 @pytest.fixture

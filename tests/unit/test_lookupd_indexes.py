@@ -5,7 +5,7 @@ mqd.lookup.registry); a missed update would show as a wrong or stale
 answer only after some particular sequence. So a hypothesis state machine
 applies random sequences of registrations, producers, removals,
 disconnections, tombstones, PINGs and clock moves to the DB and to the
-naive one of tests/unit/_lookupd_reference.py, and after every step
+naive one of tests/support/lookupd_reference.py, and after every step
 compares every query, and every HTTP answer byte for byte (answers are
 streamed a couple of pieces per reactor turn, so the slicing is checked
 too).
@@ -24,7 +24,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from mqd.lookup.http import LookupdSite
 from mqd.lookup.registry import PeerInfo, Producer, Registration, RegistrationDB
-from tests.unit._lookupd_reference import (
+from tests.support.inprocess_broker import START_TIME
+from tests.support.lookupd_reference import (
     NaiveRegistrationDB,
     StreamingClient,
     TurnClock,
@@ -34,7 +35,6 @@ from tests.unit._lookupd_reference import (
     naive_nodes,
     naive_topics,
 )
-from tests.unit.conftest import START_TIME
 
 EXAMPLES = int(os.environ.get("MQD_LOOKUPD_EXAMPLES", "100"))
 STEPS = int(os.environ.get("MQD_LOOKUPD_STEPS", "30"))

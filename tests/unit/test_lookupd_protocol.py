@@ -6,15 +6,11 @@ import json
 import struct
 
 import pytest
-from twisted.internet.address import IPv4Address
-from twisted.internet.testing import StringTransport
 
 from mqd.lookup.protocol import MAX_IDENTIFY_BODY, MAX_LINE, LookupdFactory, frame
 from mqd.lookup.registry import Registration, RegistrationDB
-from tests.unit.conftest import sized
-
-IDENTIFY = {"version": "1.3.0", "tcp_port": 4150, "http_port": 4151, "hostname": "box",
-            "broadcast_address": "b1", "topology_zone": "z", "topology_region": "r"}
+from tests.support.lookupd_clients import IDENTIFY, Conn
+from tests.support.v2_frames import sized
 
 
 @pytest.fixture
@@ -25,32 +21,6 @@ def db(clock):
 @pytest.fixture
 def factory(db):
     return LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
-
-
-class Conn:
-    def __init__(self, factory, port: int) -> None:
-        addr = IPv4Address("TCP", "10.0.0.1", port)
-        self.proto = factory.buildProtocol(addr)
-        self.transport = StringTransport(peerAddress=addr)
-        self.proto.makeConnection(self.transport)
-
-    def send(self, data: bytes) -> bytes:
-        """Feed bytes; returns what was written back since the last call."""
-        self.proto.dataReceived(data)
-        out = self.transport.value()
-        self.transport.clear()
-        return out
-
-    def identify(self, **changes) -> bytes:
-        body = json.dumps({**IDENTIFY, **changes}).encode()
-        return self.send(b"IDENTIFY\n" + sized(body))
-
-    @property
-    def closed(self) -> bool:
-        return self.transport.disconnecting
-
-    def close(self) -> None:
-        self.proto.connectionLost(None)
 
 
 @pytest.fixture

@@ -9,7 +9,9 @@ import pytest
 
 from mqd.nsqd.broker import METADATA_FILE, Broker
 from mqd.options import ConfigError
-from tests.unit.conftest import Client, new_broker, ok, pub, settings
+from tests.support.inprocess_broker import new_broker, settings
+from tests.support.v2_client import Client
+from tests.support.v2_frames import ok, pub
 
 
 def read_meta(path) -> dict:

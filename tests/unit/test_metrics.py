@@ -6,8 +6,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mqd.nsqd.http.metrics import CONTENT_TYPE, _Family, escape_label, metrics_text
-from tests.unit._http import HTTPClient
-from tests.unit.conftest import START_TIME, Client, mpublish
+from tests.support.http_client import HTTPClient
+from tests.support.inprocess_broker import START_TIME
+from tests.support.v2_client import Client, mpublish
 
 
 def parse(text: str) -> dict:

@@ -1,4 +1,4 @@
-"""GET /channel/peek and /topic/peek (issue #12): order, states, caps, errors, and that a peek changes nothing.
+"""GET /channel/peek and /topic/peek: order, states, caps, errors, and that a peek changes nothing.
 
 Every scenario runs on the three stores a queue can sit on: the memory
 backend, LMDB in default mode (memory queue, then LMDB) and LMDB
@@ -20,73 +20,22 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from twisted.internet.task import Clock
 
 from backends.dummy import DummyQueue
 from backends.memory import MemoryQueue
 from mqd.message import Message
 from mqd.nsqd.http.peek import MAX_PEEK
-from tests.unit._http import HTTPClient, error
-from tests.unit.conftest import (
-    START_TIME,
-    Client,
-    Msg,
-    cmd,
-    dpub,
-    identify,
-    lmdb_store,
-    mpub,
-    msgs,
-    new_broker,
-    ok,
-    pub,
-    scan,
-)
+from tests.support.http_client import HTTPClient, error
+from tests.support.inprocess_broker import START_TIME, lmdb_store, msgs, scan
+from tests.support.peek_brokers import MEM, MODES, Producer, make, quiet_client
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, cmd, dpub, mpub, pub
 
-MODES = {
-    "memory": {"backend": "memory"},
-    "lmdb": {"backend": "lmdb"},
-    "durable": {"backend": "lmdb", "durable": True},
-}
-MEM = 4
-DAY_MS = 86_400_000
 NS = 1_000_000_000
 
 
 def ns(seconds: float) -> int:
     return int(seconds * 1e9)
-
-
-def make(path: Path, mode: str, clock: Clock | None = None, **flags):
-    """A broker of `mode` in `path` on its own clock (at START_TIME unless given)."""
-    if clock is None:
-        clock = Clock()
-        clock.advance(START_TIME)
-    path.mkdir(parents=True, exist_ok=True)
-    flags.setdefault("mem_queue_size", MEM)
-    flags.setdefault("max_heartbeat_interval", "24h")
-    return new_broker(path, clock, **MODES[mode], **flags)
-
-
-class Producer:
-    """A publishing client whose every command is answered OK (a durable OK waits for the commit)."""
-
-    def __init__(self, broker, port: int = 5000) -> None:
-        self.broker = broker
-        self.client = Client(broker, port=port)
-        assert self.client.request(identify(heartbeat_interval=-1)) == [ok()]
-
-    def __call__(self, data: bytes) -> None:
-        self.client.send(data)
-        self.broker.clock.advance(0)
-        assert self.client.read() == [ok()]
-
-
-def quiet_client(broker, port: int) -> Client:
-    """A consumer with a heartbeat once a day (a SUB needs them), so moving the clock never closes it."""
-    c = Client(broker, port=port)
-    assert c.request(identify(heartbeat_interval=DAY_MS)) == [ok()]
-    return c
 
 
 def peek(http: HTTPClient, path: str) -> dict:

@@ -1,9 +1,9 @@
-"""A new topic's channels pre-created from lookupd (A5; nsq#826, #1094).
+"""A new topic's channels pre-created from the channels lookupd knows, as nsqd does.
 
 nsqd asks every lookupd `/channels?topic=` when it creates a topic and
 starts the topic only once those channels exist. Here the lookupd
-connections are StringTransports on the broker's Clock (the helpers of
-test_lookup_peer) and the HTTP answer is a Deferred the test fires, so
+connections are StringTransports on the broker's Clock (the fakes of
+tests/support/lookup_peer_fakes.py) and the HTTP answer is a Deferred the test fires, so
 the test decides when lookupd answers relative to the publishes.
 """
 
@@ -15,8 +15,8 @@ import pytest
 from twisted.internet import defer
 
 from mqd.nsqd.lookup_peer import LookupService, channels_answer
-from tests.unit.conftest import Client, consumer
-from tests.unit.test_lookup_peer import PORTS, FakeEndpoint
+from tests.support.lookup_peer_fakes import PORTS, FakeEndpoint
+from tests.support.v2_client import Client, consumer
 
 
 class FakeLookupdHTTP:

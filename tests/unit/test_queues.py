@@ -9,7 +9,8 @@ import pytest
 
 from mqd.message import IdFactory, Message, frame_message
 from mqd.nsqd.pqueue import _COMPACT_FACTOR, _COMPACT_SLACK, PriorityQueue
-from tests.unit.conftest import Client, Msg, mpub, ok, parse_frames, pub
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, mpub, ok, parse_frames, pub
 
 # -- memory queue overflow --------------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from mqd.nsqd.queuescan import QueueScanner
-from tests.unit.conftest import Client, Msg, cmd, err, mpub, ok, pub
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Msg, cmd, err, mpub, ok, pub
 
 
 def test_scanner_runs_on_its_interval(make_broker, clock):

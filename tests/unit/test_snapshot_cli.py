@@ -17,7 +17,7 @@ import pytest
 
 from mqd.nsqd.snapshot_format import Manifest, read_manifest
 from spark_bridge.__main__ import data_path_in_use, main, stats_mismatches, summary
-from tests.unit.conftest import lmdb_store, msgs
+from tests.support.inprocess_broker import lmdb_store, msgs
 
 
 @pytest.fixture

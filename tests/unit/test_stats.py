@@ -1,4 +1,4 @@
-"""GET /stats's content: nsqd's JSON schema field for field, its text page line for line (J4, K1, K2)."""
+"""GET /stats's content: nsqd's JSON schema field for field, its text page line for line."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 
 from mqd.nsqd.stats import client_stats, go_duration, nanoseconds_to_human, stats_json, stats_text
-from tests.unit.conftest import START_TIME, Client, cmd, dpub, identify, mpub, ok, pub, scan
-from tests.unit.test_v2_upgrade import tls_client
+from tests.support.inprocess_broker import START_TIME, scan
+from tests.support.v2_client import Client, tls_client
+from tests.support.v2_frames import cmd, dpub, identify, mpub, ok, pub
 
 TOPIC_KEYS = [
     "topic_name", "channels", "depth", "backend_depth", "message_count", "message_bytes",
@@ -126,7 +127,7 @@ def test_every_field(broker, producer):
 
 
 def test_counters_through_a_message_life(broker, producer, clock):
-    """K1/K2: publish, deliver, FIN, REQ now, REQ later, timeout, each where nsqd counts it."""
+    """Publish, deliver, FIN, REQ now, REQ later, timeout, each where nsqd counts it."""
     publish(producer, "t", b"a")            # no channel yet: waits at the topic
     s = stats_json(broker)
     assert topic_row(s)["depth"] == 1 and topic_row(s)["channels"] == []

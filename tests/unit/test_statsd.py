@@ -1,4 +1,4 @@
-"""statsd pushes (K3): nsqd's names, deltas and gauges, the prefix, packing, and real UDP datagrams."""
+"""statsd pushes: nsqd's names, deltas and gauges, the prefix, packing, and real UDP datagrams."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from twisted.internet.protocol import DatagramProtocol
 
 from mqd.nsqd.statsd import StatsdService, pack_lines, statsd_prefix
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
-from tests.unit.conftest import Client, cmd, mpublish, scan
+from tests.support.inprocess_broker import scan
+from tests.support.v2_client import Client, mpublish
+from tests.support.v2_frames import cmd
 
 PREFIX = "nsq.test-host_4151."
 MEM_GAUGES = ["heap_objects", "heap_idle_bytes", "heap_in_use_bytes", "heap_released_bytes",

@@ -18,7 +18,7 @@ from mqd.nsqd.delivery import DeliveryBatch
 from mqd.nsqd.interfaces import IChannelLifecycle, IConsumer, ITopicLifecycle
 from mqd.nsqd.overflow import OverflowQueue
 from mqd.nsqd.topic import Topic
-from tests.unit.conftest import settings
+from tests.support.inprocess_broker import settings
 
 
 @implementer(ITopicLifecycle)

@@ -10,41 +10,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import fail, succeed
 
 from mqd.nsqd.auth import AuthError, auth_urls, parse_auth_response
 from mqd.nsqd.stats import client_stats
-from tests.unit.conftest import Client, cmd, dpub, err, identify, mpub, ok, pub, sized
-
-ALL = [{"topic": ".*", "channels": [".*"], "permissions": ["subscribe", "publish"]}]
-
-
-def answer(ttl=60, authorizations=ALL, identity="alice", identity_url="http://id/alice") -> bytes:
-    return json.dumps({"ttl": ttl, "identity": identity, "identity_url": identity_url,
-                       "authorizations": authorizations}).encode()
-
-
-class FakeAuth:
-    """Stands in for the HTTP fetch; `pending` holds the Deferreds not answered yet."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, dict]] = []
-        self.pending: list[Deferred] = []
-        self.auto: bytes | None = None
-        self.auto_fail = False
-
-    def __call__(self, url, method, params):
-        self.calls.append((url, method, params))
-        if self.auto_fail:
-            return fail(ConnectionRefusedError("refused"))
-        if self.auto is not None:
-            return succeed(self.auto)
-        d = Deferred()
-        self.pending.append(d)
-        return d
-
-    def reply(self, body: bytes) -> None:
-        self.pending.pop(0).callback(body)
+from tests.support.auth_fakes import FakeAuth, answer, auth
+from tests.support.v2_client import Client
+from tests.support.v2_frames import cmd, dpub, err, identify, mpub, ok, pub
 
 
 @pytest.fixture
@@ -62,10 +34,6 @@ def auth_broker(make_broker, tmp_path):
 def aconnect(auth_broker):
     ports = iter(range(30000, 40000))
     return lambda: Client(auth_broker, port=next(ports))
-
-
-def auth(secret: bytes = b"s3cret") -> bytes:
-    return cmd("AUTH") + sized(secret)
 
 
 def authed(c, fake, body=None) -> dict:

@@ -5,21 +5,20 @@ from __future__ import annotations
 import pytest
 
 from mqd.nsqd.protocol.v2 import MAX_LINE, STATE_INIT, STATE_SUBSCRIBED
-from tests.unit.conftest import (
+from tests.support.inprocess_broker import new_broker, scan
+from tests.support.v2_client import Client
+from tests.support.v2_frames import (
     CLOSE_WAIT,
     HEARTBEAT,
     MAGIC,
-    Client,
     Msg,
     cmd,
     err,
     identify,
     mpub,
-    new_broker,
     ok,
     parse_frames,
     pub,
-    scan,
 )
 
 # -- magic -------------------------------------------------------------------------

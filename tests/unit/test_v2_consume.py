@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mqd.nsqd.protocol.v2 import STATE_CLOSING, STATE_SUBSCRIBED
-from tests.unit.conftest import CLOSE_WAIT, Client, Msg, cmd, err, ok, pub, scan
+from tests.support.inprocess_broker import scan
+from tests.support.v2_client import Client
+from tests.support.v2_frames import CLOSE_WAIT, Msg, cmd, err, ok, pub
 
 UNKNOWN_ID = b"0123456789abcdef"
 

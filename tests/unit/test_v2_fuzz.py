@@ -8,31 +8,25 @@ import tempfile
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.task import Clock
 
 from mqd.message import IdFactory
-from tests.unit.conftest import (
+from tests.support.inprocess_broker import NODE_ID, START_TIME
+from tests.support.inprocess_fuzz import check_answer_or_close, fresh_broker
+from tests.support.v2_client import Client
+from tests.support.v2_frames import (
     CLOSE_WAIT,
-    ERROR,
     MAGIC,
-    NODE_ID,
-    START_TIME,
-    Client,
-    Frame,
     Msg,
     cmd,
     dpub,
     err,
     identify,
     mpub,
-    new_broker,
     ok,
     parse_frames,
     pub,
     sized,
 )
-
-NON_FATAL = (b"E_FIN_FAILED ", b"E_REQ_FAILED ", b"E_TOUCH_FAILED ")
 
 COMMAND_LINES = [
     cmd("NOP"),
@@ -71,26 +65,6 @@ token = st.one_of(
     st.integers(-(2**31), 2**31 - 1).map(lambda n: n.to_bytes(4, "big", signed=True)),
 )
 streams = st.lists(token, max_size=16).map(b"".join)
-
-
-def fresh_broker(path: str):
-    clock = Clock()
-    clock.advance(START_TIME)
-    return new_broker(path, clock), clock
-
-
-def check_answer_or_close(client: Client) -> list:
-    frames = parse_frames(client.raw())  # whole frames only
-    fatal_at = [
-        i for i, f in enumerate(frames)
-        if isinstance(f, Frame) and f.type == ERROR and not f.payload.startswith(NON_FATAL)
-    ]
-    if client.closed:
-        # Closed only after saying why, and nothing after that.
-        assert fatal_at == [len(frames) - 1], frames
-    else:
-        assert fatal_at == [], frames
-    return frames
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,8 @@ import struct
 
 import pytest
 
-from tests.unit.conftest import Frame, cmd, err, identify, ok, sized
+from tests.support.v2_client import Client
+from tests.support.v2_frames import Frame, cmd, err, identify, ok, sized
 
 DEFAULT_NEGOTIATED = {
     "max_rdy_count": 2500,
@@ -88,8 +89,6 @@ def test_negotiated_client_values(connect):
 
 
 def test_negotiated_reflects_broker_options(make_broker):
-    from tests.unit.conftest import Client
-
     broker = make_broker(
         max_rdy_count=100,
         max_msg_timeout="5m",
@@ -203,8 +202,6 @@ def test_boundary_values_accepted(connect, field, value):
 
 
 def test_invalid_field_respects_broker_limits(make_broker):
-    from tests.unit.conftest import Client
-
     broker = make_broker(max_heartbeat_interval="10s", max_output_buffer_size=1000, max_msg_timeout="2s")
     c = Client(broker)
     assert c.request(identify(heartbeat_interval=10001)) == [
@@ -244,8 +241,6 @@ def test_body_too_big(connect):
 
 
 def test_body_too_big_vs_max_body_size(make_broker):
-    from tests.unit.conftest import Client
-
     c = Client(make_broker(max_body_size=100))
     c.send(cmd("IDENTIFY") + sized(b"{" + b" " * 99 + b"}"))
     assert c.read() == [err("E_BAD_BODY IDENTIFY body too big 101 > 100")]

@@ -1,4 +1,5 @@
-"""Output buffering (spec section 8, behaviour I10), on a test clock.
+"""Output buffering (message frames held up to output_buffer_size bytes or
+output_buffer_timeout), and sample_rate, on a test clock.
 
 These tests look at `transport.value()` directly: `Client.read()` flushes
 the buffer first, as the flush timer would, which would hide it.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from tests.unit.conftest import Msg, cmd, identify, ok, parse_frames, pub
+from tests.support.v2_frames import Msg, cmd, identify, ok, parse_frames, pub
 
 
 def consumer(connect, rdy=100, **fields):
@@ -101,7 +102,7 @@ def test_big_batch_written_together(connect, publish):
 
 
 def test_sample_rate_50(connect, publish):
-    """D6: about (s+1) % of the channel's messages reach the client (s = 50, ±5 %)."""
+    """sample_rate: about (s+1) % of the channel's messages reach the client (s = 50, ±5 %)."""
     random.seed(7)
     c = connect()
     assert c.request(identify(sample_rate=50)) == [ok()]

@@ -6,19 +6,9 @@ import struct
 
 import pytest
 
-from tests.unit.conftest import (
-    Client,
-    cmd,
-    consumer,
-    dpub,
-    err,
-    mpub,
-    mpub_body,
-    ok,
-    pub,
-    scan,
-    sized,
-)
+from tests.support.inprocess_broker import scan
+from tests.support.v2_client import Client, consumer
+from tests.support.v2_frames import cmd, dpub, err, mpub, mpub_body, ok, pub, sized
 
 I32 = struct.Struct(">i")
 
