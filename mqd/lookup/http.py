@@ -377,7 +377,7 @@ class TopicCreate(_LookupdEndpoint):
 
 
 class TopicDelete(_LookupdEndpoint):
-    """`POST /topic/delete`: forget the topic and its channels here only (H10: brokers keep it)."""
+    """`POST /topic/delete`: forget the topic and its channels here only (brokers keep it, as with nsqlookupd)."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> None:
         topic = topic_arg(query_of(request), invalid=None)

@@ -6,7 +6,7 @@ after the magic `"  V1"` a broker sends `\\n`-terminated commands
 Every answer is `[4-byte size][payload]`, with no frame type, unlike
 nsqd's V2, and every error (`E_INVALID ...`, `E_BAD_BODY ...`) is fatal:
 sent, then the connection closes. When a connection ends, by error or
-not, the broker is taken out of every registration (H4), which is how a
+not, the broker is taken out of every registration, which is how a
 broker that dies stops being handed out to consumers.
 
 Two bounds nsqlookupd lacks: the IDENTIFY body (it allocates whatever

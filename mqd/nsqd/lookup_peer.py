@@ -5,7 +5,7 @@ connection per `--lookupd-tcp-address`, sends the `"  V1"` magic and
 IDENTIFY, then REGISTERs what it has, and from then on REGISTERs and
 UNREGISTERs topics and channels as they come and go, with a PING every
 15 s. lookupd drops every registration of a broker when its connection
-closes (H4), so nothing needs remembering across connections: any failed
+closes, so nothing needs remembering across connections: any failed
 command (an error response, or no answer within the 1 s deadline) closes
 the connection, and the next one announces the broker's state afresh.
 
@@ -301,7 +301,7 @@ class LookupService(service.Service):
 
     It observes the broker (topic_created and the rest) and forwards each
     change to every peer, and follows `nsqlookupd_tcp_addresses` changed
-    at run time (H3): removed lookupds are disconnected, new ones connected.
+    at run time: removed lookupds are disconnected, new ones connected.
     """
 
     name = "lookupd"
