@@ -27,6 +27,8 @@ from bench.harness import wire
 
 REPO = Path(__file__).resolve().parents[2]
 NSQD_BIN_ENV = "NSQD_BIN"  # a real nsqd (or the directory of NSQ's binaries) to compare with
+# Where a workspace may keep NSQ's release binaries beside the checkout; used only when present.
+NSQ_BIN_BESIDE = REPO / ".." / "shared" / "nsq-1.3.0" / "bin"
 _LISTEN = re.compile(rb"TCP: listening on (\S+)")
 _HTTP = re.compile(rb"HTTP: listening on (\S+)")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -78,16 +80,21 @@ def broker_command(
     ]
 
 
-def find_nsqd(value: str | None, program: str = "nsqd", use_env: bool = True) -> str | None:
+def find_nsqd(
+    value: str | None, program: str = "nsqd", use_env: bool = True, use_beside: bool = False
+) -> str | None:
     """The NSQ binary ``program`` that ``value`` names: nsqd's path, or the directory of NSQ's binaries.
 
-    Other programs (nsqlookupd) are looked up beside the nsqd named. Without a
-    value, ``$NSQD_BIN`` (same forms) when ``use_env``; ``none`` or nothing
-    given is None. Raises ValueError for a path that is not an executable, so
-    a typo is not silently a run without nsqd.
+    Other programs (nsqlookupd, bench_writer) are looked up beside the nsqd
+    named. Without a value, ``$NSQD_BIN`` (same forms) when ``use_env``, then,
+    when ``use_beside``, ``NSQ_BIN_BESIDE`` if that directory exists; ``none``
+    or nothing found is None. Raises ValueError for a path that is not an
+    executable, so a typo is not silently a run without nsqd.
     """
     if value is None and use_env:
         value = os.environ.get(NSQD_BIN_ENV) or None
+    if value is None and use_beside and NSQ_BIN_BESIDE.is_dir():
+        value = str(NSQ_BIN_BESIDE.resolve())
     if value is None or value == "none":
         return None
     if os.path.isdir(value):

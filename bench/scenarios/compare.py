@@ -1,12 +1,17 @@
-"""``python -m bench compare``: an old mqd build, this checkout and the ceiling probe in one session.
+"""``python -m bench compare``: an old mqd build, this checkout, the ceiling probe and nsqd in one session.
 
 A change to the broker's hot path is judged by the new build's figures against
-the old build's and against the ceiling probe (bench/harness/probe.py: what one
-Twisted process can relay at all), and figures taken at different times on a
-shared machine do not compare. So the
-three targets run the same load in one session, interleaved per repetition
-(old, new, probe, old, new, probe, ...), each on a fresh broker process, and
-each target's medians are set against the probe's and the old build's.
+the old build's, against the ceiling probe (bench/harness/probe.py: what one
+Twisted process can relay at all) and against a real nsqd, and figures taken
+at different times on a shared machine do not compare. So the targets run the
+same load in one session, interleaved per repetition (old, new, probe, nsqd,
+old, new, ...), each on a fresh broker process, and each target's medians are
+set against the probe's, the old build's and nsqd's.
+
+The load is ours (bench/harness/load.py) or, with ``--load nsq``, NSQ's own
+bench_writer and bench_reader (bench/harness/nsqtools.py), the programs
+nsqd's published figures come from; ``--channels N`` then runs one
+bench_reader per channel at once (fan-out).
 
 The old build is ``git archive REV`` unpacked into a temporary directory (it
 only reads the repository, so it cannot disturb the working tree, the index or
@@ -26,11 +31,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness.broker import ERRORS, REPO, BenchError, broker_command
+from bench.harness import nsqtools
+from bench.harness.broker import (
+    ERRORS,
+    NSQD_BIN_ENV,
+    REPO,
+    BenchError,
+    broker_command,
+    find_nsqd,
+    nsqd_command,
+)
 from bench.harness.report import fmt, heading, percent, ratio, save_json
 from bench.harness.session import (
     SCENARIOS,
     Result,
+    Session,
     load_line,
     median_result,
     open_session,
@@ -40,7 +55,9 @@ from bench.harness.session import parse_args as bench_parse_args
 
 # The build before the hot-path rework: the default "old build" the new one is measured against.
 BASELINE = "22852c4d7f22d935be598c0148061f628097d6fb"
-TARGETS = ("old", "new", "probe")
+TARGETS = ("old", "new", "probe", "nsqd")
+LOADS = ("ours", "nsq")
+NSQ_BATCH = 200  # bench_writer's own default --batch-size, with which nsqd's figures were taken
 
 
 def git(*args: str) -> str:
@@ -66,6 +83,9 @@ def target_argv(target: str, args: argparse.Namespace, old_tree: Path | None) ->
     """The broker command of a target; ``{data}`` is replaced by Broker."""
     if target == "probe":
         return [sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0"]
+    if target == "nsqd":
+        # --backend and --broker-arg are mqd's: nsqd gets the equivalent flags only.
+        return nsqd_command(args.nsqd, args.mem_queue_size)
     cmd = broker_command(args.backend, args.mem_queue_size, "{data}", args.broker_arg)
     if target == "old":
         # Broker puts this checkout on PYTHONPATH; env replaces it with the old tree (and execs,
@@ -78,7 +98,8 @@ def run_target(target: str, args: argparse.Namespace, argv: list[str], label: st
     """One fresh broker, the scenarios in order, the broker stopped again."""
     scenarios = SCENARIOS if args.scenario == "all" else (args.scenario,)
     results = []
-    with open_session(args, argv=argv, verbose=False) as session:
+    cls = nsqtools.NsqToolSession if args.load == "nsq" else Session
+    with open_session(args, cls=cls, argv=argv, verbose=False) as session:
         for name in scenarios:
             res = getattr(session, name)()
             results.append(res)
@@ -90,39 +111,47 @@ def _ratio(new: float | None, base: float | None) -> str:
     return fmt(ratio(base, new), ".2f")
 
 
+# The ratio columns: (base target, the targets that get a ratio to it).
+_RATIOS = (("probe", ("old", "new", "nsqd")), ("old", ("new",)), ("nsqd", ("old", "new", "probe")))
+
+
 def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> list[str]:
-    """Markdown rows: per scenario and target, msgs/s and the ratios to the probe and old build."""
-    lines = [
-        "| run | build | msgs/s in | msgs/s out | in ÷ probe | out ÷ probe | in ÷ old | out ÷ old "
-        "| broker CPU | peak RSS (MB) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    """Markdown rows: per scenario and target, msgs/s and the ratios to the probe, old build, nsqd.
+
+    A pair of ratio columns (``in ÷ base``, ``out ÷ base``) is there when its
+    base target ran, and filled for the rows of the targets it applies to.
+    """
+    bases = [(base, rows) for base, rows in _RATIOS if base in medians]
+    head = "| run | build | msgs/s in | msgs/s out |"
+    rule = "|---|---|---:|---:|"
+    for base, _ in bases:
+        head += f" in ÷ {base} | out ÷ {base} |"
+        rule += "---:|---:|"
+    lines = [head + " broker CPU | peak RSS (MB) |", rule + "---:|---:|"]
     for name in scenarios:
-        probe = medians.get("probe", {}).get(name)
-        old = medians.get("old", {}).get(name)
         for target in TARGETS:
             r = medians.get(target, {}).get(name)
             if r is None:
                 continue
-            vs_old = target == "new" and old is not None
-            lines.append(
-                f"| {name} | {target} | {fmt(r.rate_in)} | {fmt(r.rate_out)} "
-                f"| {_ratio(r.rate_in, probe and probe.rate_in) if target != 'probe' else '-'} "
-                f"| {_ratio(r.rate_out, probe and probe.rate_out) if target != 'probe' else '-'} "
-                f"| {_ratio(r.rate_in, old.rate_in) if vs_old else '-'} "
-                f"| {_ratio(r.rate_out, old.rate_out) if vs_old else '-'} "
-                f"| {percent(r.cpu_pct)} | {fmt(r.rss_mb)} |"
-            )
+            row = f"| {name} | {target} | {fmt(r.rate_in)} | {fmt(r.rate_out)} |"
+            for base, rows in bases:
+                b = medians[base].get(name)
+                if target in rows and b is not None:
+                    row += f" {_ratio(r.rate_in, b.rate_in)} | {_ratio(r.rate_out, b.rate_out)} |"
+                else:
+                    row += " - | - |"
+            lines.append(row + f" {percent(r.cpu_pct)} | {fmt(r.rss_mb)} |")
     return lines
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p = argparse.ArgumentParser(
         prog="python -m bench compare",
-        description="Old mqd build vs this checkout vs the ceiling probe (bench/harness/probe.py), "
-        "interleaved in one session; medians per target.",
-        epilog="Any other flag of `python -m bench` (--duration, --backend, --batch, --writers, "
-        "--broker-arg=..., --json, ...) applies to every target (the probe ignores broker flags).",
+        description="Old mqd build vs this checkout vs the ceiling probe (bench/harness/probe.py) "
+        "vs a real nsqd, interleaved in one session; medians per target.",
+        epilog="Any other flag of `python -m bench` (--duration, --size, --writers, --json, ...) "
+        "applies to every target; --backend and --broker-arg=... to the mqd builds (old, new) "
+        "only. --load nsq uses --duration, --size, --batch, --rdy and --timeout of them.",
     )
     p.add_argument(
         "--old",
@@ -133,20 +162,88 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     p.add_argument("--repeat", type=int, default=3, help="repetitions per target (median)")
     p.add_argument(
         "--targets",
-        default=",".join(TARGETS),
-        help="comma-separated subset of old,new,probe (in this order within a repetition)",
+        default=None,
+        help="comma-separated subset of old,new,probe,nsqd (in this order within a repetition; "
+        "default old,new,probe)",
+    )
+    p.add_argument(
+        "--nsqd",
+        metavar="PATH",
+        help="NSQ's nsqd, or the directory of NSQ's binaries (bench_writer and bench_reader are "
+        f"taken from beside it); default ${NSQD_BIN_ENV}, else nsq-1.3.0/bin of a 'shared' "
+        "directory beside the checkout when there is one; 'none': no default",
+    )
+    p.add_argument(
+        "--load",
+        choices=LOADS,
+        default="ours",
+        help="writer/reader/both load: ours (bench/harness/load.py) or nsq (NSQ's bench_writer "
+        "and bench_reader, beside --nsqd)",
+    )
+    p.add_argument(
+        "--channels",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --load nsq: N channels on the topic, one bench_reader each at once (fan-out)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        help=f"messages per MPUB (default: 100 for our load, {NSQ_BATCH} for --load nsq)",
     )
     mine, rest = p.parse_known_args(argv)
+    if mine.targets is None:
+        mine.targets = "old,new,probe"
     targets = tuple(t.strip() for t in mine.targets.split(",") if t.strip())
     if not targets or set(targets) - set(TARGETS):
         p.error(f"--targets takes a subset of {','.join(TARGETS)}")
     mine.targets = tuple(t for t in TARGETS if t in targets)
     if mine.repeat < 1:
         p.error("--repeat must be at least 1")
+    if mine.channels < 1:
+        p.error("--channels must be at least 1")
+    if mine.channels > 1 and mine.load != "nsq":
+        p.error("--channels needs --load nsq (our load reads one channel)")
+    batch = mine.batch if mine.batch is not None else (NSQ_BATCH if mine.load == "nsq" else None)
+    if batch is not None:
+        rest += ["--batch", str(batch)]
     args = bench_parse_args([*rest, "--repeat", str(mine.repeat)])
     if args.nsqd_address or args.broker_cmd:
         p.error("compare starts its own brokers: no --nsqd-address, --nsqd-bin or --broker-cmd")
+    if mine.load == "nsq" and (args.count is not None or args.mode != "mpub"):
+        p.error("--load nsq runs for --duration with MPUB: no --count or --mode pub")
+    args.load, args.channels = mine.load, mine.channels
+    args.nsqd = args.bench_writer = args.bench_reader = None
+    if "nsqd" in mine.targets or mine.load == "nsq":
+        try:
+            args.nsqd = find_nsqd(mine.nsqd, use_beside=True)
+            if args.nsqd is not None and mine.load == "nsq":
+                args.bench_writer = find_nsqd(args.nsqd, nsqtools.WRITER, use_env=False)
+                args.bench_reader = find_nsqd(args.nsqd, nsqtools.READER, use_env=False)
+        except ValueError as exc:
+            p.error(f"--nsqd: {exc}")
+        if args.nsqd is None:
+            p.error(
+                "the nsqd target and --load nsq need NSQ's binaries: --nsqd PATH (nsqd or the "
+                f"directory of NSQ's binaries) or ${NSQD_BIN_ENV}"
+            )
     return mine, args
+
+
+def nsqd_version(nsqd: str) -> str:
+    """``nsqd v1.3.0 (built w/go1.19.8)``, as ``nsqd --version`` says it; the path if it says nothing."""
+    try:
+        out = subprocess.run(
+            [nsqd, "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return nsqd
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else nsqd
+
+
+def describe_load(args: argparse.Namespace) -> str:
+    return nsqtools.load_line(args) if args.load == "nsq" else load_line(args)
 
 
 def main(argv: list[str]) -> int:
@@ -192,6 +289,11 @@ def main(argv: list[str]) -> int:
     flags = " ".join(
         [f"--backend={args.backend}", f"--mem-queue-size={args.mem_queue_size}", *args.broker_arg]
     )
+    builds = {
+        "old": f"old: `{old_rev[:10]}` ({mine.old})",
+        "new": f"new: `{new_desc}`",
+        "probe": "probe: bench/harness/probe.py",
+    }
     lines = [
         heading(
             "mqd compare",
@@ -199,9 +301,11 @@ def main(argv: list[str]) -> int:
             f"load average {load_before[0]:.2f} before / {load_after[0]:.2f} after",
         ),
         "",
-        f"- old: `{old_rev[:10]}` ({mine.old}); new: `{new_desc}`; probe: bench/harness/probe.py",
+        "- " + "; ".join(builds[t] for t in mine.targets if t in builds),
         f"- mqd flags: `{flags}`",
-        f"- load: {load_line(args)}; median of {args.repeat}, targets interleaved "
+        *([f"- nsqd: {nsqd_version(args.nsqd)}, `nsqd --mem-queue-size={args.mem_queue_size}`"]
+          if "nsqd" in mine.targets else []),
+        f"- load: {describe_load(args)}; median of {args.repeat}, targets interleaved "
         f"({', '.join(mine.targets)}) per repetition, a fresh broker each",
         "",
         *table(medians, scenarios),

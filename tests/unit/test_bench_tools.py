@@ -1,18 +1,31 @@
-"""Pure helpers of the memory, latency and flame benchmarks.
+"""Pure helpers of the memory, latency, flame and compare benchmarks.
 
 Figures are never asserted; these check the arithmetic the reports rest on:
 py-spy's collapsed stacks read right, percentiles, the writer's pacing
-schedule, and the per-message memory sums.
+schedule, the per-message memory sums, the rates NSQ's bench_writer and
+bench_reader print, and which targets and loads ``compare`` accepts.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
 
 import pytest
 
+from bench.harness import broker as bench_broker
 from bench.harness.load import due_commands
+from bench.harness.nsqtools import (
+    channel_names,
+    deadline_after,
+    go_duration,
+    parse_tool_output,
+)
 from bench.harness.pyspy import frame_counts, frame_name, top, top_table
+from bench.harness.session import Result
+from bench.scenarios.compare import parse_args as compare_args
+from bench.scenarios.compare import table
 from bench.scenarios.latency import latency_summary, split_rate
 from bench.scenarios.memory import nsqd_estimate, per_message, pymalloc_block
 
@@ -116,3 +129,115 @@ def test_per_message_and_nsqd_estimate():
     assert low == pytest.approx(500.0)
     assert mid == pytest.approx(1.3e9 / 2.3e6)
     assert high == pytest.approx(1.4e9 / 2.2e6)
+
+
+# What NSQ 1.3.0's programs print on stderr at the end of a run.
+WRITER_OUTPUT = (
+    "[bench_writer] 2026/11/27 01:49:11 duration: 2.000832417s - 221.160mb/s "
+    "- 1159517.399ops/s - 0.862us/op\n"
+)
+READER_OUTPUT = (
+    "[bench_reader] 2026/11/27 01:49:13 sleeping until 2026-11-27 01:49:13 +0000 UTC (1.2s)\n"
+    "[bench_reader] 2026/11/27 01:49:15 duration: 2.001126517s - 104.993mb/s "
+    "- 550463.447ops/s - 1.817us/op\n"
+)
+
+
+def test_parse_tool_output_reads_the_rate_and_duration():
+    w = parse_tool_output(WRITER_OUTPUT, "bench_writer")
+    assert w.rate == pytest.approx(1159517.399)
+    assert w.seconds == pytest.approx(2.000832417)
+    assert w.messages == round(2.000832417 * 1159517.399)
+    r = parse_tool_output(READER_OUTPUT, "bench_reader")
+    assert r.rate == pytest.approx(550463.447)
+    # An idle reader: no messages, so Go prints +Inf us/op.
+    idle = parse_tool_output("duration: 8.0001s - 0.000mb/s - 0.000ops/s - +Infus/op")
+    assert idle.rate == 0.0 and idle.messages == 0
+
+
+def test_parse_tool_output_without_a_rate_line_is_a_bench_error():
+    with pytest.raises(bench_broker.BenchError, match="no 'duration"):
+        parse_tool_output("panic: E_BAD_TOPIC\n", "bench_writer")
+
+
+def test_go_duration_reads_go_duration_strings():
+    assert go_duration("8.000512s") == pytest.approx(8.000512)
+    assert go_duration("1m0.5s") == pytest.approx(60.5)
+    assert go_duration("950ms") == pytest.approx(0.95)
+    assert go_duration("12.5µs") == pytest.approx(12.5e-6)
+    with pytest.raises(ValueError):
+        go_duration("8 seconds")
+
+
+def test_deadline_is_a_whole_utc_second_ahead():
+    now = 1_700_000_000.25
+    text, at = deadline_after(1.5, now)
+    assert at == 1_700_000_002.0
+    assert text == time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+
+
+def test_channel_names_keep_the_usual_channel_first():
+    assert channel_names("ch", 1) == ["ch"]
+    assert channel_names("ch", 3) == ["ch", "ch1", "ch2"]
+
+
+@pytest.fixture
+def nsq_bin(tmp_path, monkeypatch):
+    """A directory of stand-in NSQ programs; no default $NSQD_BIN or directory beside the checkout."""
+    monkeypatch.delenv(bench_broker.NSQD_BIN_ENV, raising=False)
+    monkeypatch.setattr(bench_broker, "NSQ_BIN_BESIDE", tmp_path / "absent")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name in ("nsqd", "bench_writer", "bench_reader"):
+        path = bindir / name
+        path.write_text("#!/bin/sh\n")
+        os.chmod(path, 0o755)
+    return bindir
+
+
+def test_compare_takes_nsqd_as_a_target_and_the_nsq_load(nsq_bin):
+    mine, args = compare_args(
+        ["--targets", "nsqd,new", "--nsqd", str(nsq_bin), "--load", "nsq", "--channels", "3"]
+    )
+    assert mine.targets == ("new", "nsqd")
+    assert args.nsqd == str(nsq_bin / "nsqd")
+    assert args.bench_writer == str(nsq_bin / "bench_writer")
+    assert args.bench_reader == str(nsq_bin / "bench_reader")
+    assert (args.load, args.channels, args.batch) == ("nsq", 3, 200)
+
+
+def test_compare_finds_nsq_through_the_environment(nsq_bin, monkeypatch):
+    monkeypatch.setenv(bench_broker.NSQD_BIN_ENV, str(nsq_bin / "nsqd"))
+    _, args = compare_args(["--targets", "new,nsqd", "--batch", "50"])
+    assert args.nsqd == str(nsq_bin / "nsqd")
+    assert args.load == "ours" and args.batch == 50 and args.bench_writer is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--targets", "new,nsqd"], "need NSQ's binaries"),
+        (["--targets", "new", "--load", "nsq"], "need NSQ's binaries"),
+        (["--targets", "new,nsqd", "--nsqd", "/nonexistent/nsqd"], "not an executable nsqd"),
+        (["--targets", "new,bogus"], "subset of old,new,probe,nsqd"),
+        (["--targets", "new", "--channels", "3"], "--channels needs --load nsq"),
+        (["--targets", "new", "--channels", "0"], "at least 1"),
+        (["--targets", "new", "--load", "nsq", "--count", "1000", "--nsqd", "BIN"], "--count"),
+    ],
+)
+def test_compare_rejects_targets_and_flags_it_cannot_run(nsq_bin, capsys, argv, message):
+    argv = [str(nsq_bin) if a == "BIN" else a for a in argv]
+    with pytest.raises(SystemExit):
+        compare_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_compare_table_gives_ratios_to_nsqd_for_mqd_rows():
+    medians = {
+        "new": {"both": Result("both", rate_in=300.0, rate_out=600.0)},
+        "nsqd": {"both": Result("both", rate_in=400.0, rate_out=400.0)},
+    }
+    head, _, new_row, nsqd_row = table(medians, ("both",))
+    assert "in ÷ nsqd | out ÷ nsqd" in head and "probe" not in head and "old" not in head
+    assert "| 0.75 | 1.50 |" in new_row
+    assert "| - | - |" in nsqd_row
