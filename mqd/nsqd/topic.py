@@ -20,7 +20,7 @@ from zope.interface import implementer
 
 from backends import BackendError
 from mqd.logs import get_logger
-from mqd.message import IdFactory, Message
+from mqd.message import IdFactory, Message, channel_copies
 from mqd.nsqd.channel import Channel
 from mqd.nsqd.interfaces import IChannelLifecycle
 
@@ -200,8 +200,8 @@ class Topic:
         accepted = False
         for i, channel in enumerate(channels):
             if i < last:
-                due = [m.copy() for m in now_due]
-                deferred = [m.copy() for m in later] if later else later
+                due = channel_copies(now_due)
+                deferred = channel_copies(later) if later else later
             else:
                 due, deferred = now_due, later
             if channel.ephemeral and getattr(self.store, "publishing", False):
