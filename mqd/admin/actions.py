@@ -54,11 +54,12 @@ from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
 from twisted.web.server import Request
 
 from mqd.admin.config import AdminConfig
-from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, request_body
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
 from mqd.admin.go_json import GoJSONError, decode_go_object
 from mqd.clusterinfo.aggregate import node_id
 from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, reason_of
 from mqd.http.args import count_arg, max_body_arg, query_of, state_arg
+from mqd.http.endpoint import read_body
 from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES, is_valid_name
 
@@ -243,7 +244,7 @@ class CreateTopicChannel(ActionEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            body = decode_go_object(request_body(request), ("topic", "channel"))
+            body = decode_go_object(read_body(request), ("topic", "channel"))
         except GoJSONError as e:
             raise ApiError(400, str(e)) from None
         topic, channel = body["topic"], body["channel"]
@@ -284,7 +285,7 @@ class _TopicChannelActions(ActionEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            action = decode_go_object(request_body(request), ("action",))["action"]
+            action = decode_go_object(read_body(request), ("action",))["action"]
         except GoJSONError as e:
             raise ApiError(400, str(e)) from None
         if action not in ACTIONS:
@@ -332,7 +333,7 @@ class TombstoneNode(ActionEndpoint):
     def handle_DELETE(self, request: Request, params: Mapping[str, str]) -> Deferred:
         self.authorize(request)
         try:
-            topic = decode_go_object(request_body(request), ("topic",))["topic"]
+            topic = decode_go_object(read_body(request), ("topic",))["topic"]
         except GoJSONError:
             raise ApiError(400, "INVALID_BODY") from None
         if not is_valid_name(topic):

@@ -8,7 +8,8 @@ from typing import Any
 
 from twisted.web.server import Request
 
-from mqd.admin.endpoint import AdminEndpoint, ApiError, request_body
+from mqd.admin.endpoint import AdminEndpoint, ApiError
+from mqd.http.endpoint import read_body
 from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
 from mqd.logs import get_logger, set_log_level
 from mqd.options import MQADMIN_OPTIONS
@@ -60,7 +61,7 @@ class AdminConfig(AdminEndpoint):
     def handle_PUT(self, request: Request, params: Mapping[str, str]) -> Any:
         self.allowed(request)
         name = params["opt"]
-        body = request_body(request)[:_CONFIG_READ_MAX]
+        body = read_body(request, _CONFIG_READ_MAX)
         declared = request.getHeader(b"content-length")
         too_big = declared is not None and declared.isdigit() and int(declared) >= _CONFIG_READ_MAX
         if not body or too_big or len(body) >= _CONFIG_READ_MAX:

@@ -13,12 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from twisted.web.server import Request
-
 from mqd.http.endpoint import Endpoint
 from mqd.http.response import ApiError
 
-__all__ = ["Admin", "AdminEndpoint", "ApiError", "request_body"]
+__all__ = ["Admin", "AdminEndpoint", "ApiError"]
 
 
 @dataclass
@@ -44,12 +42,3 @@ class AdminEndpoint(Endpoint):
 
     def __init__(self, admin: Admin) -> None:
         self.admin = admin
-
-
-def request_body(request: Request) -> bytes:
-    """The request's body as received (twisted.web keeps it in `request.content`)."""
-    content = request.content
-    if content is None:
-        return b""
-    content.seek(0)
-    return content.read()

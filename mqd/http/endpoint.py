@@ -120,8 +120,8 @@ def client_gone(request: Request) -> bool:
     return request.channel is None
 
 
-def read_body(request: Request, limit: int) -> bytes:
-    """At most `limit` bytes of the body: nsqd reads max+1 to tell a too-big body."""
+def read_body(request: Request, limit: int = -1) -> bytes:
+    """At most `limit` bytes of the body (all of it by default): nsqd reads max+1 to tell a too-big body."""
     content = request.content
     if content is None:
         return b""
