@@ -35,15 +35,19 @@ import mmap
 import os
 import struct
 import sys
+import threading
+from collections import deque
 from itertools import chain
 from typing import Any
 
 import lmdb
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
 from backends.interface import BackendError, IBackendStore, StoreOpenError
+from backends.lmdb_log import LOG_FILE, PublishLog, encode_chunk, parse_chunks
 from backends.lmdb_queue import LmdbQueue
 from backends.lmdb_records import (
     ENV_DIR,
@@ -76,6 +80,16 @@ _COMMIT_CHUNK_BYTES = 4 << 20
 _UNMAP_EVERY = 5.0
 _UNMAP_RECORDS = 1 << 14
 _UNMAP_ABOVE = 64 << 20
+# Durable with a publish log: LMDB takes what was logged (a checkpoint) once
+# this many records are pending, or this many seconds after the last one.
+_CHECKPOINT_RECORDS = 4096
+_CHECKPOINT_LOG_BYTES = 16 << 20
+# The publish log's file is preallocated to this size (see backends.lmdb_log).
+_LOG_PREALLOCATE = 2 * _CHECKPOINT_LOG_BYTES
+_CHECKPOINT_EVERY = 0.2
+# The meta key of the last publish-log chunk a checkpoint covers.
+_LOG_EPOCH = b"log-epoch"
+_EPOCH = struct.Struct(">Q")
 # How long a commit that needs a bigger map waits for a running snapshot copy.
 _COPY_WAIT = 0.05
 # Room a new environment needs before LMDB creates its files: LMDB writes
@@ -134,6 +148,33 @@ class LmdbStore(SpillingShutdown):
         self._next_qid = 1
         self.env = self._open_env(getattr(options, "lmdb_map_size", DEFAULT_MAP_SIZE))
         self._load_registry()
+        # The publish log (backends.lmdb_log): durable, on a reactor with
+        # threads. Whatever the mode, what a log left by a crash holds is
+        # written into LMDB first.
+        self._log: PublishLog | None = None
+        self._log_epoch = 0
+        self._replay_log()
+        if self.durable and IReactorThreads.providedBy(clock):
+            self._log = PublishLog(os.path.join(self.path, LOG_FILE), _LOG_PREALLOCATE)
+        # What changed since the last chunk was taken (None without a log):
+        # batches of new and of rewritten messages, and deleted keys.
+        self._log_puts: list | None = [] if self._log is not None else None
+        self._log_updates: list = []
+        self._log_dels: list | None = [] if self._log is not None else None
+        # The chunk being written and synced by a thread, and whether a
+        # commit was asked for meanwhile.
+        # Chunks handed to the writer thread and not landed yet, oldest
+        # first; the queues with messages staged since the last chunk; the
+        # writer's inbox, whether it is running, and the error that broke it.
+        self._flights: deque[_Flight] = deque()
+        self._staging: set[LmdbQueue] = set()
+        self._outbox: list[_Flight] = []
+        self._outbox_lock = threading.Lock()
+        self._writing = False
+        self._broken: BaseException | None = None
+        self._again = False
+        self._idle_call = None
+        self._checkpointed = clock.seconds()
         self._load_spill()
         self._sync_loop = None
         if not self.durable and self.sync_timeout > 0:
@@ -220,6 +261,57 @@ class LmdbStore(SpillingShutdown):
     def _no_room_text(self, error: str) -> str:
         return (f"{self.path}: cannot create the store: {error}; "
                 f"free space on that filesystem or choose another --data-path")
+
+    def _replay_log(self) -> None:
+        """Write into LMDB what a publish log holds past the last checkpoint (a crash), then empty it.
+
+        Torn or damaged chunks at the end are what a crash cut short: their
+        publishers were never answered, so they are dropped.
+        """
+        with self.env.begin(db=self.meta_db) as txn:
+            mark = txn.get(_LOG_EPOCH)
+        self._log_epoch = done = _EPOCH.unpack(mark)[0] if mark is not None else 0
+        path = os.path.join(self.path, LOG_FILE)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise StoreOpenError(f"{path}: cannot read the publish log: {e.strerror}") from None
+        if not raw:
+            return
+        try:
+            with self.env.begin(write=True, db=self.data_db) as txn:
+                epoch = done
+                records = deleted = 0
+                for epoch_, ops in parse_chunks(raw):
+                    if epoch_ <= done:
+                        continue
+                    epoch = epoch_
+                    for key, record in ops:
+                        if record is None:
+                            deleted += txn.delete(key)
+                        else:
+                            txn.put(key, record)
+                            records += 1
+                if epoch != done:
+                    txn.put(_LOG_EPOCH, _EPOCH.pack(epoch), db=self.meta_db)
+            self.env.sync(True)
+        except lmdb.Error as e:
+            raise StoreOpenError(f"{path}: cannot replay the publish log into LMDB ({e})") from None
+        self._log_epoch = epoch
+        if epoch != done:
+            log.info("{path}: {n} records written and {d} deleted from the publish log (chunks "
+                     "{first} to {last})", path=path, n=records, d=deleted, first=done + 1, last=epoch)
+        if not self.durable:
+            # A durable store writes over it (replay skips what LMDB holds);
+            # any other has no use for it.
+            try:
+                os.unlink(path)
+            except OSError as e:
+                log.warn("{path}: cannot remove the publish log ({error}); it is replayed no "
+                         "further than LMDB says", path=path, error=e.strerror)
 
     def _load_registry(self) -> None:
         try:
@@ -338,18 +430,194 @@ class LmdbStore(SpillingShutdown):
         """
         if self.failure:
             raise BackendError(self.failure)
-        self.commit()
+        self._land_now()
+        self._checkpoint()
         if self.failure or self._pending():
             raise BackendError(self.failure or "a commit is waiting for a snapshot copy")
         return self.env.begin(buffers=False)
 
     def commit(self) -> None:
-        """Write everything gathered since the last commit in one transaction."""
+        """Make what was gathered since the last commit durable (a reactor turn's group commit).
+
+        Durable with a publish log, that is a chunk of the log, handed to
+        a writer thread while the reactor goes on; the writer writes every
+        chunk handed to it meanwhile and syncs them with one fdatasync.
+        LMDB takes everything in a checkpoint when one is due. Otherwise,
+        one LMDB transaction.
+        """
+        if self._log is None:
+            self._checkpoint()
+            return
+        if self.closing:
+            self._land_now()
+            self._checkpoint()
+            return
+        if self._commit_call is not None and self._commit_call.active():
+            self._commit_call.cancel()
+        self._commit_call = None
+        if self._checkpoint_due() or self.failure:
+            # A checkpoint, or a probe while failing, waits for the chunks
+            # being written: they land first, in order.
+            if self._flights:
+                self._again = True
+            elif self._checkpoint_due():
+                self._checkpoint()
+            else:
+                self._take_off()
+            return
+        if not (self._waiters or self._log_puts):
+            # Nobody waits: no publisher, no message to hand out. Rewrites
+            # and FINs go with the next chunk, or LMDB takes them when due.
+            if self._unchecked():
+                self._checkpoint_later(_CHECKPOINT_EVERY - (self.clock.seconds() - self._checkpointed))
+            return
+        self._take_off()
+
+    def _checkpoint_due(self) -> bool:
+        """LMDB must take what is pending now: structure changed, a probe, or enough gathered."""
+        if (self._drops or self._registry_puts or self._registry_dels or self._probe
+                or self._spill_loaded):
+            return True
+        pending = len(self._puts) + len(self._updates) + len(self._dels)
+        if pending >= _CHECKPOINT_RECORDS or self._log.size >= _CHECKPOINT_LOG_BYTES:
+            return True
+        return self._unchecked() and self.clock.seconds() - self._checkpointed >= _CHECKPOINT_EVERY
+
+    def _unchecked(self) -> bool:
+        """Something LMDB has not taken: pending records, or a log to empty (what FINs cancelled)."""
+        return self._pending() or (self._log is not None and self._log.size > 0)
+
+    def _take_off(self) -> None:
+        """Hand what changed since the last chunk to the writer thread, as one chunk of the publish log."""
+        self._log_epoch += 1
+        flight = _Flight(self._log_epoch, self._waiters, self._fresh, self._log_puts,
+                         self._log_updates, self._log_dels)
+        self._waiters, self._fresh = [], []
+        self._log_puts, self._log_updates, self._log_dels = [], [], []
+        staging, self._staging = self._staging, set()
+        for queue in staging:
+            if queue._fly():
+                flight.queues.append(queue)
+        self._flights.append(flight)
+        try:
+            flight.data = encode_chunk(flight.epoch, flight.puts, flight.updates, flight.dels)
+        except Exception:  # a bug, not the disk: fail the chunk as the disk would
+            log.failure("publish log: encoding a chunk failed")
+            flight.data = None
+        with self._outbox_lock:
+            self._outbox.append(flight)
+            if self._writing:
+                return
+            self._writing = True
+        self.clock.callInThread(self._write_out)
+
+    def _write_out(self) -> None:
+        """In a thread: write every chunk handed over, one fdatasync for all, then land them on the reactor.
+
+        After a failed write, every chunk handed over until the reactor has
+        dealt with the failure fails too, unwritten: chunks land in order,
+        and none may be on disk after one that is not.
+        """
+        outbox = self._outbox
+        while True:
+            with self._outbox_lock:
+                if not outbox:
+                    self._writing = False
+                    return
+                batch = list(outbox)
+                outbox.clear()
+            error = self._broken
+            if error is None:
+                try:
+                    if any(flight.data is None for flight in batch):
+                        raise ValueError("a chunk could not be encoded")
+                    self._log.append(b"".join([flight.data for flight in batch]))
+                except BaseException as e:
+                    error = self._broken = e
+            for flight in batch:
+                flight.error = error
+                flight.done.set()
+            self.clock.callFromThread(self._land, batch)
+
+    def _land_now(self) -> None:
+        """Wait for the chunks being written and land them (before a checkpoint or a close)."""
+        flights = list(self._flights)
+        for flight in flights:
+            flight.done.wait()
+        if flights:
+            self._land(flights, go_on=False)
+
+    def _land(self, batch: list[_Flight], go_on: bool = True) -> None:
+        """On the reactor: chunks are synced (publishes answered, messages readable), or failed."""
+        flights = self._flights
+        for flight in batch:
+            if not flights or flights[0] is not flight:
+                continue  # landed already by _land_now, or failed with an earlier one
+            if flight.error is not None:
+                self._log_failed()
+                return
+            flights.popleft()
+            self._healthy()
+            self._hand_over(flight.waiters,
+                            [(queue, held) for queue in flight.queues if (held := queue._landed()) is not None])
+        if not go_on or flights:
+            return
+        if self._again or self._checkpoint_due():
+            self._again = False
+            self.commit()
+        elif self._unchecked():
+            self._checkpoint_later(_CHECKPOINT_EVERY)
+
+    def _checkpoint_later(self, delay: float) -> None:
+        """Quiet now: LMDB takes what was logged a little later (a commit asked for meanwhile comes first)."""
+        if self._idle_call is None or not self._idle_call.active():
+            self._idle_call = self.clock.callLater(max(delay, 0.0), self.commit)
+
+    def _log_failed(self) -> None:
+        """A chunk could not be written (a full disk): it and every later one fail, as a failed commit.
+
+        Their new publishes are dropped, their publishers answered with the
+        error. Their other changes (messages moved to channels, rewrites,
+        deletions) were acknowledged long ago: they go back, in order, to
+        be logged again.
+        """
+        flights = list(self._flights)
+        self._flights.clear()
+        for flight in flights:
+            flight.done.wait()  # the writer fails them at once, unwritten
+        self._broken = None
+        error = flights[0].error
+        text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        if not isinstance(error, OSError):
+            log.error("publish log: writing a chunk failed: {error!r}", error=error)
+        queues = {queue for flight in flights for queue in flight.queues}
+        for queue in queues:
+            queue._unfly()
+        self._staging |= queues
+        self._log_puts[:0] = [batch for flight in flights for batch in flight.puts]
+        self._log_updates[:0] = [batch for flight in flights for batch in flight.updates]
+        self._log_dels[:0] = [key for flight in flights for key in flight.dels]
+        if self.failure is None:
+            log.error("publish log write failed, retrying every {s}s: {error}", s=self.RETRY_AFTER,
+                      error=text)
+            if self.health_listener is not None:
+                self.health_listener(f"LMDB write failed: {text}")
+        self.failure = f"LMDB write failed: {text}"
+        self._roll_back([fresh for flight in flights for fresh in flight.fresh])
+        for flight in flights:
+            for callback in flight.waiters:
+                callback(self.failure)
+        if self._commit_call is not None and self._commit_call.active():
+            self._commit_call.cancel()
+        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
+
+    def _checkpoint(self) -> None:
+        """Write everything gathered since the last checkpoint in one LMDB transaction."""
         if self._commit_call is not None and self._commit_call.active():
             self._commit_call.cancel()
         self._commit_call = None
         waiters, self._waiters = self._waiters, []
-        if not self._pending():
+        if not self._unchecked():
             self._fresh.clear()  # emptied queues' messages, if any: nothing left to drop
             for callback in waiters:
                 callback(None)
@@ -364,7 +632,7 @@ class LmdbStore(SpillingShutdown):
                 self._commit_call = self.clock.callLater(_COPY_WAIT, self.commit)
                 return
             self._grow()
-            self.commit()
+            self._checkpoint()
             return
         except lmdb.Error as e:
             self._failed(str(e), waiters)
@@ -376,13 +644,22 @@ class LmdbStore(SpillingShutdown):
                 log.failure("LMDB commit failed")
             self._failed(f"{type(e).__name__}: {e}", waiters)
             return
-        if self.failure is not None:
-            self.failure = None
-            if self.health_listener is not None:
-                self.health_listener(None)
+        self._healthy()
         if self._spill_loaded:
             self._remove_spill()
         self._fresh.clear()
+        if self._log is not None:
+            # LMDB holds everything logged, and the epoch says so: a crash
+            # from now on replays only later chunks.
+            self._log_puts.clear()
+            self._log_updates.clear()
+            self._log_dels.clear()
+            self._checkpointed = self.clock.seconds()
+            try:
+                self._log.empty()
+            except OSError as e:
+                log.warn("publish log: cannot empty it ({error}); replay skips what LMDB holds",
+                         error=e.strerror)
         self._unsynced += written
         self.io_records += written
         if self.io_records >= _UNMAP_RECORDS:
@@ -390,16 +667,28 @@ class LmdbStore(SpillingShutdown):
         if not self.durable and self.sync_every and self._unsynced >= self.sync_every:
             self.sync()
         touched, self._touched = self._touched, set()
-        stored = [(queue, held) for queue in touched if (held := queue._committed()) is not None]
+        self._hand_over(waiters, [(queue, held) for queue in touched if (held := queue._committed()) is not None])
+
+    def _healthy(self) -> None:
+        """A write succeeded: a failure is over."""
+        if self.failure is not None:
+            self.failure = None
+            if self.health_listener is not None:
+                self.health_listener(None)
+
+    def _hand_over(self, waiters: list, stored: list) -> None:
+        """Durable writes landed: answer their waiters, then tell the queues' owners what became readable.
+
+        The owners deliver it, or drain it (a topic's); what they put
+        meanwhile goes into the next commit.
+        """
         for callback in waiters:
             callback(None)
-        # Their owners deliver what became readable, or drain it (a topic's);
-        # what they put meanwhile goes into the next commit.
         for queue, held in stored:
             try:
                 queue.on_stored(held)
             except Exception:
-                log.failure("queue {name}: handing over committed messages failed", name=queue.name)
+                log.failure("queue {name}: handing over stored messages failed", name=queue.name)
 
     def _write(self) -> int:
         """Write everything pending; how many records were written or deleted.
@@ -418,7 +707,8 @@ class LmdbStore(SpillingShutdown):
         meta = True
         if len(puts) + len(updates) > _COMMIT_CHUNK:
             meta = self._write_early()
-        self._write_records(chain(puts.items(), updates.items()) if updates else puts.items(), meta)
+        self._write_records(chain(puts.items(), updates.items()) if updates else puts.items(), meta,
+                            last=True)
         puts.clear()
         updates.clear()
         if meta:
@@ -453,9 +743,15 @@ class LmdbStore(SpillingShutdown):
                 chunk, size = [], 0
         return meta
 
-    def _write_records(self, records, meta: bool) -> None:
-        """One transaction: `records` ((key, message) pairs), after drops, deletions and the registry if `meta`."""
+    def _write_records(self, records, meta: bool, last: bool = False) -> None:
+        """One transaction: `records` ((key, message) pairs), after drops, deletions and the registry if `meta`.
+
+        The `last` transaction of a checkpoint also records the publish
+        log's last chunk, as everything logged is in LMDB once it commits.
+        """
         with self.env.begin(write=True, db=self.data_db) as txn:
+            if last and self._log is not None:
+                txn.put(_LOG_EPOCH, _EPOCH.pack(self._log_epoch), db=self.meta_db)
             if meta:
                 for qid, bound in self._drops:
                     drop_range(txn, qid, bound)
@@ -498,7 +794,8 @@ class LmdbStore(SpillingShutdown):
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {error}")
         self.failure = f"LMDB write failed: {error}"
-        self._roll_back()
+        fresh, self._fresh = self._fresh, []
+        self._roll_back(fresh)
         # The retry writes something even if FINs have emptied what was
         # pending by then; otherwise nothing would ever clear the failure.
         self._probe = True
@@ -506,9 +803,8 @@ class LmdbStore(SpillingShutdown):
             callback(self.failure)
         self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
 
-    def _roll_back(self) -> None:
+    def _roll_back(self, fresh: list) -> None:
         """Unstage the new publishes of a failed commit: no record, no place in any queue."""
-        fresh, self._fresh = self._fresh, []
         if not fresh:
             return
         puts = self._puts
@@ -590,21 +886,45 @@ class LmdbStore(SpillingShutdown):
             self._unmap_loop.stop()
         waiting = None
         try:
-            self.commit()
+            self._land_now()
+            self._checkpoint()
             if self.failure is not None:
                 waiting = self._close_bounded()
             else:
                 self.sync()
         finally:
-            if self._commit_call is not None and self._commit_call.active():
-                self._commit_call.cancel()
-            self._commit_call = None
+            for call in (self._commit_call, self._idle_call):
+                if call is not None and call.active():
+                    call.cancel()
+            self._commit_call = self._idle_call = None
             if waiting is None:
                 self.env.close()
+            if self._log is not None:
+                self._log.close()
         return waiting
 
     def stats(self) -> dict[str, Any]:
         return {"path": self.path, **self.env.info(), **self.env.stat()}
+
+
+class _Flight:
+    """A chunk of the publish log being written, and what waits for it."""
+
+    __slots__ = ("epoch", "waiters", "fresh", "puts", "updates", "dels", "queues", "data", "error",
+                 "done")
+
+    def __init__(self, epoch: int, waiters: list, fresh: list, puts: list, updates: list,
+                 dels: list) -> None:
+        self.epoch = epoch
+        self.waiters = waiters
+        self.fresh = fresh
+        self.puts = puts
+        self.updates = updates
+        self.dels = dels
+        self.queues: list[LmdbQueue] = []
+        self.data: bytes | None = b""
+        self.error: BaseException | None = None
+        self.done = threading.Event()
 
 
 # -- helpers -------------------------------------------------------------------------------------

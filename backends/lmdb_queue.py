@@ -5,7 +5,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterator
-from itertools import islice
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 from zope.interface import implementer
@@ -37,7 +37,7 @@ class LmdbQueue:
     """One queue's key range, its read position, and what a commit has not written yet."""
 
     __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held",
-                 "_staged", "_staged_held", "on_stored")
+                 "_staged", "_staged_held", "_flying", "on_stored")
 
     def __init__(self, store: LmdbStore, name: str, qid: int, first_seq: int, next_seq: int,
                  depth: int) -> None:
@@ -55,6 +55,10 @@ class LmdbQueue:
         # depth, and follow the tail.
         self._staged: list[Message] = []
         self._staged_held: list[Message] = []
+        # Durable with a publish log: the staged and held messages of each
+        # chunk being written (backends.lmdb_log), oldest first; they come
+        # between the tail and the staged ones.
+        self._flying: deque[tuple[list[Message], list[Message]]] = deque()
         # Durable: called after a commit made staged messages readable, with
         # the held ones among them (their owner keeps those outside the
         # queue, from then on). Set by the queue's owner (mqd.nsqd.channel, mqd.nsqd.topic).
@@ -69,6 +73,9 @@ class LmdbQueue:
     def _tail_start(self) -> int:
         if self._tail:
             return KEY.unpack(self._tail[0].key)[1]
+        for staged, _ in self._flying:
+            if staged:
+                return KEY.unpack(staged[0].key)[1]
         if self._staged:
             return KEY.unpack(self._staged[0].key)[1]
         return self._next_seq
@@ -98,6 +105,9 @@ class LmdbQueue:
             puts[key] = msg
             seq += 1
         self._next_seq = seq
+        if store._log_puts is not None:
+            store._log_puts.append(messages)
+            store._staging.add(self)
         store._touched.add(self)
         store._schedule()
 
@@ -264,6 +274,7 @@ class LmdbQueue:
         updates = store._updates
         dels = store._dels
         held = self._held
+        logged = store._log_dels
         for msg in messages:
             key = msg.key
             if key is None:
@@ -273,6 +284,8 @@ class LmdbQueue:
             held.discard(key)
             if puts.pop(key, None) is None:
                 dels.add(key)
+            if logged is not None:
+                logged.append(key)
         store._schedule()
 
     def update(self, messages) -> None:
@@ -286,6 +299,8 @@ class LmdbQueue:
                 continue
             if key not in puts:
                 updates[key] = msg
+        if store._log_puts is not None:
+            store._log_updates.append(messages)
         store._schedule()
 
     def depth(self) -> int:
@@ -302,11 +317,12 @@ class LmdbQueue:
                 del table[key]
         for msg in self._tail:
             msg.key = None
-        for msg in self._staged_held:
+        for msg in chain(self._staged_held, *chain.from_iterable(self._flying)):
             msg.key = None
         self._tail.clear()
         self._staged.clear()
         self._staged_held.clear()
+        self._flying.clear()
         self._held.clear()
         self._read_seq = self._next_seq
         self._depth = 0
@@ -341,6 +357,28 @@ class LmdbQueue:
         while len(tail) > limit and tail[0].key not in puts:
             tail.popleft()
         return held if (staged or held) and self.on_stored is not None else None
+
+    def _fly(self) -> bool:
+        """A chunk of the publish log is taken: the staged messages are in it (True if any)."""
+        if not (self._staged or self._staged_held):
+            return False
+        self._flying.append((self._staged, self._staged_held))
+        self._staged, self._staged_held = [], []
+        return True
+
+    def _landed(self) -> list[Message] | None:
+        """The oldest chunk is synced: its messages are readable; the held ones for `on_stored`, as `_committed`."""
+        flying, held = self._flying.popleft()
+        if flying:
+            self._tail.extend(flying)
+        return held if (flying or held) and self.on_stored is not None else None
+
+    def _unfly(self) -> None:
+        """The chunks failed: their messages are staged again, in order, ahead of those staged since."""
+        flying = self._flying
+        self._staged[:0] = [m for staged, _ in flying for m in staged]
+        self._staged_held[:0] = [m for _, held in flying for m in held]
+        flying.clear()
 
     def _drop_fresh(self) -> None:
         """After a failed commit: forget the staged messages `LmdbStore._roll_back` took the keys of."""
