@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "txnsq (mqd.client) vs pynsq: pub, mpub, consume"),
     "lookupd": ("bench.scenarios.lookupd", "main",
                 "mqlookupd (and nsqlookupd) under thousands of registered brokers"),
+    "scale-out": ("bench.scenarios.scale_out", "main",
+                  "N brokers on one host behind mqlookupd, one core each: msgs/s per N"),
     "snapshot": ("bench.scenarios.snapshot", "main",
                  "POST /snapshot of a live broker: reactor stall, MB/s, then analyze"),
     "big-batch": ("bench.scenarios.big_batch", "main",

@@ -340,6 +340,15 @@ class ReaderConfig:
     idle_timeout: float | None = None
     sample_every: int = 100
     client_id: str = "bench"
+    # IDENTIFY's output_buffer_timeout in ms (-1: output buffering off, 0: the broker's
+    # default); None leaves the field out, so the broker's default applies.
+    output_buffer_timeout: int | None = None
+
+    def identify_fields(self) -> dict[str, Any]:
+        """What this reader's IDENTIFY adds to the bench client's usual fields."""
+        if self.output_buffer_timeout is None:
+            return {}
+        return {"output_buffer_timeout": self.output_buffer_timeout}
 
 
 def _scan(
@@ -396,7 +405,7 @@ def consume(
     the readers together reached ``expected``.
     """
     sock = wire.connect(cfg.address)
-    answer = wire.identify(sock, cfg.client_id)
+    answer = wire.identify(sock, cfg.client_id, cfg.identify_fields())
     rdy = cfg.rdy
     max_rdy = answer.get("max_rdy_count")
     if isinstance(max_rdy, int) and 0 < max_rdy < rdy:
@@ -535,6 +544,7 @@ def consume(
         "fin_errors": fin_errors,
         "rdy": rdy,
         "closed": closed,
+        "output_buffer_timeout": answer.get("output_buffer_timeout"),  # as the broker settled it
     }
 
 

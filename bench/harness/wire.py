@@ -12,6 +12,8 @@ import socket
 import struct
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
+from typing import Any
 
 MAGIC = b"  V2"
 FRAME_RESPONSE = 0
@@ -88,20 +90,33 @@ def expect(sock: socket.socket, expected: bytes, what: str) -> None:
         raise ProtocolError(f"{what}: expected {expected!r}, got {payload[:200]!r}")
 
 
-def identify(sock: socket.socket, client_id: str = "bench") -> dict:
-    """Send IDENTIFY with feature negotiation and return the broker's JSON answer.
+def identify_body(client_id: str = "bench", fields: Mapping[str, Any] | None = None) -> bytes:
+    """The JSON body of a bench client's IDENTIFY; ``fields`` are added to (or override) it.
+
+    Only what is asked for is sent: a field left out keeps the broker's default,
+    which is not always what an explicit value means (``output_buffer_timeout``
+    0 is the default, -1 turns output buffering off).
+    """
+    data: dict[str, Any] = {
+        "feature_negotiation": True,
+        "client_id": client_id,
+        "hostname": "bench",
+        "user_agent": "mqd-bench/0.1",
+    }
+    data.update(fields or {})
+    return json.dumps(data).encode()
+
+
+def identify(
+    sock: socket.socket, client_id: str = "bench", fields: Mapping[str, Any] | None = None
+) -> dict:
+    """Send IDENTIFY with feature negotiation (plus ``fields``) and return the broker's JSON answer.
 
     Checking the JSON (rather than accepting any OK) catches brokers that ignore
-    feature_negotiation, which real clients such as go-nsq depend on.
+    feature_negotiation, which real clients such as go-nsq depend on. A value
+    the broker rejects (E_BAD_BODY) raises ProtocolError.
     """
-    body = json.dumps(
-        {
-            "feature_negotiation": True,
-            "client_id": client_id,
-            "hostname": "bench",
-            "user_agent": "mqd-bench/0.1",
-        }
-    ).encode()
+    body = identify_body(client_id, fields)
     sock.sendall(b"IDENTIFY\n" + SIZE.pack(len(body)) + body)
     payload = read_response(sock, "IDENTIFY")
     try:

@@ -9,16 +9,23 @@ each run next to the rates it really achieved.
 
 The maximum is the lower of the in and out rates of that run: a load above the
 rate the readers are served at only grows a backlog, and the latency with it.
+
+``--output-buffer-timeout MS`` sends ``output_buffer_timeout`` in the readers'
+IDENTIFY (NSQ's meaning: -1 turns the broker's per-client output buffering
+off, 0 keeps its default, a positive value must lie within the broker's
+``--min/max-output-buffer-timeout``, 25 ms to 30 s by default in nsqd 1.3.0 and
+mqd). Without it the field is not sent and the broker's default applies; the
+timeout the broker settled on is reported either way.
 """
 
 from __future__ import annotations
 
 import argparse
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from bench.harness.load import WriterConfig
+from bench.harness.load import ReaderConfig, WriterConfig
 from bench.harness.report import fmt, heading, percent, percentile, save_json
 from bench.harness.session import (
     BenchError,
@@ -52,7 +59,9 @@ class PacedSession(Session):
 
     rate: float | None = None
     paced_pipeline: int = 4
+    output_buffer_timeout: int | None = None  # readers' IDENTIFY field (ms); None: not sent
     _last_latencies: list[int] = []  # noqa: RUF012 -- replaced, never mutated
+    _last_buffer_timeouts: list[int | None] = []  # noqa: RUF012 -- replaced, never mutated
 
     def _writer_cfgs(self, total: int | None) -> list[WriterConfig]:
         cfgs = super()._writer_cfgs(total)
@@ -61,6 +70,18 @@ class PacedSession(Session):
                 cfg.rate = r
                 cfg.pipeline = max(cfg.pipeline, self.paced_pipeline)
         return cfgs
+
+    def _reader_cfgs(
+        self, duration: float | None, expected: int | None, idle: float | None
+    ) -> list[ReaderConfig]:
+        cfgs = super()._reader_cfgs(duration, expected, idle)
+        for cfg in cfgs:
+            cfg.output_buffer_timeout = self.output_buffer_timeout
+        return cfgs
+
+    def buffer_timeouts(self) -> list[int | None]:
+        """The output_buffer_timeout (ms) each reader of the last run was granted, as IDENTIFY said."""
+        return self._last_buffer_timeouts
 
     def latencies(self) -> list[int]:
         """Every latency sample of the last run (kept by ``_result``)."""
@@ -75,6 +96,7 @@ class PacedSession(Session):
             arr.frombytes(r["latency_ns"])
             values.extend(arr)
         self._last_latencies = values
+        self._last_buffer_timeouts = [r.get("output_buffer_timeout") for r in rres]
         return super()._result(name, wres, rres, seconds, rss, cpu)
 
 
@@ -91,6 +113,21 @@ class PacedRun:
     p999: float | None
     samples: int
     cpu_pct: float | None
+    buffer_timeouts: list[int | None] = field(default_factory=list)  # granted, per reader (ms)
+
+
+def buffer_note(asked: int | None, granted: list[int | None]) -> str:
+    """The readers' output buffering in words: what IDENTIFY asked for and what the broker granted."""
+    values = sorted({g for g in granted if g is not None})
+    if not values:
+        got = "the broker did not say what it granted"
+    else:
+        got = "granted " + ", ".join(f"{v} ms" for v in values)
+        if values == [0]:
+            got += ": output buffering off"
+    if asked is None:
+        return f"no output_buffer_timeout in the readers' IDENTIFY (broker default; {got})"
+    return f"readers' IDENTIFY output_buffer_timeout={asked} ({got})"
 
 
 def paced_run(session: PacedSession, label: str, rate: float | None) -> PacedRun:
@@ -100,13 +137,14 @@ def paced_run(session: PacedSession, label: str, rate: float | None) -> PacedRun
     s = latency_summary(session.latencies())
     return PacedRun(
         label, rate, res.rate_in, res.rate_out, s["p50"], s["p99"], s["p99.9"],
-        int(s["samples"] or 0), res.cpu_pct,
+        int(s["samples"] or 0), res.cpu_pct, list(session.buffer_timeouts()),
     )
 
 
 def markdown(
     runs: list[PacedRun], args: argparse.Namespace, extra: argparse.Namespace, broker_desc: str
 ) -> str:
+    granted = [g for r in runs for g in r.buffer_timeouts]
     lines = [
         heading("mqd publish-to-deliver latency"),
         "",
@@ -115,6 +153,7 @@ def markdown(
         f"{args.readers} readers RDY {args.rdy}, {args.duration:g} s per run; paced runs keep up to "
         f"{max(args.pipeline, extra.paced_pipeline)} MPUBs outstanding per writer; latency sampled "
         f"every {args.sample_every}th message",
+        f"- output buffering: {buffer_note(extra.output_buffer_timeout, granted)}",
         "",
         "| load | target msgs/s | achieved in | achieved out | p50 (ms) | p99 (ms) | p99.9 (ms) "
         "| samples | broker CPU |",
@@ -146,7 +185,19 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
         default=4,
         help="MPUBs a paced writer may keep outstanding (so acks do not set the pace)",
     )
+    p.add_argument(
+        "--output-buffer-timeout",
+        type=int,
+        metavar="MS",
+        help="send output_buffer_timeout in the readers' IDENTIFY: -1 turns the broker's output "
+        "buffering off, 0 keeps its default, else MS within the broker's "
+        "--min-output-buffer-timeout (25 ms by default; lower it with "
+        "--broker-arg=--min-output-buffer-timeout=1ms) and --max-output-buffer-timeout "
+        "(default: the field is not sent)",
+    )
     own, rest = p.parse_known_args(argv)
+    if own.output_buffer_timeout is not None and own.output_buffer_timeout < -1:
+        p.error("--output-buffer-timeout: -1 (off), 0 (the broker's default) or milliseconds")
     try:
         own.fractions = [float(x) for x in own.fractions.split(",") if x]
     except ValueError:
@@ -166,6 +217,7 @@ def main(argv: list[str]) -> int:
         assert isinstance(session, PacedSession)
         broker_desc = session.describe()
         session.paced_pipeline = own.paced_pipeline
+        session.output_buffer_timeout = own.output_buffer_timeout
         if own.max_rate:
             top = own.max_rate
             print(f"maximum given: {top:,.0f} msgs/s", flush=True)
@@ -182,5 +234,5 @@ def main(argv: list[str]) -> int:
     print()
     print(markdown(runs, args, own, broker_desc))
     if args.json:
-        save_json(args.json, args, runs=runs)
+        save_json(args.json, args, runs=runs, latency_options=vars(own))
     return 0

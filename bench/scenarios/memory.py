@@ -1,8 +1,8 @@
 """``python -m bench memory``: RSS per queued message held in memory, and where those bytes go.
 
-Two views of the same figure:
+Three views of the same figure:
 
-- **broker**: a memory-backend twistd broker with a ``--mem-queue-size`` larger
+- **mqd**: a memory-backend twistd broker with a ``--mem-queue-size`` larger
   than the backlog gets N messages (MPUB, untimed) on one topic with 1, 2, ...
   channels; its RSS (and RssAnon, anonymous memory only) is read after the
   topic and channels exist, after a warm-up on another topic (so allocator
@@ -10,17 +10,36 @@ Two views of the same figure:
   N on every channel, and again 2 s later (after the reactor's idle GC). The
   growth over the warm baseline divided by N is the cost of a queued message;
   the difference between 1 and 2 channels is what one more channel adds.
+- **nsqd**: with ``--nsqd-bin`` (default: ``$NSQD_BIN``, else NSQ's binaries
+  beside the checkout, if there; ``none`` to skip) a real nsqd gets the same
+  run, alternating with mqd per channel count: the same ``--mem-queue-size``
+  (larger than the backlog, so it stays in its in-memory Go channels), topic
+  and channels created over HTTP before anything is published (so every
+  channel holds the whole backlog), the same warm-up, count, body size and
+  batch, and RSS read from /proc/PID at the same steps. Its RSS includes the
+  Go runtime's garbage not yet collected (GOGC=100 lets the heap grow to twice
+  the live data before a collection), which is part of what it costs to hold
+  a backlog. One difference, for Go's collector: the warm-up's messages are
+  collected (through Go's pprof heap endpoint, ``gc=1``) before the
+  baseline, as mqd's refcounting frees them at once; left to the next
+  collection, which the fill would trigger, they would inflate the baseline
+  and shrink nsqd's figure. The topic is deleted before nsqd is stopped,
+  because nsqd writes its in-memory backlog to disk on SIGTERM.
 - **objects**: the same messages built in this process the way the broker
   builds them (``walk_binary`` slices of an MPUB, ``IdFactory`` ids,
   ``Message``, a channel's ``OverflowQueue``; ``Message.copy`` for the next
   channel), measured object by object with ``sys.getsizeof``, pymalloc's
   16-byte size classes, tracemalloc and this process's RSS growth.
 
-nsqd's figure is derived from its reference run under NSQ's benchmark
-conditions (nsqd 1.3.0): 1.2-1.4 GB of peak RSS with a 4 M message backlog of
-which 1.6-1.8 M had spilled to disk, so 2.2-2.4 M messages in memory. Peak RSS includes the Go runtime and up to GOGC=100's
-garbage headroom, so it is an estimate (an upper one) of nsqd's per-message
-cost, not a measurement under these conditions.
+Both brokers' baselines are read once their RSS stops moving after the
+warm-up topic is deleted.
+
+Without a real nsqd, its figure is derived from its reference run under
+NSQ's benchmark conditions (nsqd 1.3.0): 1.2-1.4 GB of peak RSS with a 4 M
+message backlog of which 1.6-1.8 M had spilled to disk, so 2.2-2.4 M messages
+in memory. Peak RSS includes the Go runtime and up to GOGC=100's garbage
+headroom, so it is an estimate (an upper one) of nsqd's per-message cost, not
+a measurement under these conditions.
 
 ``python -m bench memory peaks`` (memory_peaks.py) measures instead how much
 one request or one kind of client makes a broker grow.
@@ -29,6 +48,7 @@ one request or one kind of client makes a broker grow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -39,13 +59,20 @@ import tracemalloc
 from dataclasses import dataclass, field
 
 from bench.harness import wire
-from bench.harness.broker import Broker, BrokerError, proc_memory
+from bench.harness.broker import Broker, BrokerError, find_nsqd, nsqd_command, proc_memory
 from bench.harness.load import fill
 from bench.harness.report import heading, save_json
 from bench.scenarios import memory_peaks
+from bench.scenarios.compare import nsqd_version
 
 TOPIC = "mem"
 WARM_TOPIC = "mem_warm"
+WARM_PAUSE = 1.0  # s at least after deleting the warm-up topic, before the baseline
+STEADY_LIMIT = 30.0  # s at most waiting for the baseline RSS to stop moving
+STEADY_KB = 256  # kB: RSS that moved less than this in STEADY_INTERVAL is steady
+STEADY_INTERVAL = 0.5
+SETTLE = 2.0  # s between the "full" and the "settled" reading
+DEPTH_TIMEOUT = 120.0  # s for every channel to show the whole backlog in /stats
 
 # nsqd 1.3.0's reference run: peak RSS 1.2-1.4 GB, 4 M backlog, 1.6-1.8 M of it on disk.
 NSQD_RSS_GB = (1.2, 1.4)
@@ -90,16 +117,59 @@ class BrokerRun:
     count: int
     readings: dict[str, dict[str, int]] = field(default_factory=dict)  # step -> proc_memory
     fill_seconds: float = 0.0
+    broker: str = "mqd"  # or "nsqd"
 
     def bytes_per_msg(self, key: str = "VmRSS", step: str = "settled") -> float:
         return per_message(self.readings["warm"][key], self.readings[step][key], self.count)
 
 
-def broker_run(args: argparse.Namespace, channels: int) -> BrokerRun:
-    """One fresh broker, ``channels`` channels on the topic, ``args.count`` messages."""
-    run = BrokerRun(channels, args.count)
-    size = max(args.count, args.warmup) * 2
-    broker = Broker("memory", size, args.broker_arg, keep=False)
+def queue_size(args: argparse.Namespace) -> int:
+    """Both brokers' ``--mem-queue-size``: twice the larger of backlog and warm-up, so none spills."""
+    return max(args.count, args.warmup) * 2
+
+
+def make_broker(name: str, args: argparse.Namespace) -> Broker:
+    """A fresh mqd (memory backend, ``--broker-arg``) or, for ``nsqd``, the real nsqd of ``args.nsqd``."""
+    if name == "nsqd":
+        return Broker(argv=nsqd_command(args.nsqd, queue_size(args)))
+    return Broker("memory", queue_size(args), args.broker_arg, keep=False)
+
+
+def force_gc(http: str) -> bool:
+    """Make a Go broker collect its garbage now; False if it does not serve Go's heap profile.
+
+    nsqd serves Go's net/http/pprof, whose heap profile with ``gc=1`` runs a
+    collection first. Python's refcounting frees at once, so mqd needs none.
+    """
+    try:
+        wire.http_request(http, "/debug/pprof/heap", timeout=60, gc="1")
+    except OSError:
+        return False
+    return True
+
+
+def steady_memory(pid: int) -> dict[str, int]:
+    """proc_memory of ``pid`` once its RSS stops moving (at least WARM_PAUSE s, at most STEADY_LIMIT).
+
+    A Go runtime hands freed pages back to the kernel over a few seconds
+    after a collection; a baseline read before that would be too high.
+    """
+    time.sleep(WARM_PAUSE)
+    last = proc_memory(pid)
+    deadline = time.monotonic() + STEADY_LIMIT
+    while time.monotonic() < deadline:
+        time.sleep(STEADY_INTERVAL)
+        now = proc_memory(pid)
+        if abs(now["VmRSS"] - last["VmRSS"]) < STEADY_KB:
+            return now
+        last = now
+    return last
+
+
+def broker_run(args: argparse.Namespace, channels: int, name: str = "mqd") -> BrokerRun:
+    """One fresh broker (mqd or nsqd), ``channels`` channels on the topic, ``args.count`` messages."""
+    run = BrokerRun(channels, args.count, broker=name)
+    broker = make_broker(name, args)
     try:
         address = broker.start()
         http = broker.http_address
@@ -112,12 +182,15 @@ def broker_run(args: argparse.Namespace, channels: int) -> BrokerRun:
         if args.warmup:
             fill(address, WARM_TOPIC, args.warmup, args.size, args.batch)
             wire.http_request(http, "/topic/delete", "POST", timeout=60, topic=WARM_TOPIC)
-            time.sleep(1.0)
-        run.readings["warm"] = proc_memory(broker.pid)
+            if name == "nsqd":
+                force_gc(http)  # see the module docstring
+            run.readings["warm"] = steady_memory(broker.pid)
+        else:
+            run.readings["warm"] = proc_memory(broker.pid)
         t0 = time.monotonic()
         fill(address, TOPIC, args.count, args.size, args.batch)
         run.fill_seconds = time.monotonic() - t0
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + DEPTH_TIMEOUT
         while True:
             stats = json.loads(wire.http_request(http, "/stats", timeout=60, format="json", topic=TOPIC))
             depths = [wire.channel_counts(stats, TOPIC, c) for c in names]
@@ -127,8 +200,12 @@ def broker_run(args: argparse.Namespace, channels: int) -> BrokerRun:
                 raise BrokerError(f"channel depths {depths}, expected {args.count:,} each")
             time.sleep(0.1)
         run.readings["full"] = proc_memory(broker.pid)
-        time.sleep(2.0)
+        time.sleep(SETTLE)
         run.readings["settled"] = proc_memory(broker.pid)
+        if name == "nsqd":
+            # Measured; spare nsqd writing the backlog to disk on SIGTERM.
+            with contextlib.suppress(OSError):
+                wire.http_request(http, "/topic/delete", "POST", timeout=60, topic=TOPIC)
     finally:
         broker.stop()
     return run
@@ -226,31 +303,73 @@ def object_breakdown(count: int, size: int, batch: int) -> dict:
 # -- report ---------------------------------------------------------------------
 
 
-def report(runs: list[BrokerRun], objects: dict | None, args: argparse.Namespace) -> str:
+def comparison(runs: list[BrokerRun]) -> list[tuple[int, float | None, float | None]]:
+    """(channels, mqd B/msg, nsqd B/msg) per channel count, settled RSS; None where not measured."""
+    table: dict[int, dict[str, float]] = {}
+    for r in runs:
+        table.setdefault(r.channels, {})[r.broker] = r.bytes_per_msg()
+    return [(c, table[c].get("mqd"), table[c].get("nsqd")) for c in sorted(table)]
+
+
+def comparison_table(runs: list[BrokerRun]) -> list[str]:
+    """The markdown table channels | mqd B/msg | nsqd B/msg | mqd ÷ nsqd."""
+    lines = ["| channels | mqd B/msg | nsqd B/msg | mqd ÷ nsqd |", "|---:|---:|---:|---:|"]
+    for channels, mqd, nsqd in comparison(runs):
+        quotient = f"{mqd / nsqd:.2f}" if mqd is not None and nsqd else "-"
+        lines.append(
+            f"| {channels} | {'-' if mqd is None else f'{mqd:,.0f}'} "
+            f"| {'-' if nsqd is None else f'{nsqd:,.0f}'} | {quotient} |"
+        )
+    return lines
+
+
+def report(
+    runs: list[BrokerRun], objects: dict | None, args: argparse.Namespace, nsqd_desc: str = ""
+) -> str:
     low, mid, high = nsqd_estimate()
+    measured_nsqd = any(r.broker == "nsqd" for r in runs)
     lines = [
         heading("mqd memory per queued message"),
         "",
-        f"- broker: twistd mqd --backend=memory --mem-queue-size=2x the backlog; "
-        f"{args.count:,} messages of {args.size} B by MPUB x{args.batch}; warm-up "
-        f"{args.warmup:,} messages on another topic, deleted before the baseline",
-        "",
-        "| channels | RSS warm (MB) | RSS full (MB) | RSS settled (MB) | bytes/msg RSS "
-        "| bytes/msg RssAnon | per channel added (RSS) |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"- mqd: twistd mqd --backend=memory --mem-queue-size={queue_size(args):,}"
+        + (f" {' '.join(args.broker_arg)}" if args.broker_arg else ""),
     ]
-    prev: BrokerRun | None = None
-    for r in runs:
-        added = "-"
-        if prev is not None:
-            added = f"{(r.bytes_per_msg() - prev.bytes_per_msg()) / (r.channels - prev.channels):,.0f}"
-        lines.append(
-            f"| {r.channels} | {r.readings['warm']['VmRSS'] / 1024:,.0f} "
-            f"| {r.readings['full']['VmRSS'] / 1024:,.0f} "
-            f"| {r.readings['settled']['VmRSS'] / 1024:,.0f} | {r.bytes_per_msg():,.0f} "
-            f"| {r.bytes_per_msg('RssAnon'):,.0f} | {added} |"
-        )
-        prev = r
+    if measured_nsqd:
+        lines.append(f"- nsqd: {nsqd_desc or args.nsqd} --mem-queue-size={queue_size(args):,}")
+    lines += [
+        f"- load: {args.count:,} messages of {args.size} B by MPUB x{args.batch} on one topic whose "
+        f"channels exist before the first publish; warm-up {args.warmup:,} messages on another "
+        "topic, deleted before the baseline (read once RSS is steady"
+        + ("; nsqd's garbage collected first" if measured_nsqd else "")
+        + "); RSS growth over that baseline once every channel holds the backlog, read "
+        f"{SETTLE:g} s later",
+        "",
+        "| broker | channels | RSS warm (MB) | RSS full (MB) | RSS settled (MB) | bytes/msg RSS "
+        "| bytes/msg RssAnon | per channel added (RSS) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("mqd", "nsqd"):
+        prev: BrokerRun | None = None
+        for r in (r for r in runs if r.broker == name):
+            added = "-"
+            if prev is not None:
+                added = (
+                    f"{(r.bytes_per_msg() - prev.bytes_per_msg()) / (r.channels - prev.channels):,.0f}"
+                )
+            lines.append(
+                f"| {name} | {r.channels} | {r.readings['warm']['VmRSS'] / 1024:,.0f} "
+                f"| {r.readings['full']['VmRSS'] / 1024:,.0f} "
+                f"| {r.readings['settled']['VmRSS'] / 1024:,.0f} | {r.bytes_per_msg():,.0f} "
+                f"| {r.bytes_per_msg('RssAnon'):,.0f} | {added} |"
+            )
+            prev = r
+    if measured_nsqd:
+        lines += [
+            "",
+            "Side by side (settled RSS growth per queued message):",
+            "",
+            *comparison_table(runs),
+        ]
     lines += [
         "",
         f"nsqd 1.3.0 (estimate from its reference run: {NSQD_RSS_GB[0]}-{NSQD_RSS_GB[1]} GB peak RSS for "
@@ -288,7 +407,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench memory",
         description="RSS per queued message held in memory (memory backend), per channel, "
-        "beside nsqd's estimate, and an in-process breakdown by object",
+        "beside a real nsqd measured the same way (or nsqd's estimate), and an in-process "
+        "breakdown by object",
     )
     p.add_argument("--count", type=int, default=1_000_000, help="messages queued")
     p.add_argument("--size", type=int, default=200, help="body bytes")
@@ -299,7 +419,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--breakdown-count", type=int, default=200_000,
         help="messages built in-process for the per-object breakdown (0: skip)",
     )
-    p.add_argument("--broker-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--broker-arg", action="append", default=[], metavar="ARG", help="mqd only")
+    p.add_argument(
+        "--nsqd-bin", "--nsqd", dest="nsqd", metavar="PATH",
+        help="a real nsqd (or the directory of NSQ's binaries) measured the same way, "
+        "alternating with mqd (default: $NSQD_BIN, else NSQ's binaries beside the checkout "
+        "if there; 'none': mqd only)",
+    )
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     try:
@@ -310,6 +436,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
         p.error("--channels: counts of at least 1")
     if args.count < 1 or args.size < 8 or args.batch < 1:
         p.error("--count and --batch must be positive, --size at least 8")
+    try:
+        args.nsqd = find_nsqd(args.nsqd, use_beside=True)
+    except ValueError as exc:
+        p.error(f"--nsqd-bin: {exc}")
     return args
 
 
@@ -317,23 +447,28 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["peaks"]:
         return memory_peaks.main(argv[1:])
     args = parse(argv)
+    nsqd_desc = nsqd_version(args.nsqd) if args.nsqd else ""
+    names = ("mqd", "nsqd") if args.nsqd else ("mqd",)
     runs: list[BrokerRun] = []
     for c in args.channels:
-        print(f"broker with {c} channel(s): {args.count:,} x {args.size} B ...", flush=True)
-        r = broker_run(args, c)
-        runs.append(r)
-        for step in ("created", "warm", "full", "settled"):
-            m = r.readings[step]
-            print(f"  {step:<8} RSS {m['VmRSS'] / 1024:8,.1f} MB  RssAnon "
-                  f"{m['RssAnon'] / 1024:8,.1f} MB", flush=True)
-        print(f"  fill {r.fill_seconds:.1f} s; {r.bytes_per_msg():,.0f} B/msg RSS, "
-              f"{r.bytes_per_msg('RssAnon'):,.0f} B/msg RssAnon "
-              f"(full, before the 2 s settle: {r.bytes_per_msg(step='full'):,.0f})", flush=True)
+        for name in names:
+            print(f"{name} with {c} channel(s): {args.count:,} x {args.size} B ...", flush=True)
+            r = broker_run(args, c, name)
+            runs.append(r)
+            for step in ("created", "warm", "full", "settled"):
+                m = r.readings[step]
+                print(f"  {step:<8} RSS {m['VmRSS'] / 1024:8,.1f} MB  RssAnon "
+                      f"{m['RssAnon'] / 1024:8,.1f} MB", flush=True)
+            print(f"  fill {r.fill_seconds:.1f} s; {r.bytes_per_msg():,.0f} B/msg RSS, "
+                  f"{r.bytes_per_msg('RssAnon'):,.0f} B/msg RssAnon "
+                  f"(full, before the {SETTLE:g} s settle: {r.bytes_per_msg(step='full'):,.0f})",
+                  flush=True)
     objects = None
     if args.breakdown_count:
         objects = object_breakdown(args.breakdown_count, args.size, args.batch)
     print()
-    print(report(runs, objects, args))
+    print(report(runs, objects, args, nsqd_desc))
     if args.json:
-        save_json(args.json, args, runs=runs, objects=objects, nsqd_estimate=nsqd_estimate())
+        save_json(args.json, args, runs=runs, objects=objects, nsqd_estimate=nsqd_estimate(),
+                  nsqd_version=nsqd_desc or None, comparison=comparison(runs))
     return 0

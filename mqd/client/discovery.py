@@ -107,7 +107,8 @@ def producer_addresses(document: Any) -> set[str]:
     for row in producers:
         host = row.get("broadcast_address") if isinstance(row, dict) else None
         port = row.get("tcp_port") if isinstance(row, dict) else None
-        if not host or not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool) or port <= 0:
+        if (not host or not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool)
+                or not 0 < port < 65536):
             log.warn("lookupd listed a producer without an address: {row!r}", row=row)
             continue
         found.add(join_host_port(host, port))

@@ -125,7 +125,8 @@ def test_lookup_url_as_go_nsq_builds_it():
 
 
 def test_producer_addresses_both_shapes_ipv6_bracketed_bad_rows_skipped():
-    rows = [peer("10.0.0.1", 4150), peer("fd00::2", 4250), {"broadcast_address": "x"}, "junk"]
+    rows = [peer("10.0.0.1", 4150), peer("fd00::2", 4250), {"broadcast_address": "x"}, "junk",
+            peer("10.0.0.3", 70000), peer("10.0.0.4", 0)]
     want = {"10.0.0.1:4150", "[fd00::2]:4250"}
     assert producer_addresses({"channels": [], "producers": rows}) == want
     assert producer_addresses({"status_code": 200, "status_txt": "OK",
