@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mqd.options import ConfigError
 
-__all__ = ["ServerTLS", "server_tls"]
+__all__ = ["ServerTLS", "go_cipher_order", "server_tls"]
 
 
 class ServerTLS:
@@ -40,6 +40,58 @@ def _verify_any(conn, cert, errno, depth, ok) -> bool:
 
 def _verify_chain(conn, cert, errno, depth, ok) -> bool:
     return bool(ok)
+
+
+def _go_rank(name: str) -> tuple[int, int, int]:
+    """Where Go's crypto/tls ranks a cipher suite, as far as reordering OpenSSL's list needs.
+
+    Go puts forward-secret AEAD suites first, ECDHE before anything else,
+    and among them AES-128-GCM, then AES-256-GCM, then ChaCha20-Poly1305
+    (with AES in hardware, as on any server nsqd runs on). Everything else
+    ranks after them, in OpenSSL's own order.
+    """
+    upper = name.upper()
+    aead = any(tag in upper for tag in ("GCM", "CHACHA20", "CCM"))
+    # TLS 1.3 suites (OpenSSL names them TLS_*) always use an ephemeral key exchange.
+    forward_secret = upper.startswith(("ECDHE-", "DHE-", "TLS_")) and "PSK" not in upper
+    if not (aead and forward_secret):
+        return (1, 0, 0)
+    exchange = 1 if upper.startswith("DHE-") else 0
+    plain = upper.replace("_", "-")
+    if "AES128-GCM" in plain or "AES-128-GCM" in plain:
+        cipher = 0
+    elif "AES256-GCM" in plain or "AES-256-GCM" in plain:
+        cipher = 1
+    elif "CHACHA20" in plain:
+        cipher = 2
+    else:
+        cipher = 3
+    return (0, exchange, cipher)
+
+
+def go_cipher_order(names: list[str]) -> list[str]:
+    """`names` (OpenSSL cipher names) reordered to Go's preference; the same names, none added or dropped."""
+    return sorted(names, key=_go_rank)
+
+
+def _prefer_like_go(ctx) -> None:
+    """Reorder the context's default suites so the server picks what nsqd picks.
+
+    The broker chooses (OP_CIPHER_SERVER_PREFERENCE), and OpenSSL's default
+    order starts with AES-256-GCM where Go's starts with AES-128-GCM; the
+    set of suites stays OpenSSL's default, only the order changes.
+    """
+    from OpenSSL import SSL
+
+    # Read from a context of its own: pyOpenSSL freezes a context once a
+    # connection has been made from it.
+    names = SSL.Connection(SSL.Context(SSL.TLS_SERVER_METHOD), None).get_cipher_list()
+    tls12 = [n for n in names if not n.startswith("TLS_")]
+    tls13 = [n for n in names if n.startswith("TLS_")]
+    if tls12:
+        ctx.set_cipher_list(":".join(go_cipher_order(tls12)).encode())
+    if tls13:
+        ctx.set_tls13_ciphersuites(":".join(go_cipher_order(tls13)).encode())
 
 
 def server_tls(settings) -> ServerTLS | None:
@@ -72,6 +124,7 @@ def server_tls(settings) -> ServerTLS | None:
     ctx = SSL.Context(SSL.TLS_SERVER_METHOD)
     ctx.set_min_proto_version(versions[settings.tls_min_version])
     ctx.set_options(SSL.OP_NO_COMPRESSION | SSL.OP_CIPHER_SERVER_PREFERENCE)
+    _prefer_like_go(ctx)
     try:
         ctx.use_certificate_chain_file(cert)
         ctx.use_privatekey_file(key)

@@ -64,8 +64,32 @@ def test_tls_with_pynsq(start_broker, loop, name, certs):
     assert status == 200
     clients = stats["topics"][0]["channels"][0]["clients"]
     assert clients[0]["tls"] is True
-    assert clients[0]["tls_version"].startswith("TLS1.")
-    assert clients[0]["tls_cipher_suite"]
+    # Named as nsqd names them (pynsq's tornado settles on TLS 1.2 or 1.3,
+    # depending on its version), and AES-128-GCM picked as nsqd picks it.
+    version, suite = clients[0]["tls_version"], clients[0]["tls_cipher_suite"]
+    assert version in ("TLS1.2", "TLS1.3"), version
+    assert suite == "TLS_AES_128_GCM_SHA256" if version == "TLS1.3" else (
+        suite.startswith("TLS_ECDHE_") and suite.endswith("_WITH_AES_128_GCM_SHA256")), suite
+
+
+@pytest.mark.parametrize("offer, expected", [
+    ("ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-ECDSA-AES128-GCM-SHA256", "TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256"),
+    ("ECDHE-ECDSA-CHACHA20-POLY1305", "TLS_ECDHE_ECDSA_WITH_CHACHA20_POLY1305_SHA256"),
+], ids=["aes128-gcm-preferred", "chacha-only"])
+def test_tls12_stats_names_as_nsqd(start_broker, certs, name, offer, expected):
+    broker = start_broker(*tls_flags(certs))
+    topic = name()
+    ctx = client_context(certs)
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(offer)
+    with UpgradingConn(broker) as conn:
+        conn.negotiate(tls=ctx)
+        conn.send(command(f"SUB {topic} ch"))
+        assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
+        status, stats = broker.get(f"/stats?format=json&topic={topic}")
+    assert status == 200
+    [client] = stats["topics"][0]["channels"][0]["clients"]
+    assert (client["tls_version"], client["tls_cipher_suite"]) == ("TLS1.2", expected)
 
 
 def test_tls_client_cert_require_verify(start_broker, loop, name, certs):

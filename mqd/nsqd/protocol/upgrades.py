@@ -12,6 +12,7 @@ A mixin of V2Protocol: it uses the connection's state set up there.
 from __future__ import annotations
 
 from mqd.logs import get_logger
+from mqd.nsqd.tls_names import iana_cipher_name, tls_version_name
 from mqd.wire.compression import (
     CompressedTransport,
     CompressionError,
@@ -160,14 +161,17 @@ class UpgradesMixin:
     def handshakeCompleted(self) -> None:
         """IHandshakeListener: the TLS upgrade is done; note what /stats shows of it.
 
+        The version and cipher suite are named as nsqd names them
+        (`TLS1.2`, `TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256`; see tls_names).
+
         A compression negotiated with TLS starts once the TLS layer has
         sent the OK it held for the handshake (see _upgrade).
         """
         self._cancel_handshake_timer()
         try:
             handle = self.transport.getHandle()
-            self.tls_version = (handle.get_protocol_version_name() or "TLS").replace("TLSv", "TLS")
-            self.tls_cipher_suite = handle.get_cipher_name() or ""
+            self.tls_version = tls_version_name(handle.get_protocol_version_name() or "TLS")
+            self.tls_cipher_suite = iana_cipher_name(handle.get_cipher_name() or "")
             cert = handle.get_peer_certificate()
             if cert is not None:
                 self.tls_common_name = cert.get_subject().CN or ""
