@@ -17,11 +17,13 @@ from typing import Any, NoReturn
 
 from mqd import __version__
 from mqd.options import parse_duration
+from mqd.wire.errors import go_quote
 
 __all__ = [
     "ToolError",
     "ToolParser",
     "apply_config_opts",
+    "bad_flag_value",
     "fatal",
     "go_bool",
     "go_duration",
@@ -45,22 +47,22 @@ def go_bool(text: str) -> bool:
         return True
     if text in _FALSE:
         return False
-    raise argparse.ArgumentTypeError(f"parse error: invalid boolean {text!r}")
+    raise argparse.ArgumentTypeError(f"invalid boolean {go_quote(text.encode())}")
 
 
 def go_duration(text: str) -> float:
     """A duration flag value ("30s", "1m30s", "250ms", "0") in seconds."""
     try:
         return parse_duration(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"parse error: {e}") from None
+    except ValueError:
+        raise bad_flag_value(text) from None
 
 
 def _go_int(text: str) -> int:
     try:
         return int(text, 0)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"parse error: invalid integer {text!r}") from None
+        raise bad_flag_value(text) from None
 
 
 def _h(text: str) -> str:
@@ -78,7 +80,7 @@ class ToolParser(argparse.ArgumentParser):
     """
 
     def __init__(self, tool: str, description: str | None = None) -> None:
-        super().__init__(prog=tool, description=description, allow_abbrev=False)
+        super().__init__(prog=tool, description=description, allow_abbrev=False, exit_on_error=False)
         self.tool = tool
         self._bools: set[str] = set()
         self._lists: list[str] = []
@@ -97,11 +99,12 @@ class ToolParser(argparse.ArgumentParser):
             metavar="true|false", help=_h(help),
         )
 
-    def add_list(self, name: str, help: str, metavar: str = "VALUE") -> None:
+    def add_list(self, name: str, help: str, metavar: str = "VALUE",
+                 type: Callable[[str], Any] | None = None) -> None:
         """A repeatable flag (nsq's app.StringArray): every occurrence is kept, in order."""
         self._lists.append(name.replace("-", "_"))
         self.add_argument(f"--{name}", action="append", default=None, metavar=metavar,
-                          help=_h(help))
+                          type=type, help=_h(help))
 
     def add_duration(self, name: str, default: str, help: str) -> None:
         """A Go time.Duration flag; the value is in seconds."""
@@ -141,12 +144,12 @@ class ToolParser(argparse.ArgumentParser):
             f"{kind}-opt",
             f"option to pass through to the {kind} (may be given multiple times; "
             "name=value or name,value as go-nsq's ConfigFlag; a bare name means true)",
-            "NAME=VALUE",
+            "NAME=VALUE", type=_config_opt,
         )
         if kind == "consumer":
             self.add_argument(
                 "--reader-opt", action="append", dest="consumer_opt", metavar="NAME=VALUE",
-                help="(deprecated) use --consumer-opt",
+                type=_config_opt, help="(deprecated) use --consumer-opt",
             )
 
     # -- parsing -------------------------------------------------------------
@@ -155,7 +158,10 @@ class ToolParser(argparse.ArgumentParser):
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> argparse.Namespace:
         argv = list(sys.argv[1:] if args is None else args)
-        ns = super().parse_args(list(self.go_forms(argv)), namespace)
+        try:
+            ns = super().parse_args(list(self.go_forms(argv)), namespace)
+        except argparse.ArgumentError as e:
+            self.error(go_flag_error(e))
         for dest in self._lists:
             if getattr(ns, dest, None) is None:
                 setattr(ns, dest, [])
@@ -176,8 +182,55 @@ class ToolParser(argparse.ArgumentParser):
                 arg += "=true"
             yield arg
 
+    def error(self, message: str) -> NoReturn:
+        """A bad command line as Go's flag package reports it: the error, the usage, exit status 2."""
+        if message.startswith("unrecognized arguments: "):
+            # Go stops at the first flag it does not know.
+            message = f"flag provided but not defined: -{message.split()[2].lstrip('-').split('=')[0]}"
+        sys.stderr.write(f"{message}\nUsage of {self.prog}:\n{self.go_usage()}")
+        sys.stderr.flush()
+        raise SystemExit(2)
+
+    def go_usage(self) -> str:
+        """The flags listed as Go's flag.PrintDefaults lists them."""
+        lines = []
+        for action in sorted(self._actions, key=lambda a: a.option_strings[0] if a.option_strings else ""):
+            if not action.option_strings or action.option_strings[0] == "-h":
+                continue
+            name = action.option_strings[0].lstrip("-")
+            kind = "" if name in self._bools or action.nargs == 0 else " " + _go_type_name(action)
+            lines.append(f"  -{name}{kind}\n    \t{(action.help or '').replace('%%', '%')}\n")
+        return "".join(lines)
+
     def fatal(self, message: str) -> NoReturn:
         fatal(message)
+
+
+def _go_type_name(action: argparse.Action) -> str:
+    """The value's type as flag.PrintDefaults names it (a repeatable flag is a flag.Value: "value")."""
+    if isinstance(action, argparse._AppendAction):
+        return "value"
+    return {_go_int: "int", go_duration: "duration"}.get(action.type, "string")
+
+
+def go_flag_error(error: argparse.ArgumentError) -> str:
+    """argparse's complaint about one flag in Go's flag package's words."""
+    name = "-" + (error.argument_name or "").split("/")[0].lstrip("-")
+    message = error.message
+    if message.startswith("expected one argument"):
+        return f"flag needs an argument: {name}"
+    if message.startswith("invalid boolean "):
+        return f"invalid boolean value {message.split(' ', 2)[2]} for {name}: parse error"
+    if message.startswith("invalid value "):
+        # "invalid value <quoted>: <reason>" from the value's type.
+        value, _, reason = message[len("invalid value "):].partition("\x00")
+        return f"invalid value {value} for flag {name}: {reason}"
+    return f"invalid value for flag {name}: {message}"
+
+
+def bad_flag_value(text: str, reason: str = "parse error") -> argparse.ArgumentTypeError:
+    """A flag value its type refuses; go_flag_error puts the flag's name in."""
+    return argparse.ArgumentTypeError(f"invalid value {go_quote(text.encode())}\x00{reason}")
 
 
 def fatal(message: str) -> NoReturn:
@@ -210,6 +263,24 @@ def split_config_opt(opt: str) -> tuple[str, str]:
     if cut < 0:
         return opt.strip(), "true"
     return opt[:cut].strip(), opt[cut + 1 :]
+
+
+def _config_opt(opt: str) -> str:
+    """A `--consumer-opt`/`--producer-opt` value, checked when the flag is read as go-nsq's ConfigFlag is.
+
+    A bad one is a bad command line (exit 2): `invalid value "nosuch,1" for
+    flag -consumer-opt: invalid option nosuch`.
+    """
+    from mqd.client.config import Config
+    from mqd.client.errors import ClientConfigError
+
+    name, value = split_config_opt(opt)
+    try:
+        Config().set(name, value)
+    except (ClientConfigError, ValueError, TypeError) as e:
+        reason = f"invalid option {name}" if str(e).startswith("unknown option") else str(e)
+        raise bad_flag_value(opt, reason) from None
+    return opt
 
 
 def apply_config_opts(config: Any, opts: Iterable[str]) -> None:

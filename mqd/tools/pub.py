@@ -159,8 +159,7 @@ class Publisher:
     def _failed(self, failure: Any, producer: Any) -> None:
         self.unacked -= 1
         if not self.done.called:
-            self.done.errback(ToolError(
-                f"ERROR: publish to {producer.address} failed - {failure.getErrorMessage()}"))
+            self.done.errback(ToolError(go_nsq_text(failure, producer.address)))
 
     def _flow(self) -> None:
         load = self.unacked + len(self.waiting) * len(self.producers)
@@ -180,6 +179,26 @@ class Publisher:
     def stop_ticker(self) -> None:
         if self._ticker is not None and self._ticker.running:
             self._ticker.stop()
+
+
+def go_nsq_text(failure: Any, address: str) -> str:
+    """A failed publish as to_nsq's log.Fatal prints it: go-nsq's error, nothing added.
+
+    An error frame is its own text (`E_BAD_TOPIC PUB topic name "x" is not
+    valid`), refused credentials go-nsq's (`Error authenticating ...`), and
+    a broker that cannot be reached Go's dial error
+    (`dial tcp 127.0.0.1:4150: connect: connection refused`).
+    """
+    from twisted.internet import error
+
+    text = getattr(failure.value, "nsq_text", None)
+    if text:
+        return text
+    if failure.check(error.ConnectionRefusedError):
+        return f"dial tcp {address}: connect: connection refused"
+    if failure.check(error.TCPTimedOutError, error.TimeoutError):
+        return f"dial tcp {address}: i/o timeout"
+    return failure.getErrorMessage()
 
 
 async def _main(reactor: Any, args: Any) -> None:

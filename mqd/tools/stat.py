@@ -25,7 +25,7 @@ lookupds' producers) is mqadmin's `Cluster` over `Upstream`.
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -36,7 +36,7 @@ from twisted.internet import defer, task
 
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import Upstream
-from mqd.tools.flags import ToolError, ToolParser, fatal, go_duration, run
+from mqd.tools.flags import ToolError, ToolParser, bad_flag_value, fatal, go_duration, run
 
 __all__ = ["ChannelTotals", "StatTable", "channel_totals", "format_row", "header", "main", "parse_args"]
 
@@ -172,7 +172,7 @@ def _count(text: str) -> int:
     try:
         return int(text, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"parse error: invalid integer {text!r}") from None
+        raise bad_flag_value(text, f"strconv.ParseInt: parsing {json.dumps(text)}: invalid syntax") from None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SimpleNamespace:
@@ -211,20 +211,30 @@ def parse_args(argv: Sequence[str] | None = None) -> SimpleNamespace:
 # -- the loop ------------------------------------------------------------------------
 
 
-def _errors(errors: Sequence[str]) -> str:
-    return "\n".join(errors)
+def nsq_errors(errors: Sequence[str], kind: str, all_failed: bool) -> str:
+    """The failures as nsq's clusterinfo words them, which nsq_stat prints after its `ERROR: ... - `.
+
+    Each line is the Go client's (`got response 404 Not Found "..."`,
+    `Get "URL": dial tcp ...: connect: connection refused`), joined by
+    newlines; when every `kind` (`nsqlookupd`, `nsqd`) asked failed, or
+    there was none to ask, nsq says `failed to query any <kind>: ` first.
+    """
+    text = "\n".join(getattr(e, "go", str(e)) for e in errors)
+    return f"failed to query any {kind}: {text}" if all_failed else text
 
 
 @defer.inlineCallbacks
 def poll(cluster: Cluster, topic: str, channel: str):
-    """This poll's totals: the producers, then each one's /stats; ToolError on any failure."""
+    """This poll's totals: the producers, then each one's /stats; ToolError (nsq_stat's line) on any failure."""
     producers, errors = yield cluster.topic_producers(topic)
     if errors or producers is None:
-        raise ToolError(f"ERROR: failed to get topic producers - {_errors(errors)}")
+        kind = "nsqlookupd" if cluster.lookupds else "nsqd"
+        raise ToolError(f"ERROR: failed to get topic producers - {nsq_errors(errors, kind, producers is None)}")
     answers, errors = yield cluster.stats(producers, topic, channel, include_clients=False)
     if errors or answers is None or not producers:
-        # nsq's GetNSQDStats fails with no producer at all too ("failed to query any nsqd").
-        raise ToolError(f"ERROR: failed to get nsqd stats - {_errors(errors) or 'no producer'}")
+        # With no producer at all nsq's GetNSQDStats has queried none: "failed to query any nsqd: ".
+        all_failed = answers is None or not producers
+        raise ToolError(f"ERROR: failed to get nsqd stats - {nsq_errors(errors, 'nsqd', all_failed)}")
     totals = channel_totals((a.stats for a in answers), topic, channel)
     if totals is None:
         raise ToolError(f"ERROR: failed to find channel({channel}) in stats metadata for topic({topic})")

@@ -47,12 +47,13 @@ def check_args(args: Any) -> None:
     """nsq_tail's checks and defaults, with its messages."""
     if not args.channel:
         args.channel = f"tail{random.randrange(999999):06d}#ephemeral"
-    if not args.topic:
-        raise ToolError("--topic is required")
+    # nsq_tail's order: the addresses first, then the topic.
     if not args.nsqd_tcp_address and not args.lookupd_http_address:
         raise ToolError("--nsqd-tcp-address or --lookupd-http-address required")
     if args.nsqd_tcp_address and args.lookupd_http_address:
         raise ToolError("use --nsqd-tcp-address or --lookupd-http-address not both")
+    if not args.topic:
+        raise ToolError("--topic required")
     if args.n < 0:
         raise ToolError("-n must not be negative")
     # Don't ask for more messages than we want.
@@ -134,7 +135,12 @@ async def _main(reactor: Any, args: Any) -> None:
                 config=config, reactor=reactor, on_fatal=refused,
             )
         except ValueError as e:
-            raise ToolError(str(e)) from None
+            # go-nsq's NewConsumer words a bad name without quoting it: "invalid topic name".
+            text = str(e)
+            for what in ("invalid topic name", "invalid channel name"):
+                if text.startswith(what):
+                    text = what
+            raise ToolError(text) from None
         consumers.append(consumer)
 
     stopping: list[defer.Deferred] = []

@@ -254,13 +254,16 @@ def test_loop_with_nsqd_addresses_queries_them_where_given():
 
 @pytest.mark.parametrize(("routes", "message"), [
     ({("lk:4161", "/lookup"): [UpstreamError("http://lk:4161/lookup?topic=t", "connection refused")]},
-     "ERROR: failed to get topic producers - http://lk:4161/lookup?topic=t: connection refused"),
+     'ERROR: failed to get topic producers - failed to query any nsqlookupd: Get "http://lk:4161/lookup?topic=t":'
+     " dial tcp lk:4161: connect: connection refused"),
     ({("lk:4161", "/lookup"): [lookup(4151)],
       ("127.0.0.1:4151", "/stats"): [UpstreamError("http://127.0.0.1:4151/stats", "request timed out")]},
-     "ERROR: failed to get nsqd stats - http://127.0.0.1:4151/stats: request timed out"),
+     'ERROR: failed to get nsqd stats - failed to query any nsqd: Get "http://127.0.0.1:4151/stats":'
+     " request timed out"),
     ({("lk:4161", "/lookup"): [lookup(4151)], ("127.0.0.1:4151", "/stats"): [stats_doc(("t", []))]},
      "ERROR: failed to find channel(c) in stats metadata for topic(t)"),
-    ({("lk:4161", "/lookup"): [lookup()]}, "ERROR: failed to get nsqd stats - no producer"),
+    # No producer: nsq's GetNSQDStats queried none, and says so with nothing after the colon.
+    ({("lk:4161", "/lookup"): [lookup()]}, "ERROR: failed to get nsqd stats - failed to query any nsqd: "),
 ])
 def test_any_failure_ends_the_loop_with_nsq_stats_error(routes, message):
     upstream = FakeUpstream(routes)
