@@ -54,7 +54,7 @@ from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
 from twisted.web.server import Request
 
 from mqd.admin.config import AdminConfig
-from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, go_lines, upstream_error
 from mqd.admin.go_json import GoJSONError, decode_go_object
 from mqd.clusterinfo.aggregate import node_id
 from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, reason_of
@@ -114,8 +114,14 @@ def _failure_text(failure, url: str) -> str:
     return reason_of(failure.value)
 
 
-def _result(target: str, address: str, path: str, error: str | None) -> dict[str, Any]:
-    return {"target": target, "address": address, "path": path, "ok": error is None, "error": error}
+def _result(target: str, address: str, path: str, error: str | None, go: str | None = None) -> dict[str, Any]:
+    """One request's entry of `results`; `_go` (taken out before answering) is nsq's wording of its error."""
+    return {"target": target, "address": address, "path": path, "ok": error is None, "error": error,
+            "_go": go if go is not None else error}
+
+
+def _go_failure(failure) -> str | None:
+    return failure.value.go_text if failure.check(UpstreamError) else None
 
 
 def _post_one(admin: Admin, target: str, address: str, base: str, path: str,
@@ -127,9 +133,12 @@ def _post_one(admin: Admin, target: str, address: str, base: str, path: str,
 
     def answered(answer: tuple[int, bytes]) -> dict[str, Any]:
         status, body = answer
-        return _result(target, address, path, None if status == 200 else error_text(status, body))
+        if status == 200:
+            return _result(target, address, path, None)
+        return _result(target, address, path, error_text(status, body),
+                       UpstreamError(url, "", status, body, "POST").go_text)
 
-    d.addCallbacks(answered, lambda f: _result(target, address, path, _failure_text(f, url)))
+    d.addCallbacks(answered, lambda f: _result(target, address, path, _failure_text(f, url), _go_failure(f)))
     return d
 
 
@@ -161,31 +170,41 @@ def _broker_refusal(request: Request, code: int, message: str) -> ApiError:
 
 
 class _Run:
-    """One action's outcome: every request's result, and the failures to report."""
+    """One action's outcome: every request's result, and the failures to report.
+
+    `problems` are mqd's lines (for the log: which target, which path);
+    the answer's `message` words them as nsqadmin does, nsq's client error
+    for each (`got response 404 Not Found "..."`), one per line.
+    """
 
     def __init__(self, what: str) -> None:
         self.what = what
         self.results: list[dict[str, Any]] = []
         self.problems: list[str] = []
+        self.go: list[str] = []
 
     def note(self, errors: Iterable[str]) -> None:
         """Failures met while finding the targets (a lookupd that did not answer)."""
-        self.problems.extend(errors)
+        for e in errors:
+            self.problems.append(e)
+            self.go.append(getattr(e, "go", e))
 
     def add(self, results: Iterable[dict[str, Any]]) -> None:
         for r in results:
+            go = r.pop("_go")
             self.results.append(r)
             if not r["ok"]:
                 self.problems.append(f"{r['target']} {r['address']} {r['path']}: {r['error']}")
+                self.go.append(go)
 
     def answer(self) -> dict[str, Any]:
         """The JSON answer; 502 when something failed and nothing succeeded."""
         if self.problems and not any(r["ok"] for r in self.results):
             log.error("failed to {what} - {errors}", what=self.what, errors="; ".join(self.problems))
-            raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(self.problems))
+            raise ApiError(502, "UPSTREAM_ERROR: " + go_lines(self.go))
         if self.problems:
             log.warn("{what}: {errors}", what=self.what, errors="; ".join(self.problems))
-        return {"message": _warning(self.problems), "results": self.results}
+        return {"message": "WARNING: " + go_lines(self.go) if self.go else "", "results": self.results}
 
 
 # -- the endpoints -------------------------------------------------------------------------
@@ -228,12 +247,18 @@ class ActionEndpoint(AdminEndpoint):
         producers, errors = await self.admin.cluster.producers()
         if node not in {node_id(p) for p in producers or ()}:
             if errors and not producers:
-                raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
+                raise upstream_error(errors)
             raise ApiError(404, "NODE_NOT_FOUND")
 
     async def producers_of(self, run: _Run, topic: str) -> list[Target]:
-        """The topic's producers (lookupds' /lookup, or each broker's /stats)."""
+        """The topic's producers (lookupds' /lookup, or each broker's /stats); 502 when none could say.
+
+        As nsqadmin: when no lookupd answered (or every one said 404, an
+        unknown topic) nothing is done and the answer is its 502.
+        """
         producers, errors = await self.admin.cluster.topic_producers(topic)
+        if producers is None:
+            raise upstream_error(errors)
         run.note(errors)
         return [self.node(node_id(p)) for p in producers or ()]
 

@@ -3,14 +3,19 @@
 Same paths, field names and conventions as nsqadmin (`nsqadmin/http.go`),
 so scripts written against it work here: every answer carries `message`,
 empty or `WARNING: <what failed>` when some lookupd or broker did not
-answer (the rest still count), and `502 UPSTREAM_ERROR: ...` when none
-did. The numbers come from `aggregate`, the queries from `cluster`.
+answer (the rest still count), and `502 UPSTREAM_ERROR: failed to query
+any nsqlookupd: ...` (or `nsqd`) when none did, each failure in the words
+of nsq's Go client (`got response 404 Not Found "..."`). An unknown topic
+is that 502, as in nsqadmin: every lookupd answered 404 (without lookupd,
+no broker has it: `failed to query any nsqd: `). `/api/graphite` answers
+as nsqadmin with no graphite server reachable (mqadmin reads none). The
+numbers come from `aggregate`, the queries from `cluster`.
 
-Where nsqadmin answers oddly this answers plainly: a topic no broker and
-no lookupd knows is `404 TOPIC_NOT_FOUND` (nsqadmin: 502 "failed to query
-any nsqd" with no producers), a channel nobody has `404 CHANNEL_NOT_FOUND`
-(nsqadmin: `{"message": ""}`), and a lookupd's 404 for an unknown topic is
-"no producer there", not a warning.
+Where nsqadmin answers oddly this answers plainly: a topic declared on
+the lookupds that no broker has yet is a page of zeros (nsqadmin: 502
+"failed to query any nsqd: "), a channel of a known topic that nobody has
+`404 CHANNEL_NOT_FOUND` (nsqadmin: `{"message": ""}`), and a lookupd's 404
+for a topic another lookupd knows is "no producer there", not a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 from twisted.internet import defer
 from twisted.web.server import Request
 
-from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, go_lines, upstream_error
 from mqd.clusterinfo.aggregate import (
     channel_stats,
     counter_stats,
@@ -34,16 +39,16 @@ from mqd.http.args import query_of
 
 __all__ = ["routes"]
 
-
-def _upstream_error(errors: list[str]) -> ApiError:
-    return ApiError(502, "UPSTREAM_ERROR: " + "; ".join(errors))
+# nsqadmin's answer when a topic has no producer to ask for its stats.
+_NO_NSQD = "UPSTREAM_ERROR: failed to query any nsqd: "
 
 
 def _check(result: Any, errors: list[str], messages: list[str]) -> Any:
-    """nsqadmin's handling of a clusterinfo answer: total failure → 502, partial → a warning line."""
+    """nsqadmin's handling of a clusterinfo answer: total failure → 502, partial → one warning entry."""
     if result is None:
-        raise _upstream_error(errors)
-    messages.extend(errors)
+        raise upstream_error(errors)
+    if errors:
+        messages.append(go_lines(errors))
     return result
 
 
@@ -81,18 +86,20 @@ class Topic(_Endpoint):
         producers = _check(producers, errors, messages)
         per_node, errors = yield self.cluster.stats(producers, topic, include_clients=False)
         per_node = _check(per_node, errors, messages)
-        if not any(t.get("topic_name") == topic for ns in per_node for t in ns.stats.get("topics") or ()):
-            yield self._known_or_404(topic, messages)
+        if not producers:
+            yield self._known_or_502(topic)
         body = topic_stats(per_node, topic, self.now())
         body["message"] = warning(messages)
         return body
 
     @defer.inlineCallbacks
-    def _known_or_404(self, topic: str, messages: list[str]):
+    def _known_or_502(self, topic: str):
         """No broker has the topic: still a page when a lookupd knows it (created, not yet produced)."""
-        names, errors = yield self.cluster.topics()
+        names = None
+        if self.cluster.lookupds:
+            names, _ = yield self.cluster.topics()
         if names is None or topic not in names:
-            raise ApiError(404, "TOPIC_NOT_FOUND")
+            raise ApiError(502, _NO_NSQD)
 
 
 class Channel(_Endpoint):
@@ -112,6 +119,8 @@ class Channel(_Endpoint):
             if self.cluster.lookupds:
                 declared, _ = yield self.cluster.topic_channels(topic)
             if channel not in (declared or ()):
+                if not producers:
+                    raise ApiError(502, _NO_NSQD)
                 raise ApiError(404, "CHANNEL_NOT_FOUND")
             body = _empty_channel(topic, channel)
         body["message"] = warning(messages)
@@ -123,7 +132,7 @@ def _empty_channel(topic: str, channel: str) -> dict[str, Any]:
     return {"node": "*", "hostname": "", "topic_name": topic, "channel_name": channel, "depth": 0,
             "memory_depth": 0, "backend_depth": 0, "in_flight_count": 0, "deferred_count": 0,
             "requeue_count": 0, "timeout_count": 0, "message_count": 0, "client_count": 0,
-            "nodes": [], "clients": [], "paused": False, "e2e_processing_latency": None}
+            "nodes": [], "clients": None, "paused": False, "e2e_processing_latency": None}
 
 
 class Nodes(_Endpoint):
@@ -151,7 +160,7 @@ class Node(_Endpoint):
         per_node, errors = yield self.cluster.stats([producer], include_clients=True)
         if per_node is None:
             # nsqadmin: the one broker asked failing is not partial.
-            raise _upstream_error(errors)
+            raise upstream_error(errors)
         body = node_topics(per_node[0], self.now())
         body["message"] = warning(messages)
         return body
@@ -168,6 +177,23 @@ class Counter(_Endpoint):
         per_node, errors = yield self.cluster.stats(producers, include_clients=False)
         per_node = _check(per_node, errors, messages)
         return {"stats": counter_stats(per_node, self.now()), "message": warning(messages)}
+
+
+class Graphite(_Endpoint):
+    """`GET /api/graphite?metric=rate&target=T`: nsqadmin's answers with no graphite server to ask.
+
+    mqadmin reads no graphite (its charts poll the brokers), so a valid
+    request is nsqadmin's failed graphite query, `500 INTERNAL_ERROR`; bad
+    arguments are its `400 INVALID_ARG_METRIC` / `INVALID_ARG_TARGET`.
+    """
+
+    def handle_GET(self, request: Request, params: Mapping[str, str]):
+        query = query_of(request)
+        if query.first("metric") != "rate":
+            raise ApiError(400, "INVALID_ARG_METRIC")
+        if query.first("target") is None:
+            raise ApiError(400, "INVALID_ARG_TARGET")
+        raise ApiError(500, "INTERNAL_ERROR")
 
 
 class Health(_Endpoint):
@@ -188,7 +214,7 @@ class Lookup(_Endpoint):
         messages: list[str] = []
         rows, errors = yield self.cluster.lookupd_data()
         if rows and not any(r["up"] for r in rows):
-            raise _upstream_error(errors)
+            raise upstream_error(errors)
         messages.extend(errors)
         return {"lookupds": rows, "message": warning(messages)}
 
@@ -202,6 +228,7 @@ def routes(admin: Admin) -> dict[str, AdminEndpoint]:
         "/api/nodes": Nodes(admin),
         "/api/nodes/:node": Node(admin),
         "/api/counter": Counter(admin),
+        "/api/graphite": Graphite(admin),
         "/api/health": Health(admin),
         "/api/lookup": Lookup(admin),
     }

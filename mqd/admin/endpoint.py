@@ -10,13 +10,14 @@ dispatches; endpoints never write responses.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from mqd.http.endpoint import Endpoint
 from mqd.http.response import ApiError
 
-__all__ = ["Admin", "AdminEndpoint", "ApiError"]
+__all__ = ["Admin", "AdminEndpoint", "ApiError", "go_lines", "upstream_error"]
 
 
 @dataclass
@@ -42,3 +43,15 @@ class AdminEndpoint(Endpoint):
 
     def __init__(self, admin: Admin) -> None:
         self.admin = admin
+
+
+def go_lines(errors: Iterable[str]) -> str:
+    """nsq's ErrList text: each failure in the Go client's words (an ErrorLine's `go`), one per line."""
+    return "\n".join(getattr(e, "go", e) for e in errors)
+
+
+def upstream_error(errors: Sequence[str]) -> ApiError:
+    """nsqadmin's total failure: `502 UPSTREAM_ERROR: failed to query any <nsqlookupd|nsqd>: <ErrList>`."""
+    kind = next((e.kind for e in errors if getattr(e, "kind", "")), "")
+    prefix = f"failed to query any {kind}: " if kind else ""
+    return ApiError(502, "UPSTREAM_ERROR: " + prefix + go_lines(errors))

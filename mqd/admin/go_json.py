@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GoJSONError", "decode_go_object"]
+__all__ = ["GoJSONError", "decode_go_object", "go_kind"]
 
 
 class GoJSONError(ValueError):
@@ -33,7 +33,8 @@ def _go_char(c: str) -> str:
     return "'" + json.dumps(c)[1:-1] + "'"
 
 
-def _go_kind(value: Any) -> str:
+def go_kind(value: Any) -> str:
+    """What Go's encoding/json calls a decoded JSON value's kind in its errors (null aside)."""
     if isinstance(value, bool):
         return "bool"
     if isinstance(value, int | float):
@@ -74,7 +75,7 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
         return out
     if not isinstance(value, dict):
         struct = "; ".join(f'{f.capitalize()} string "json:\\"{f}\\""' for f in fields)
-        raise GoJSONError(f"json: cannot unmarshal {_go_kind(value)} into Go value of type struct {{ {struct} }}")
+        raise GoJSONError(f"json: cannot unmarshal {go_kind(value)} into Go value of type struct {{ {struct} }}")
     first_error = None
     for key, item in value.items():
         name = key if key in out else next((f for f in fields if f.lower() == key.lower()), None)
@@ -82,7 +83,7 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
             continue
         if not isinstance(item, str):
             first_error = first_error or GoJSONError(
-                f"json: cannot unmarshal {_go_kind(item)} into Go struct field .{name} of type string")
+                f"json: cannot unmarshal {go_kind(item)} into Go struct field .{name} of type string")
             continue
         out[name] = item
     if first_error is not None:

@@ -18,8 +18,10 @@ whole lifetime's count. A topic a node did not have in its previous good
 sample counts from 0 (it was created between the two).
 
 What each series means:
-  * topic: depth = the topic's own depth (messages not yet copied to its
-    channels, as nsqadmin shows it), in_flight = its channels' in-flight,
+  * topic: depth = every message of the topic still queued: its own depth
+    (not yet copied to its channels) plus its channels' depths, what an
+    operator means by a topic's backlog (the topic's own queue alone stays
+    at 0 while channels pile up); in_flight = its channels' in-flight,
     rate = from the topic's message_count (what producers published);
   * channel: its depth, in_flight and rate from its message_count;
   * cluster: rate = sum of topic rates, depth = every queued message
@@ -190,6 +192,7 @@ class History(service.Service):
                 crow[0] += rate(ckey, channel.get("message_count", 0))
                 crow[1] += depth
                 crow[2] += in_flight
+                row[1] += depth
                 row[2] += in_flight
                 cluster[1] += depth
                 cluster[2] += in_flight

@@ -51,12 +51,13 @@ __all__ = [
     "warning",
 ]
 
-_TOPIC_COUNTERS = ("depth", "memory_depth", "backend_depth", "message_count", "delivery_msg_count")
+_TOPIC_COUNTERS = ("depth", "memory_depth", "backend_depth", "message_count")
 _CHANNEL_COUNTERS = ("depth", "memory_depth", "backend_depth", "in_flight_count", "deferred_count",
-                     "requeue_count", "timeout_count", "message_count", "delivery_msg_count",
-                     "client_count")
-# Counted only with nsqd's topology experiment; nsqadmin omits them when 0.
-_TOPOLOGY_COUNTERS = ("zone_local_msg_count", "region_local_msg_count", "global_msg_count")
+                     "requeue_count", "timeout_count", "message_count", "client_count")
+# Reported only by brokers that count them (newer nsqd's topology experiment): passed on, and
+# summed, only when non-zero, as newer nsqadmin omits them; nsqadmin 1.3.0 has none of them.
+_TOPOLOGY_COUNTERS = ("delivery_msg_count", "zone_local_msg_count", "region_local_msg_count",
+                      "global_msg_count")
 
 _CLIENT_FIELDS: tuple[tuple[str, Any], ...] = (
     ("remote_address", ""), ("version", ""), ("client_id", ""), ("hostname", ""), ("user_agent", ""),
@@ -110,9 +111,10 @@ def _e2e_node(doc: Mapping[str, Any] | None) -> dict[str, Any]:
     count = doc.get("count", 0) or 0
     percentiles = doc.get("percentiles")
     if percentiles is not None:
+        # nsqd's percentiles are Go maps, which encode their keys sorted; nsqadmin adds four.
         percentiles = [
-            {**p, "min": p.get("value", 0), "max": p.get("value", 0), "average": p.get("value", 0),
-             "count": count}
+            dict(sorted({**p, "min": p.get("value", 0), "max": p.get("value", 0),
+                         "average": p.get("value", 0), "count": count}.items()))
             for p in percentiles
         ]
     return {"count": count, "percentiles": percentiles, "topic": doc.get("topic", ""),
@@ -144,7 +146,11 @@ def e2e_aggregate(nodes: Iterable[Mapping[str, Any]], topic: str, channel: str =
             p["average"] += (value.get("average", 0) - p["average"]) * value.get("count", 0) / p["count"]
     for p in merged:
         p["average"] = _num(p["average"])
-    return {"count": total, "percentiles": merged or None, "topic": topic, "channel": channel, "host": "*"}
+        # An addition: nsqadmin's merged percentiles have no `value` (its topic page keeps the first
+        # node's); here it is the merged estimate its pages show, the count-weighted average.
+        p["value"] = p["average"]
+    percentiles = [dict(sorted(p.items())) for p in merged] or None
+    return {"count": total, "percentiles": percentiles, "topic": topic, "channel": channel, "host": "*"}
 
 
 # -- per node -----------------------------------------------------------------------------
@@ -188,8 +194,6 @@ def node_channel(node: str, hostname: str, topic: str, doc: Mapping[str, Any], n
         "requeue_count": doc.get("requeue_count", 0), "timeout_count": doc.get("timeout_count", 0),
         "message_count": doc.get("message_count", 0),
     }
-    if doc.get("delivery_msg_count"):
-        row["delivery_msg_count"] = doc["delivery_msg_count"]
     _topology(row, doc)
     clients = doc.get("clients")
     row["client_count"] = doc.get("client_count", len(clients) if clients else 0)
@@ -208,7 +212,6 @@ def node_topic(node: str, hostname: str, doc: Mapping[str, Any], now: float) -> 
         "node": node, "hostname": hostname, "topic_name": name,
         "depth": depth, "memory_depth": depth - backend, "backend_depth": backend,
         "message_count": doc.get("message_count", 0),
-        "delivery_msg_count": doc.get("delivery_msg_count", 0),
     }
     _topology(row, doc)
     row["nodes"] = None
@@ -239,8 +242,7 @@ def _sum_into(total: dict[str, Any], row: Mapping[str, Any], counters: Iterable[
 def _aggregate_channel(topic: str, channel: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     total: dict[str, Any] = {"node": "*", "hostname": "", "topic_name": topic, "channel_name": channel}
     for key in _CHANNEL_COUNTERS:
-        if key != "delivery_msg_count":
-            total[key] = 0
+        total[key] = 0
     for row in rows:
         _sum_into(total, row, _CHANNEL_COUNTERS + _TOPOLOGY_COUNTERS)
     # Keep nsqadmin's key order: client_count, nodes, clients, paused, e2e last.
@@ -248,9 +250,9 @@ def _aggregate_channel(topic: str, channel: str, rows: list[dict[str, Any]]) -> 
     total["client_count"] = client_count
     nodes = _by_host(rows)
     total["nodes"] = nodes
+    # As nsqadmin appends them: null, not [], when no node has a client (or clients were not asked).
     clients = [c for r in nodes if r["clients"] is not None for c in r["clients"]]
-    any_clients = any(r["clients"] is not None for r in nodes)
-    total["clients"] = sorted(clients, key=lambda c: c.get("hostname", "")) if any_clients else None
+    total["clients"] = sorted(clients, key=lambda c: c.get("hostname", "")) or None
     total["paused"] = any(r["paused"] for r in rows)
     total["e2e_processing_latency"] = e2e_aggregate(
         (r["e2e_processing_latency"] for r in nodes), topic, channel)
@@ -325,7 +327,10 @@ def topic_stats(per_node: Iterable[NodeStats], topic: str, now: float) -> dict[s
         for c in row["channels"]:
             if c["channel_name"] not in order:
                 order.append(c["channel_name"])
-    total["channels"] = [channels[name] for name in order]
+    for name in order:
+        # nsqadmin's topic page leaves a channel's e2e unnamed.
+        channels[name]["e2e_processing_latency"].update(topic="", channel="")
+    total["channels"] = [channels[name] for name in order] or None
     total["paused"] = any(r["paused"] for r in rows)
     total["e2e_processing_latency"] = e2e_aggregate((r["e2e_processing_latency"] for r in nodes), topic)
     return total

@@ -2,11 +2,14 @@
 
 Every query fans out to all lookupds (or, with no lookupd configured, to
 every `--nsqd-http-address`) at once and answers `(result, errors)`: the
-union of what the reachable ones said, and one line per one that failed.
-A broker down is then a `WARNING: ...` in the page, not an empty page, as
-nsqadmin does it. When *every* target failed, `result` is None: nsqadmin
-answers that `502 UPSTREAM_ERROR`. (No target at all, e.g. a topic no
-broker produces, is an empty result without errors.)
+union of what the reachable ones said, and one `ErrorLine` per one that
+failed (mqd's text, with nsq's Go wording in `.go`). A broker down is then
+a `WARNING: ...` in the page, not an empty page, as nsqadmin does it. When
+*every* target failed, `result` is None: nsqadmin answers that `502
+UPSTREAM_ERROR`. (No target at all, e.g. a topic no broker produces, is an
+empty result without errors.) A lookupd's 404 for a topic it never heard
+of is no producer there, unless every lookupd answers so: then the topic
+is unknown and, as in nsq, every lookupd failed.
 
 Brokers are named as nsqadmin names them, `broadcast_address:http_port`
 (`aggregate.node_id`), and queried there; a broker given by
@@ -32,27 +35,34 @@ from mqd.clusterinfo.aggregate import (
     nsqd_producer,
     producer_row,
 )
-from mqd.clusterinfo.upstream import UpstreamError, base_url
+from mqd.clusterinfo.upstream import ErrorLine, UpstreamError, base_url
 from mqd.logs import get_logger
 
 __all__ = ["Cluster"]
 
 log = get_logger(__name__)
 
+_LOOKUPD, _NSQD = "nsqlookupd", "nsqd"
 
-def _error_line(failure) -> str:
+
+def _error_line(failure, kind: str) -> ErrorLine:
     if failure.check(UpstreamError):
-        return str(failure.value)
+        e = failure.value
+        return ErrorLine(str(e), e.go_text, kind, e.code)
     log.failure("unexpected failure of an upstream query", failure)
-    return failure.getErrorMessage() or failure.type.__name__
+    return ErrorLine(failure.getErrorMessage() or failure.type.__name__, kind=kind)
 
 
 @defer.inlineCallbacks
-def _fan(items: Iterable[Any], call: Callable[[Any], defer.Deferred]):
-    """`call(item)` for every item at once: `[(item, ok, value or error line)]` in item order."""
+def _fan(items: Iterable[Any], call: Callable[[Any], defer.Deferred], kind: str):
+    """`call(item)` for every item at once: `[(item, ok, value or ErrorLine)]` in item order.
+
+    `kind` (`nsqlookupd`, `nsqd`) is what the items are, for the error lines.
+    """
     items = list(items)
     results = yield defer.DeferredList([defer.maybeDeferred(call, i) for i in items], consumeErrors=True)
-    return [(item, ok, value if ok else _error_line(value)) for item, (ok, value) in zip(items, results, strict=True)]
+    return [(item, ok, value if ok else _error_line(value, kind))
+            for item, (ok, value) in zip(items, results, strict=True)]
 
 
 def _split(answers) -> tuple[list[tuple[Any, Any]], list[str]]:
@@ -106,11 +116,11 @@ class Cluster:
     def producers(self):
         """Every broker (`/api/nodes` rows): from the lookupds' `/nodes`, else each broker's /info + /stats."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/nodes"))
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/nodes"), _LOOKUPD)
             good, errors = _split(answers)
             rows = lookupd_producers(good)
         else:
-            answers = yield _fan(self.nsqds, self._nsqd_producer)
+            answers = yield _fan(self.nsqds, self._nsqd_producer, _NSQD)
             good, errors = _split(answers)
             rows = [row for _, row in good]
         self._remember(rows)
@@ -134,8 +144,12 @@ class Cluster:
     def topic_producers(self, topic: str):
         """The brokers producing `topic`: the union of the lookupds' `/lookup`, else the brokers that have it."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookup(a, topic))
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/lookup", topic=topic), _LOOKUPD)
             good, errors = _split(answers)
+            if good or any(e.code != 404 for e in errors):
+                # A lookupd that never heard of the topic has no producer of it; only when every
+                # lookupd says so (or fails) is the topic unknown, as nsqadmin reports it.
+                errors = [e for e in errors if e.code != 404]
             rows: dict[str, dict[str, Any]] = {}
             for _, doc in good:
                 for peer in doc.get("producers") or ():
@@ -143,7 +157,7 @@ class Cluster:
                     rows.setdefault(node_id(row), row)
             result = list(rows.values())
         else:
-            answers = yield _fan(self.nsqds, lambda a: self._nsqd_producer(a, topic))
+            answers = yield _fan(self.nsqds, lambda a: self._nsqd_producer(a, topic), _NSQD)
             good, errors = _split(answers)
             result = [row for _, row in good if row is not None]
         self._remember(result)
@@ -166,12 +180,12 @@ class Cluster:
     def topics(self):
         """Every topic name, sorted: the lookupds' `/topics` union, else every broker's /stats."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/topics"))
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/topics"), _LOOKUPD)
             good, errors = _split(answers)
             names = {t for _, doc in good for t in doc.get("topics") or ()}
         else:
             answers = yield _fan(self.nsqds, lambda a: self._nsqd(
-                base_url(a), "/stats", format="json", include_clients="false", include_mem="false"))
+                base_url(a), "/stats", format="json", include_clients="false", include_mem="false"), _NSQD)
             good, errors = _split(answers)
             names = {t.get("topic_name", "") for _, doc in good for t in doc.get("topics") or ()}
         return _none_if_all_failed(sorted(names), good, errors), errors
@@ -179,7 +193,7 @@ class Cluster:
     @defer.inlineCallbacks
     def topic_channels(self, topic: str):
         """The channels the lookupds know for `topic` (including ones no broker has), sorted."""
-        answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/channels", topic=topic))
+        answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/channels", topic=topic), _LOOKUPD)
         good, errors = _split(answers)
         names = {c for _, doc in good for c in doc.get("channels") or ()}
         return _none_if_all_failed(sorted(names), good, errors), errors
@@ -209,7 +223,7 @@ class Cluster:
         "topics": [{"topic", "channels", "producers": [node]}], "nodes":
         [producer rows]}`; channels declared with no producer are listed.
         """
-        answers = yield _fan(self.lookupds, self._one_lookupd)
+        answers = yield _fan(self.lookupds, self._one_lookupd, _LOOKUPD)
         result = []
         errors = []
         for address, ok, value in answers:
@@ -256,7 +270,7 @@ class Cluster:
             doc = yield self._nsqd(self.node_url(node), "/stats", **params)
             return NodeStats(node, producer.get("hostname", ""), doc)
 
-        answers = yield _fan(producers, one)
+        answers = yield _fan(producers, one, _NSQD)
         good, errors = _split(answers)
         return _none_if_all_failed([ns for _, ns in good], good, errors), errors
 
@@ -276,7 +290,7 @@ class Cluster:
                                "backend": None, "version": known.get("version") or None,
                                "start_time": None, "error": None}
         answers = yield _fan(["/ping", "/info", "/config/durable", "/config/backend"],
-                             lambda path: self.upstream.get(base + path))
+                             lambda path: self.upstream.get(base + path), _NSQD)
         results = {path: (ok, value) for path, ok, value in answers}
         ok, ping = results["/ping"]
         if not ok:
@@ -314,7 +328,7 @@ class Cluster:
             # A configured broker never reached yet is still one to show as down.
             reached = {self.node_url(n) for n in nodes}
             nodes += [a for a in self.nsqds if base_url(a) not in reached]
-        answers = yield _fan(nodes, lambda n: self.health(listed.get(n) or n))
+        answers = yield _fan(nodes, lambda n: self.health(listed.get(n) or n), _NSQD)
         rows = []
         for node, ok, value in answers:
             if not ok:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -42,8 +43,9 @@ from zope.interface import implementer
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.options import ConfigError
+from mqd.wire.errors import go_quote
 
-__all__ = ["ClientTLS", "Upstream", "UpstreamError", "base_url", "error_text", "reason_of"]
+__all__ = ["ClientTLS", "ErrorLine", "Upstream", "UpstreamError", "base_url", "error_text", "go_quote", "reason_of"]
 
 log = get_logger(__name__)
 
@@ -57,19 +59,67 @@ _QUOTE = 200
 Headers = Mapping[bytes, list[bytes]]
 
 
+def _status_line(code: int) -> str:
+    """`404 Not Found`: a status as Go's http client reports it (Go's own servers' phrases)."""
+    try:
+        return f"{code} {HTTPStatus(code).phrase}"
+    except ValueError:
+        return f"{code} status code {code}"
+
+
 class UpstreamError(Exception):
     """A request to a lookupd or broker that did not give a usable answer.
 
     `code` is the HTTP status when one came back (None for a connection
-    failure or timeout), `body` its body.
+    failure or timeout), `body` its body, `method` the request's (`GET`,
+    `POST`). str() is mqd's line (`URL: reason`); `go_text` is the line
+    nsq's Go clients write for the same failure, which nsqadmin's and
+    nsq_stat's messages quote.
     """
 
-    def __init__(self, url: str, reason: str, code: int | None = None, body: bytes = b"") -> None:
+    def __init__(self, url: str, reason: str, code: int | None = None, body: bytes = b"",
+                 method: str = "GET") -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
         self.code = code
         self.body = body
+        self.method = method
+
+    @property
+    def go_text(self) -> str:
+        """nsq's http_api wording: `got response 404 Not Found "{...}"`, or Go's `Get "URL": ...` error."""
+        if self.code is not None and self.code != 200:
+            return f"got response {_status_line(self.code)} {go_quote(self.body)}"
+        reason = self.reason
+        if reason == "connection refused":
+            parts = urlsplit(self.url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            host = parts.hostname or ""
+            host = f"[{host}]" if ":" in host else host
+            reason = f"dial tcp {host}:{port}: connect: connection refused"
+        return f'{self.method.capitalize()} "{self.url}": {reason}'
+
+
+class ErrorLine(str):
+    """One failure as the cluster queries report it: mqd's line, with nsq's wording and source kind.
+
+    The string is mqd's (`URL: reason`, what mq-stat prints); `go` is the
+    Go client's line nsqadmin quotes, `kind` what was asked (`nsqlookupd`
+    or `nsqd`, for nsqadmin's `failed to query any <kind>: ...`) and `code`
+    the HTTP status of the answer, if one came.
+    """
+
+    go: str
+    kind: str
+    code: int | None
+
+    def __new__(cls, text: str, go: str | None = None, kind: str = "", code: int | None = None) -> ErrorLine:
+        line = super().__new__(cls, text)
+        line.go = text if go is None else go
+        line.kind = kind
+        line.code = code
+        return line
 
 
 def base_url(address: str) -> str:
@@ -165,11 +215,11 @@ def _reason(failure) -> str:
     return failure.getErrorMessage() or failure.type.__name__
 
 
-def _timed_out(url: str):
+def _timed_out(url: str, method: bytes = b"GET"):
     """addTimeout's onTimeoutCancel: whatever the cancelled request failed with, it timed out."""
 
     def convert(result, timeout):
-        return Failure(UpstreamError(url, "request timed out"))
+        return Failure(UpstreamError(url, "request timed out", method=method.decode()))
 
     return convert
 
@@ -251,7 +301,7 @@ class Upstream:
         code, answer = yield self._request(b"POST", url, body, content_type if body else None, timeout,
                                            headers)
         if not 200 <= code < 300:
-            raise UpstreamError(url, f"got response {code} {answer[:_QUOTE]!r}", code, answer)
+            raise UpstreamError(url, f"got response {code} {answer[:_QUOTE]!r}", code, answer, "POST")
         return code, answer
 
     # -- machinery ----------------------------------------------------------------------
@@ -266,8 +316,8 @@ class Upstream:
         d = self._exchange(method, url, body, sent, max_bytes)
         # The whole exchange (connect, headers, body, an HTTPS retry) within the request timeout.
         d.addTimeout(self.request_timeout if timeout is None else timeout, self.reactor,
-                     onTimeoutCancel=_timed_out(url))
-        d.addErrback(self._as_upstream_error, url)
+                     onTimeoutCancel=_timed_out(url, method))
+        d.addErrback(self._as_upstream_error, url, method)
         return d
 
     @defer.inlineCallbacks
@@ -292,10 +342,10 @@ class Upstream:
         return response.code, answer
 
     @staticmethod
-    def _as_upstream_error(failure, url: str):
+    def _as_upstream_error(failure, url: str, method: bytes = b"GET"):
         if failure.check(UpstreamError):
             return failure
-        raise UpstreamError(url, _reason(failure))
+        raise UpstreamError(url, _reason(failure), method=method.decode())
 
 
 def reason_of(error: BaseException) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import threading
 from collections import Counter
@@ -26,7 +27,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from tests.support.admin import Cluster, NotificationSink, Page, chromium
+from tests.support.admin import Cluster, NotificationSink, Page, RecordedNsqd, chromium
 from tests.support.processes import http_request, wait_for
 from tests.support.raw_conn import RawConn, command
 
@@ -72,10 +73,10 @@ def _sum(rows, field):
     return sum(r[field] for r in rows)
 
 
-def _consumer(broker, topic: str, channel: str, user_agent: str, rdy: int) -> RawConn:
-    """A raw client: IDENTIFY with a user agent, SUB, RDY `rdy`; the messages it gets stay in flight."""
+def _consumer(broker, topic: str, channel: str, user_agent: str, rdy: int, **identify: str) -> RawConn:
+    """A raw client: IDENTIFY with a user agent (and `identify`), SUB, RDY `rdy`; its messages stay in flight."""
     conn = RawConn(broker, timeout=10)
-    conn.send(command("IDENTIFY", json.dumps({"user_agent": user_agent}).encode()))
+    conn.send(command("IDENTIFY", json.dumps({"user_agent": user_agent, **identify}).encode()))
     assert conn.read_frame() == (0, b"OK")
     conn.send(command(f"SUB {topic} {channel}"))
     assert conn.read_frame() == (0, b"OK")
@@ -106,7 +107,8 @@ def test_every_page_shows_the_brokers_numbers_summed_across_producers(cluster, p
             auditor.send(command(b"FIN " + message_id))
         wait_for(lambda: cluster.channel_stats(b1, topic, other)["depth"] == 0 and
                  cluster.channel_stats(b1, topic, other)["in_flight_count"] == 0, 5, "audit's FINs")
-    consumer = _consumer(b1, topic, channel, "e2e-consumer/1.0", rdy=1)
+    consumer = _consumer(b1, topic, channel, "e2e-consumer/1.0", rdy=1,
+                         client_id="billing-7", hostname="worker.example.com")
     try:
         wait_for(lambda: cluster.channel_stats(b1, topic, channel)["in_flight_count"] == 1, 5,
                  "the message in flight")
@@ -154,6 +156,8 @@ def test_every_page_shows_the_brokers_numbers_summed_across_producers(cluster, p
         assert set(latencies) == {0.5, 0.99}
         assert channels[other]["e2e-p50"] == latencies[0.5]
         assert channels[other]["e2e-p99"] == latencies[0.99]
+        # billing has no samples yet (its one message is still in flight): nothing, not "0ns".
+        assert channels[channel]["e2e-p50"] == channels[channel]["e2e-p99"] == ""
         topic_latencies = {p["quantile"]: p["value"]
                            for p in s1["e2e_processing_latency"]["percentiles"] or ()}
         assert producers[n1]["e2e-p99"] == topic_latencies[0.99]  # nsqd's topic figure: its channels'
@@ -177,6 +181,13 @@ def test_every_page_shows_the_brokers_numbers_summed_across_producers(cluster, p
         assert list(clients) == [address]
         client = clients[address]
         assert client["user_agent"] == "e2e-consumer/1.0"
+        # Named as nsqadmin names it, its details on hover (title) and on expansion.
+        details = _client_details(page, address)
+        assert details["name"] == f"worker.example.com:{port} (billing-7)"
+        assert details["client_id"] == "billing-7" and details["remote_address"] == address
+        assert details["user_agent"] == "e2e-consumer/1.0" and details["version"] == "V2"
+        assert (details["tls"], details["compression"]) == ("no", "none")
+        assert "User-Agent: e2e-consumer/1.0" in details["title"]
         assert client["ready_count"] == 1 and client["in_flight_count"] == 1
         assert client["node"].endswith(n1) or n1 in client["node"]
 
@@ -230,6 +241,24 @@ def test_every_page_shows_the_brokers_numbers_summed_across_producers(cluster, p
     assert not badge_shown, "the paused badge shows on a topic that is not paused"
 
 
+def _client_details(page: Page, key: str, table: str = "clients-table") -> dict[str, str]:
+    """A client row's name, its tooltip, and its details as shown once expanded."""
+    row = page.driver.find_element(By.CSS_SELECTOR, f'[data-test="{table}"] [data-test="row-{key}"]')
+    name = page.find("client-name", row)
+    page.find("client-details", row).find_element(By.TAG_NAME, "summary").click()
+    shown = {dd.get_attribute("data-test")[len("detail-"):]: dd.text
+             for dd in row.find_elements(By.CSS_SELECTOR, '[data-test^="detail-"]')}
+    return {"name": name.text, "title": name.get_attribute("title"), **shown}
+
+
+def _columns(page: Page, table: str) -> list[str]:
+    """A table's cells in column order, by data-test, from its first row."""
+    return page.driver.execute_script(
+        "var tr = document.querySelector('table[data-test=\"' + arguments[0] + '\"] tbody tr');"
+        "return tr ? Array.from(tr.children).map(function (td) { return td.getAttribute('data-test'); }) : [];",
+        table)
+
+
 # -- charts ------------------------------------------------------------------------------------
 
 
@@ -268,10 +297,16 @@ def test_charts_draw_points_that_move_as_messages_flow(cluster, page):
     cluster.wait_registered(topic, [b1, b2], [channel])
     page.open("", "streams")
     chart = page.find("chart-cluster")
+    # Time ticks in whole seconds from the start, even over the first few points.
+    page.until(lambda: chart.get_attribute("data-x-ticks"), 10, "the cluster chart's time axis")
+    assert all(re.fullmatch(r"\d\d:\d\d(:\d\d)?", t) for t in chart.get_attribute("data-x-ticks").split("|")), \
+        chart.get_attribute("data-x-ticks")
     page.until(lambda: int(chart.get_attribute("data-points")) > 0, 10, "the cluster chart's first points")
     points, last = int(chart.get_attribute("data-points")), float(chart.get_attribute("data-last"))
     publisher = _Publisher(cluster, topic)
     publisher.start()
+    # Three messages held in flight while hundreds queue: in flight must still read as 3.
+    holder = _consumer(b1, topic, channel, "chart-holder/1.0", rdy=3)
     try:
         # A few stats intervals (1 s) later the cluster chart has more points, newer ones,
         # and the topic's row shows its rate.
@@ -286,6 +321,13 @@ def test_charts_draw_points_that_move_as_messages_flow(cluster, page):
         topic_chart = page.find("chart-topic")
         page.until(lambda: int(topic_chart.get_attribute("data-points") or 0) >= 3, 15, "the topic chart")
         assert topic_chart.find_elements(By.TAG_NAME, "canvas"), "uPlot drew nothing"
+        # Its depth is the topic's backlog: the topic's own queue and its channels', and says so.
+        assert "depth (topic + channels)" in page.driver.find_element(
+            By.XPATH, '//*[@data-test="chart-topic"]/ancestor::figure').text
+        page.until(lambda: (p := cluster.admin.api(f"api/history?topic={topic}")["points"]) and p[-1]["depth"] > 0,
+                   10, "the topic's depth to count its channel's backlog")
+        page.until(lambda: all(t and "." not in t for t in [topic_chart.get_attribute("data-x-ticks")]), 10,
+                   "whole-second ticks")
         page.screenshot("topic")
 
         page.open(f"topics/{topic}/{channel}", "channel")
@@ -294,6 +336,12 @@ def test_charts_draw_points_that_move_as_messages_flow(cluster, page):
         drawn = int(channel_chart.get_attribute("data-points"))
         page.until(lambda: int(channel_chart.get_attribute("data-points")) > drawn, 15,
                    "the channel chart to grow")
+        # Rates and counts from zero; in flight (3) on its own scale, not the depth's (hundreds).
+        page.until(lambda: json.loads(channel_chart.get_attribute("data-scales") or "{}")
+                   .get("depth", [0, 0])[1] > 30, 15, "the depth to climb")
+        scales = json.loads(channel_chart.get_attribute("data-scales"))
+        assert scales["rate"][0] == scales["depth"][0] == scales["in_flight"][0] == 0, scales
+        assert 3 <= scales["in_flight"][1] <= 10, scales
 
         # The counter page measures the rate itself, between its refreshes.
         page.open("counter", "counter")
@@ -307,7 +355,8 @@ def test_charts_draw_points_that_move_as_messages_flow(cluster, page):
         page.screenshot("counter")
     finally:
         sent = publisher.stop()
-    # Every message sent sits in the channel (nobody consumes): its series' depth climbs to it.
+        holder.close()
+    # Every message sent sits in the channel (the holder's three come back): its depth climbs to it.
     path = f"api/history?topic={topic}&channel={channel}"
     wait_for(lambda: cluster.admin.api(path)["points"][-1]["depth"] == sent, 5,
              "the channel's depth to reach what was sent")
@@ -337,7 +386,8 @@ def test_peek_shows_exactly_the_queued_messages_and_changes_no_count(cluster, pa
 
     before = counts()
     page.open(f"topics/{topic}/{channel}", "channel")
-    panel = page.find("peek-panel")
+    # Shown once the page knows a broker producing the channel is an mqd.
+    panel = page.until(lambda: (p := page.find("peek-panel")).is_displayed() and p, 10, "the peek panel")
     Select(page.find("peek-state")).select_by_value("queued")
     page.click("peek-load")
     page.until(lambda: panel.get_attribute("data-loaded") == "true", 10, "the peek answer")
@@ -436,7 +486,7 @@ def test_the_json_api_answers_with_nsqadmin_field_names(cluster):
     lookup = admin.api("api/lookup")["lookupds"]
     assert lookup[0]["up"] is True
 
-    assert admin.request("GET", "api/topics/no_such_topic")[0] == 404
+    assert admin.request("GET", "api/topics/no_such_topic")[0] == 502  # nsqadmin's UPSTREAM_ERROR
     assert admin.request("GET", "api/nodes/127.0.0.1:1") == (404, {"message": "NODE_NOT_FOUND"})
     assert admin.request("PATCH", "api/topics")[0] == 405
 
@@ -470,14 +520,17 @@ def test_every_action_takes_effect_on_every_broker_and_lookupd(cluster, page, no
     def topic_on(broker):
         return cluster.topic_stats(broker, topic)
 
-    # Pause, unpause, empty the topic from its page: every producer.
+    # Pause, unpause, empty the topic from its page: every producer. Only the button that
+    # applies shows: Pause while it runs, Unpause once paused.
     page.open(f"topics/{topic}", "topic")
+    assert page.find("action-pause").is_displayed() and not page.find("action-unpause").is_displayed()
     answer = page.confirm("action-pause")
     assert answer["state"] == "done" and _result_targets(answer) == {("nsqd", n1): True, ("nsqd", n2): True}
     assert topic_on(b1)["paused"] and topic_on(b2)["paused"]
     page.until(lambda: [r["paused"] for r in page.table("producers-table").values()] == ["paused"] * 3,
                10, "the page to show the topic paused on both producers")
     assert page.find("paused-badge").is_displayed()
+    assert page.find("action-unpause").is_displayed() and not page.find("action-pause").is_displayed()
     answer = page.confirm("action-unpause")
     assert answer["state"] == "done"
     assert not topic_on(b1)["paused"] and not topic_on(b2)["paused"]
@@ -584,6 +637,70 @@ def test_a_snapshot_is_taken_from_the_nodes_page(cluster, page):
     assert int(page.find("snapshot-total").get_attribute("data-value")) == sum(q["count"] for q in queues.values())
     # The broker wrote it where the page says.
     assert (Path(path) / "manifest.json").is_file()
+
+
+# -- an nsqd beside an mqd ------------------------------------------------------------------------
+
+
+def test_an_nsqd_gets_nsqadmins_view_and_none_of_mqds_own_controls(cluster, browser, shots):
+    """mqadmin over an mqd and a (recorded) nsqd 1.3.0: the nsqd's clients named and detailed as
+    nsqadmin shows them, its percentiles in order, and no Durable, Snapshot or Peek for it."""
+    nsqd = RecordedNsqd()
+    b1 = cluster.brokers[0]
+    n1, legacy = cluster.node(b1), nsqd.http_address
+    admin = cluster.start_admin(nsqds=[b1.http_address, legacy])
+    try:
+        page = Page(browser, admin, shots)
+        page.open("nodes", "nodes")
+        nodes = page.until(lambda: (t := page.table("nodes-table")) and len(t) == 2 and
+                           all(r["health"] == "up" for r in t.values()) and t, 15, "both brokers up")
+        assert nodes[legacy]["durable"] == "" and nodes[legacy]["backend"] == ""
+        assert nodes[n1]["durable"] in ("yes", "no") and nodes[n1]["backend"]
+        row = {key: page.driver.find_element(By.CSS_SELECTOR, f'[data-test="nodes-table"] [data-test="row-{key}"]')
+               for key in (n1, legacy)}
+        assert row[n1].find_elements(By.CSS_SELECTOR, '[data-test="action-snapshot"]')
+        assert not row[legacy].find_elements(By.CSS_SELECTOR, '[data-test="action-snapshot"]')
+
+        # The topic: p50 before p99 in both tables (the nsqd lists 0.99 first); no samples, no figure.
+        recorded = {c["channel_name"]: c for c in nsqd.stats["topics"][0]["channels"]}
+        page.open("topics/legacy", "topic")
+        for table in ("producers-table", "channels-table"):
+            columns = _columns(page, table)
+            assert columns.index("e2e-p50") < columns.index("e2e-p99"), (table, columns)
+        channels = page.table("channels-table")
+        assert recorded["unread"]["e2e_processing_latency"]["count"] == 0
+        assert channels["unread"]["e2e-p50"] == channels["unread"]["e2e-p99"] == ""
+        idle_p99 = next(p["value"] for p in recorded["idle"]["e2e_processing_latency"]["percentiles"]
+                        if p["quantile"] == 0.99)
+        assert channels["idle"]["e2e-p99"] == idle_p99
+
+        # The channel: every client as nsqadmin names it (" (client_id)" unless it is the
+        # hostname), with what it negotiated; no peek, which nsqd cannot answer.
+        page.open("topics/legacy/idle", "channel")
+        clients = page.table("clients-table")
+        by_id = {c["client_id"]: c for c in recorded["idle"]["clients"]}
+        assert set(clients) == {c["remote_address"] for c in by_id.values()}
+        shown = {}
+        for client_id, c in by_id.items():
+            shown[client_id] = _client_details(page, c["remote_address"])
+            assert shown[client_id]["user_agent"] == c["user_agent"]
+            assert shown[client_id]["client_id"] == client_id
+        port = {i: c["remote_address"].rsplit(":", 1)[1] for i, c in by_id.items()}
+        assert shown["worker-7"]["name"] == f"worker.example.com:{port['worker-7']} (worker-7)"
+        assert shown["vm"]["name"] == f"vm:{port['vm']}"
+        assert shown["secure-1"]["name"] == f"vm:{port['secure-1']} (secure-1)"
+        assert (shown["worker-7"]["compression"], shown["worker-7"]["sample_rate"]) == ("snappy", "50%")
+        assert shown["vm"]["compression"] == "deflate"
+        assert shown["secure-1"]["tls"] == "TLS1.2 TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256"
+        assert "Sampled 50%" in clients[by_id["worker-7"]["remote_address"]]["attributes"]
+        assert "Snappy" in clients[by_id["worker-7"]["remote_address"]]["attributes"]
+        assert "TLS" in clients[by_id["secure-1"]["remote_address"]]["attributes"]
+        page.wait_refresh()
+        assert not page.find("peek-panel").is_displayed()
+        page.screenshot("clients")
+    finally:
+        admin.stop()
+        nsqd.close()
 
 
 # -- base path and ACL -------------------------------------------------------------------------

@@ -155,9 +155,11 @@ class Cluster:
         self.admin = self.start_admin()
         return self
 
-    def start_admin(self, *args: str, base_path: str = "/") -> AdminProcess:
+    def start_admin(self, *args: str, base_path: str = "/", nsqds: Sequence[str] = ()) -> AdminProcess:
+        """Another mqadmin: over the lookupd, or over the brokers `nsqds` (HTTP addresses) when given."""
+        over = [f"--nsqd-http-address={a}" for a in nsqds] or [f"--lookupd-http-address={self.lookupd.http_address}"]
         admin = AdminProcess(self.workdir / f"mqadmin{len(self.admins) + 1}", [
-            f"--lookupd-http-address={self.lookupd.http_address}", "--stats-interval=1s",
+            *over, "--stats-interval=1s",
             "--stats-history=2m", "--http-client-request-timeout=2s", "--http-client-connect-timeout=1s",
             *self.admin_args, *args,
         ], base_path=base_path)
@@ -229,6 +231,70 @@ class Cluster:
                      f"/channel/create?topic={quote(topic)}&channel={quote(channel)}"):
             status, answer = http_request(broker.http_address, "POST", path, b"")
             assert status == 200, (path, status, answer)
+
+
+NSQD_FIXTURE = REPO_ROOT / "tests" / "fixtures" / "nsqd_1.3.0_node.json"
+
+
+class RecordedNsqd:
+    """A real nsqd 1.3.0, as recorded: its /ping, /info, /stats and /config answers replayed over HTTP.
+
+    What mqadmin sees of an nsqd, without NSQ's binaries: a topic `legacy`
+    whose channel `idle` has three consumers (one snappy with a sample rate
+    and a client_id of its own, one deflate, one TLS) and whose channel
+    `unread` has no end-to-end samples; and no /config/durable or
+    /config/backend (400 INVALID_OPTION), as nsqd has neither. /stats
+    honours `topic`, `channel` and `include_clients=false` as nsqd does.
+    """
+
+    def __init__(self) -> None:
+        answers = json.loads(NSQD_FIXTURE.read_text())
+        self.stats = answers["/stats?format=json"]["body"]
+        replies = {path.split("?")[0]: (a["status"], a["body"]) for path, a in answers.items() if path.startswith("/")}
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                path, _, query = self.path.partition("?")
+                if path == "/stats":
+                    status, body = 200, owner.stats_for(dict(p.split("=", 1) for p in query.split("&") if "=" in p))
+                else:
+                    status, body = replies.get(path, (404, {"message": "NOT_FOUND"}))
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # Named after where it listens now (broadcast_address:http_port), not where it was recorded.
+        status, info = replies["/info"]
+        replies["/info"] = (status, {**info, "http_port": self.server.server_address[1]})
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def http_address(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+    def stats_for(self, query: Mapping[str, str]) -> dict[str, Any]:
+        doc = json.loads(json.dumps(self.stats))
+        topics = [t for t in doc["topics"] if query.get("topic") in (None, "", t["topic_name"])]
+        for t in topics:
+            t["channels"] = [c for c in t["channels"] if query.get("channel") in (None, "", c["channel_name"])]
+            if query.get("include_clients") == "false":
+                for c in t["channels"]:
+                    c["clients"] = []
+        doc["topics"] = topics
+        return doc
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 class NotificationSink:
@@ -379,7 +445,10 @@ class Page:
         Returns {"state", "action", "message", "results": [{target, address, ok}]}.
         """
         self.close_results()
-        (self.find(opener) if isinstance(opener, str) else opener).click()
+        if isinstance(opener, str):
+            # Some buttons show only when they apply (Pause or Unpause): wait for the page to offer it.
+            opener = self.until(lambda: (b := self.find(opener)).is_displayed() and b, 10, f"{opener} to show")
+        opener.click()
         dialog = self.until(lambda: (d := self.find("confirm-dialog")).is_displayed() and d,
                             5, "the confirm dialog")
         if expect is not None:
@@ -419,6 +488,7 @@ class Page:
         width = self.driver.get_window_size()["width"]
         height = self.driver.execute_script("return document.documentElement.scrollHeight")
         self.driver.set_window_size(width, max(700, min(int(height) + 120, 2400)))
+        self.driver.execute_script("window.scrollTo(0, 0)")
         try:
             assert self.driver.save_screenshot(str(path)), f"no screenshot {path}"
         finally:

@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from twisted.internet.address import IPv4Address
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
@@ -35,6 +35,39 @@ def producer(address: str) -> dict[str, Any]:
     host, _, port = address.rpartition(":")
     return {"broadcast_address": host, "hostname": host, "http_port": int(port), "tcp_port": 4150,
             "version": "1.3.0"}
+
+
+class CannedUpstream:
+    """`Upstream`'s calls over canned answers: a subclass gives `_canned(method, url)` -> (code, body bytes).
+
+    `get_json` and `post` fail as the real client does, with an
+    UpstreamError carrying the status and body, on an answer that is not a
+    success.
+    """
+
+    def _canned(self, method: str, url: str) -> tuple[int, bytes]:
+        raise NotImplementedError
+
+    def get(self, url: str) -> Deferred:
+        return maybeDeferred(self._canned, "GET", url)
+
+    def get_json(self, url: str, headers=None, max_bytes=None) -> Deferred:
+        def parse(answer):
+            code, body = answer
+            if code != 200:
+                raise UpstreamError(url, f"got response {code} {body!r}", code, body)
+            return json.loads(body)
+
+        return self.get(url).addCallback(parse)
+
+    def post(self, url: str, body: bytes = b"", timeout=None, headers=None) -> Deferred:
+        def check(answer):
+            code, text = answer
+            if not 200 <= code < 300:
+                raise UpstreamError(url, f"got response {code} {text!r}", code, text, "POST")
+            return answer
+
+        return maybeDeferred(self._canned, "POST", url).addCallback(check)
 
 
 class Down:
@@ -60,13 +93,13 @@ class FakeUpstream:
         self.headers: list = []
         self.max_bytes: list = []
 
-    def _answer(self, url: str, default: Any) -> Deferred:
+    def _answer(self, url: str, default: Any, method: str = "GET") -> Deferred:
         answer = self.answers.get(urlsplit(url).netloc, default)
         if answer is Down:
-            return fail(UpstreamError(url, "connection refused"))
+            return fail(UpstreamError(url, "connection refused", method=method))
         if isinstance(answer, tuple) and not 200 <= answer[0] < 300:
             code, body = answer
-            return fail(UpstreamError(url, f"got response {code} {body!r}", code, body))
+            return fail(UpstreamError(url, f"got response {code} {body!r}", code, body, method))
         return succeed(answer)
 
     def post(self, url: str, body: bytes = b"", timeout: float | None = None, headers=None) -> Deferred:
@@ -77,7 +110,7 @@ class FakeUpstream:
             d = Deferred()
             self.waiting.append((url, d))
             return d
-        return self._answer(url, (200, b""))
+        return self._answer(url, (200, b""), "POST")
 
     def get_json(self, url: str, headers=None, max_bytes=None) -> Deferred:
         self.events.append(("GET", url, None))

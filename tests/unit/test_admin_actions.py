@@ -162,7 +162,9 @@ def test_delete_with_one_broker_down_reports_it_and_the_others_success(cluster):
     results = r.json()["results"]
     assert [(x["address"], x["ok"]) for x in results] == [(L1, True), (L2, True), (N1, True), (N2, False)]
     assert results[3]["error"] == "connection refused"
-    assert r.json()["message"] == f"WARNING: nsqd {N2} /topic/delete: connection refused"
+    # nsqadmin's wording: Go's error for the request.
+    assert r.json()["message"] == (f'WARNING: Post "http://{N2}/topic/delete?topic=t": dial tcp {N2}: '
+                                   "connect: connection refused")
 
 
 def test_a_broker_error_is_reported_with_its_status_and_text(cluster):
@@ -178,8 +180,8 @@ def test_every_target_failing_is_502_and_not_notified(clock):
     c.upstream.answers.update({N1: Down, N2: (500, b'{"message":"INTERNAL_ERROR"}')})
     status, message = error(c.request("POST", "/api/topics/t", {"action": "pause"}))
     assert status == 502
-    assert message == (f"UPSTREAM_ERROR: nsqd {N1} /topic/pause: connection refused; "
-                       f"nsqd {N2} /topic/pause: 500 INTERNAL_ERROR")
+    assert message == (f'UPSTREAM_ERROR: Post "http://{N1}/topic/pause?topic=t": dial tcp {N1}: connect: '
+                       'connection refused\ngot response 500 Internal Server Error "{\\"message\\":\\"INTERNAL_ERROR\\"}"')
     assert c.notifications.events == []
 
 
@@ -187,7 +189,7 @@ def test_lookupds_not_answering_with_no_producer_found_is_502(cluster):
     cluster.cluster.nodes = []
     cluster.cluster.errors = [f"{L1}: connection refused", f"{L2}: connection refused"]
     status, message = error(cluster.request("POST", "/api/topics/t", {"action": "empty"}))
-    assert (status, message) == (502, f"UPSTREAM_ERROR: {L1}: connection refused; {L2}: connection refused")
+    assert (status, message) == (502, f"UPSTREAM_ERROR: {L1}: connection refused\n{L2}: connection refused")
 
 
 def test_a_lookupd_not_answering_is_a_warning_when_the_action_was_done(cluster):

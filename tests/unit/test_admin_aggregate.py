@@ -125,8 +125,8 @@ def test_e2e_percentiles_aggregated_per_quantile(nodes):
     assert e2e == {
         "count": 80,
         "percentiles": [
-            {"quantile": 0.99, "max": 4000, "min": 2000, "count": 80, "average": 2500},
-            {"quantile": 0.5, "max": 1000, "min": 500, "count": 80, "average": 625},
+            {"average": 2500, "count": 80, "max": 4000, "min": 2000, "quantile": 0.99, "value": 2500},
+            {"average": 625, "count": 80, "max": 1000, "min": 500, "quantile": 0.5, "value": 625},
         ],
         "topic": "orders", "channel": "", "host": "*",
     }
@@ -149,14 +149,15 @@ def test_e2e_weighted_average_with_a_new_quantile():
     b = {"count": 30, "percentiles": [{"quantile": 0.5, "min": 30, "max": 30, "average": 30, "count": 30},
                                       {"quantile": 0.9, "min": 90, "max": 90, "average": 90, "count": 30}]}
     merged = e2e_aggregate([a, b], "t", "c")["percentiles"]
-    assert merged == [{"quantile": 0.5, "max": 30, "min": 10, "count": 40, "average": 25},
-                      {"quantile": 0.9, "max": 90, "min": 90, "count": 30, "average": 90}]
+    assert merged == [{"average": 25, "count": 40, "max": 30, "min": 10, "quantile": 0.5, "value": 25},
+                      {"average": 90, "count": 30, "max": 90, "min": 90, "quantile": 0.9, "value": 90}]
 
 
 def test_topic_on_one_node_only(nodes):
     t = topic_stats(nodes, "events", NOW)
     assert [n["node"] for n in t["nodes"]] == [B]
-    assert (t["depth"], t["message_count"], t["channels"], t["paused"]) == (3, 3, [], False)
+    # No channel: null, as nsqadmin.
+    assert (t["depth"], t["message_count"], t["channels"], t["paused"]) == (3, 3, None, False)
 
 
 def test_topic_on_no_node_is_nsqadmins_empty_topic(nodes):

@@ -17,7 +17,6 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import pytest_twisted
-from twisted.internet import defer
 from twisted.internet.task import Clock
 
 from mqd.admin import api
@@ -26,7 +25,7 @@ from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import UpstreamError, base_url
 from mqd.options import MQADMIN_OPTIONS, resolve
-from tests.support.admin_fakes import COUNTER_ROWS, real_upstream
+from tests.support.admin_fakes import COUNTER_ROWS, CannedUpstream, real_upstream
 from tests.support.http_client import HTTPClient, error
 
 FIXTURES = pathlib.Path(__file__).parent / "admin_fixtures"
@@ -37,6 +36,12 @@ LK1, LK2 = "lk1:4161", "lk2:4161"
 
 def fixture(name: str):
     return json.loads((FIXTURES / name).read_text())
+
+
+def refused(url: str, method: str = "Get") -> str:
+    """Go's error for a refused connection, as nsqadmin quotes it."""
+    host = urlsplit(url).netloc
+    return f'{method} "{url}": dial tcp {host}: connect: connection refused'
 
 
 # -- a fake cluster -----------------------------------------------------------------------------
@@ -90,15 +95,15 @@ def peer(node_json: dict) -> dict:
     return {k: v for k, v in node_json.items() if k not in ("topics", "tombstones")}
 
 
-class FakeUpstream:
-    """`Upstream`'s three calls over canned answers per host; hosts in `down` refuse connections."""
+class FakeUpstream(CannedUpstream):
+    """`Upstream`'s calls over canned answers per host; hosts in `down` refuse connections."""
 
     def __init__(self, hosts: dict[str, dict], down=()) -> None:
         self.hosts = hosts
         self.down = set(down)
         self.urls: list[str] = []
 
-    def _answer(self, url: str):
+    def _canned(self, method: str, url: str) -> tuple[int, bytes]:
         self.urls.append(url)
         parts = urlsplit(url)
         if parts.netloc in self.down or parts.netloc not in self.hosts:
@@ -111,20 +116,8 @@ class FakeUpstream:
             body = body.encode() if isinstance(body, str) else json.dumps(body).encode()
         return code, body
 
-    def get(self, url: str):
-        return defer.maybeDeferred(self._answer, url)
-
-    def get_json(self, url: str):
-        def parse(answer):
-            code, body = answer
-            if code != 200:
-                raise UpstreamError(url, f"got response {code} {body!r}", code, body)
-            return json.loads(body)
-
-        return self.get(url).addCallback(parse)
-
-    def post(self, url: str, body: bytes = b""):
-        return self.get(url)
+    def post(self, url: str, body: bytes = b"", timeout=None, headers=None):
+        return self.get(url)  # a POST answers as a GET of the same path here, whatever its status
 
 
 NODES_1 = fixture("lookupd_nodes_1.json")
@@ -219,13 +212,13 @@ def test_inactive_topics_with_their_declared_channels(http):
 def test_topics_one_lookupd_down_is_a_warning(make):
     body = ok(make(down={LK2}).get("/api/topics"))
     assert body["topics"] == ["drafts", "events", "orders"]
-    assert body["message"] == "WARNING: http://lk2:4161/topics: connection refused"
+    assert body["message"] == "WARNING: " + refused("http://lk2:4161/topics")
 
 
 def test_topics_every_lookupd_down_is_502(make):
     assert error(make(down={LK1, LK2}).get("/api/topics")) == (
-        502, "UPSTREAM_ERROR: http://lk1:4161/topics: connection refused; "
-             "http://lk2:4161/topics: connection refused")
+        502, "UPSTREAM_ERROR: failed to query any nsqlookupd: " + refused("http://lk1:4161/topics") + "\n"
+             + refused("http://lk2:4161/topics"))
 
 
 def test_topics_without_lookupd_from_the_brokers_stats(make):
@@ -263,19 +256,33 @@ def test_topic_one_broker_down_counts_the_other_with_a_warning(make):
     body = ok(make(down={B}).get("/api/topics/orders"))
     assert (body["depth"], body["message_count"], body["paused"]) == (5, 107, False)
     assert [n["node"] for n in body["nodes"]] == [A]
-    assert body["message"] == (f"WARNING: http://{B}/stats?format=json&topic=orders&include_clients=false"
-                               "&include_mem=false: connection refused")
+    assert body["message"] == "WARNING: " + refused(
+        f"http://{B}/stats?format=json&topic=orders&include_clients=false&include_mem=false")
 
 
 def test_topic_every_producer_down_is_502(make):
     status, message = error(make(down={A, B}).get("/api/topics/orders"))
     assert status == 502
-    assert message.startswith("UPSTREAM_ERROR: http://10.0.0.1:4151/stats?")
+    assert message.startswith('UPSTREAM_ERROR: failed to query any nsqd: Get "http://10.0.0.1:4151/stats?')
     assert message.count("connection refused") == 2
 
 
-def test_topic_unknown_everywhere_is_404(http):
-    assert error(http.get("/api/topics/ghost")) == (404, "TOPIC_NOT_FOUND")
+LOOKUP_404 = 'got response 404 Not Found "{\\"message\\": \\"TOPIC_NOT_FOUND\\"}"'
+
+
+def test_topic_unknown_everywhere_is_nsqadmins_502(http):
+    """Every lookupd answers 404: nsqadmin's 502, each lookupd's answer quoted as Go quotes it."""
+    assert error(http.get("/api/topics/ghost")) == (
+        502, f"UPSTREAM_ERROR: failed to query any nsqlookupd: {LOOKUP_404}\n{LOOKUP_404}")
+
+
+def test_topic_unknown_to_one_lookupd_is_no_warning(http):
+    assert ok(http.get("/api/topics/events"))["message"] == ""
+
+
+def test_topic_unknown_without_lookupd_is_nsqadmins_502(make):
+    assert error(make(lookupds=(), nsqds=(A, B)).get("/api/topics/ghost")) == (
+        502, "UPSTREAM_ERROR: failed to query any nsqd: ")
 
 
 def test_topic_declared_without_producer_is_empty(http):
@@ -309,23 +316,30 @@ def test_channel_with_every_client(http):
 def test_channel_on_one_broker(http):
     body = ok(http.get("/api/topics/orders/ship"))
     assert [n["node"] for n in body["nodes"]] == [B]
-    assert body["clients"] == []
+    # No client anywhere: null, as nsqadmin's sum of the nodes' clients.
+    assert body["clients"] is None
 
 
 def test_channel_unknown_is_404(http):
     assert error(http.get("/api/topics/orders/nope")) == (404, "CHANNEL_NOT_FOUND")
-    assert error(http.get("/api/topics/ghost/nope")) == (404, "CHANNEL_NOT_FOUND")
+
+
+def test_channel_of_unknown_topic_is_nsqadmins_502(http, make):
+    assert error(http.get("/api/topics/ghost/nope")) == (
+        502, f"UPSTREAM_ERROR: failed to query any nsqlookupd: {LOOKUP_404}\n{LOOKUP_404}")
+    assert error(make(lookupds=(), nsqds=(A, B)).get("/api/topics/ghost/nope")) == (
+        502, "UPSTREAM_ERROR: failed to query any nsqd: ")
 
 
 def test_channel_declared_on_lookupd_only_is_zeros(http):
     body = ok(http.get("/api/topics/drafts/pending"))
-    assert (body["depth"], body["client_count"], body["nodes"], body["clients"]) == (0, 0, [], [])
+    assert (body["depth"], body["client_count"], body["nodes"], body["clients"]) == (0, 0, [], None)
 
 
 def test_channel_one_broker_down(make):
     body = ok(make(down={A}).get("/api/topics/orders/billing"))
     assert (body["depth"], [c["client_id"] for c in body["clients"]]) == (20, ["worker-0", "worker-2"])
-    assert body["message"].startswith(f"WARNING: http://{A}/stats?")
+    assert body["message"].startswith(f'WARNING: Get "http://{A}/stats?')
 
 
 # -- /api/nodes ---------------------------------------------------------------------------------
@@ -343,7 +357,7 @@ def test_nodes_from_lookupds(http):
 def test_nodes_one_lookupd_down(make):
     body = ok(make(down={LK1}).get("/api/nodes"))
     assert [n["hostname"] for n in body["nodes"]] == ["host-a"]
-    assert body["message"] == "WARNING: http://lk1:4161/nodes: connection refused"
+    assert body["message"] == "WARNING: " + refused("http://lk1:4161/nodes")
 
 
 def test_nodes_without_lookupd_from_info(make):
@@ -367,8 +381,8 @@ def test_node_unknown_is_404(http):
 
 def test_node_down_is_502(make):
     status, message = error(make(down={B}).get(f"/api/nodes/{B}"))
-    assert (status, message) == (502, f"UPSTREAM_ERROR: http://{B}/stats?format=json&include_mem=false: "
-                                      "connection refused")
+    assert (status, message) == (502, "UPSTREAM_ERROR: failed to query any nsqd: " + refused(
+        f"http://{B}/stats?format=json&include_mem=false"))
 
 
 # -- /api/counter ---------------------------------------------------------------------------------
@@ -383,7 +397,7 @@ def test_counter(http):
 def test_counter_one_broker_down(make):
     body = ok(make(down={B}).get("/api/counter"))
     assert sorted(body["stats"]) == [f"orders:audit:{A}", f"orders:billing:{A}"]
-    assert body["message"].startswith(f"WARNING: http://{B}/stats?")
+    assert body["message"].startswith(f'WARNING: Get "http://{B}/stats?')
 
 
 # -- /api/health (mqd) ----------------------------------------------------------------------------
@@ -424,7 +438,7 @@ def test_health_broker_down_and_gone_from_lookupd(make):
     assert (a["up"], a["registered"]) == (True, True)
     assert (b["node"], b["up"], b["registered"], b["hostname"]) == (B, False, False, "host-b")
     assert b["error"] == f"http://{B}/ping: connection refused"
-    assert body["message"] == f"WARNING: http://{B}/ping: connection refused"
+    assert body["message"] == "WARNING: " + refused(f"http://{B}/ping")
 
 
 # -- /api/lookup (mqd) ----------------------------------------------------------------------------
@@ -683,5 +697,5 @@ def test_health_without_lookupd_a_configured_broker_down(make):
     a, b = body["nodes"]
     assert (a["node"], a["up"], a["registered"], a["durable"]) == (A, True, True, True)
     assert (b["node"], b["address"], b["up"], b["registered"]) == (B, f"http://{B}", False, False)
-    assert body["message"].startswith(f"WARNING: http://{B}/stats?")
-    assert body["message"].endswith(f"; http://{B}/ping: connection refused")
+    assert body["message"].startswith(f'WARNING: Get "http://{B}/stats?')
+    assert body["message"].endswith("\n" + refused(f"http://{B}/ping"))

@@ -90,9 +90,10 @@ def test_rate_from_successive_samples_of_one_node(history, clock, cluster):
     cluster.now = {A: stats(topic("t", 150, channels=[channel("c", 150)]))}
     step(clock)
 
+    # topic: depth = its own queue + its channels' (3 + 7, then 4 + 5)
     assert history.points("t") == [
-        (START_TIME, 0.0, 3, 2),
-        (START_TIME + 5, 10.0, 4, 1),
+        (START_TIME, 0.0, 10, 2),
+        (START_TIME + 5, 10.0, 9, 1),
         (START_TIME + 10, 0.0, 0, 0),
     ]
     assert history.points("t", "c") == [
@@ -122,7 +123,7 @@ def test_sums_across_two_nodes(history, clock, cluster):
     }
     step(clock)
 
-    assert history.points("t")[-1] == (START_TIME + 5, (10 + 40) / 5, 11, 33)
+    assert history.points("t")[-1] == (START_TIME + 5, (10 + 40) / 5, 11 + 22, 33)
     assert history.points("t", "c")[-1] == (START_TIME + 5, (5 + 20) / 5, 22, 33)
     assert history.points("u")[-1] == (START_TIME + 5, 1.0, 0, 0)
     assert history.points()[-1] == (START_TIME + 5, 11.0, 11 + 22, 33)
@@ -379,7 +380,7 @@ def test_api_history_json(history, clock, cluster):
     }
     code, doc = get(history, "topic=t")
     assert code == 200
-    assert doc["points"][-1] == {"t": START_TIME + 5, "rate": 2.0, "depth": 1, "in_flight": 3}
+    assert doc["points"][-1] == {"t": START_TIME + 5, "rate": 2.0, "depth": 1 + 2, "in_flight": 3}
     code, doc = get(history, "topic=t&channel=c")
     assert code == 200
     assert doc["points"][-1] == {"t": START_TIME + 5, "rate": 1.0, "depth": 2, "in_flight": 3}

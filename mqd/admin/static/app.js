@@ -24,13 +24,18 @@
  *                                  rate, paused
  *                producers-table   (topic, channel) row-<node> per producer and row-total:
  *                                  node, depth, memory_depth, backend_depth, message_count, paused,
- *                                  e2e-p<q> (e.g. e2e-p99); topic page adds channels; channel page
+ *                                  e2e-p<q> (e.g. e2e-p99; ascending, p50 before p99; empty when
+ *                                  the row has no samples); topic page adds channels; channel page
  *                                  adds in_flight_count, deferred_count, requeue_count,
  *                                  timeout_count, connections
  *                channels-table    (topic)    row-<channel>: channel, depth, memory_depth,
  *                                  backend_depth, in_flight_count, deferred_count, requeue_count,
  *                                  timeout_count, message_count, connections, paused, e2e-p<q>
- *                clients-table     (channel, node) row-<remote_address>: client, user_agent,
+ *                clients-table     (channel, node) row-<remote_address>: client (span
+ *                                  client-name: "hostname:port (client_id)" as nsqadmin names it,
+ *                                  the details as its title; details client-details with dd
+ *                                  detail-<client_id|hostname|remote_address|user_agent|version|
+ *                                  tls|compression|sample_rate|authed|connect_ts>), user_agent,
  *                                  attributes (spans attr-tls, attr-deflate, attr-snappy,
  *                                  attr-auth, attr-sampled), node, topic, channel (node page only),
  *                                  ready_count, in_flight_count, finish_count, requeue_count,
@@ -38,8 +43,8 @@
  *                nodes-table       (nodes)    row-<broadcast_address:http_port>: node, hostname,
  *                                  broadcast_address, tcp_port, http_port, version, topics,
  *                                  tombstones, health ("up"/"down", and data-up="true|false" on
- *                                  the row), ping, durable ("yes"/"no"/"?"), backend, snapshot
- *                                  (button action-snapshot)
+ *                                  the row), ping, durable ("yes"/"no"; empty unless the broker is
+ *                                  an mqd), backend, snapshot (button action-snapshot, mqd only)
  *                node-topics-table (node)     row-<topic>: topic, depth, memory_depth,
  *                                  backend_depth, message_count, channels, paused, tombstone
  *                                  (button action-tombstone)
@@ -57,11 +62,15 @@
  *                snapshot-queues   (nodes, after a snapshot) row-<queue name>: queue, count,
  *                                  queued, in_flight, deferred
  *   charts     chart-cluster (streams), chart-topic, chart-channel, chart-counter: a <div> with
- *              data-points="<n>" (points drawn, updated on every redraw) and data-last="<t>"
- *              (unix s of the newest point); uPlot draws inside it; chart-<name>-status is the
- *              caption's note (window and interval, or why there is no history)
- *   actions    buttons action-pause, action-unpause, action-empty, action-delete (topic and
- *              channel pages; lookup rows), action-tombstone (node-topics rows), action-snapshot
+ *              data-points="<n>" (points drawn, updated on every redraw), data-last="<t>"
+ *              (unix s of the newest point), and after each draw data-x-ticks (the time axis'
+ *              labels, "|"-separated) and data-scales (JSON {rate|depth|in_flight: [min, max]});
+ *              uPlot draws inside it; chart-<name>-status is the caption's note (window and
+ *              interval, or why there is no history). Depth: the topic chart's sums the topic's
+ *              and its channels' depths, the cluster chart's every topic's and channel's
+ *   actions    buttons action-pause, action-unpause (only the one that applies; both when
+ *              the producers disagree), action-empty, action-delete (topic and channel pages;
+ *              lookup rows), action-tombstone (node-topics rows), action-snapshot
  *              (nodes rows), action-create (lookup form with inputs create-topic,
  *              create-channel). Each opens the confirm dialog:
  *   dialog     confirm-dialog (hidden unless asking), confirm-title, confirm-text (what will
@@ -74,7 +83,8 @@
  *              action-results-close
  *   counter    counter-total (data-value), counter-rate (msgs/s, data-value)
  *   node       node-totals with spans total_topics, total_messages, total_clients (data-value)
- *   peek       peek-panel (data-loaded="true" and data-state="<state>" once an answer arrived),
+ *   peek       peek-panel (hidden unless some broker producing the channel is an mqd;
+ *              data-loaded="true" and data-state="<state>" once an answer arrived),
  *              peek-state (select queued|in_flight|deferred), peek-n (input), peek-format
  *              (select text|hex; re-renders without fetching), peek-load (button),
  *              peek-nodes (ul; li data-test="peek-node-<node>" data-total="<n>" or data-error),
@@ -229,14 +239,18 @@
   // quantile min/max/average/count; a raw nsqd one has quantile/value).
   function quantileKey(q) { return 'e2e-p' + String(Number((q * 100).toFixed(2))); }
 
+  // Ascending (p50 before p99) whatever order the brokers were configured with.
   function quantiles(e2e) {
     var list = e2e && Array.isArray(e2e.percentiles) ? e2e.percentiles : [];
-    return list.map(function (p) { return p.quantile; }).filter(function (q) { return typeof q === 'number'; });
+    return list.map(function (p) { return p.quantile; }).filter(function (q) { return typeof q === 'number'; })
+      .sort(function (a, b) { return a - b; });
   }
 
+  // null (an empty cell, as nsqadmin shows it) when the row has no samples: nsqd then reports 0s.
   function e2eValue(row, q) {
-    var list = row && row.e2e_processing_latency && row.e2e_processing_latency.percentiles;
-    if (!Array.isArray(list)) return null;
+    var e2e = row && row.e2e_processing_latency;
+    var list = e2e && e2e.percentiles;
+    if (!Array.isArray(list) || e2e.count === 0) return null;
     for (var i = 0; i < list.length; i++) {
       if (list[i].quantile === q) {
         var v = list[i].average !== undefined ? list[i].average : list[i].value;
@@ -347,21 +361,49 @@
 
   // ---------------------------------------------------------------- charts
 
+  /* The series a chart can draw. Each has its own y scale and axis, all from zero: in flight (a
+     handful) must not share the depth's axis (thousands), where 3 draws as 0. */
   var SERIES = {
-    rate: {label: 'rate (msgs/s)', scale: 'rate', stroke: '#1f77b4', width: 2},
-    depth: {label: 'depth', scale: 'n', stroke: '#d62728', width: 1.5},
-    in_flight: {label: 'in flight', scale: 'n', stroke: '#2ca02c', width: 1.5},
+    rate: {label: 'rate (msgs/s)', scale: 'rate', axis: 'msgs/s', side: 3, stroke: '#1f77b4', width: 2},
+    depth: {label: 'depth', scale: 'depth', axis: 'depth', side: 1, stroke: '#d62728', width: 1.5, counts: true},
+    in_flight: {label: 'in flight', scale: 'in_flight', axis: 'in flight', side: 1, stroke: '#2ca02c', width: 1.5, counts: true},
   };
 
-  /* A uPlot line chart of rate / depth / in-flight over time, drawn in place as points arrive.
-     `fields`: which of SERIES to draw (default all three). */
-  function Chart(name, title, fields) {
+  // Time ticks in whole seconds at least (uPlot would pick 500 ms steps on a short history).
+  var TIME_INCRS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+  // Counts tick on whole numbers.
+  var COUNT_INCRS = (function () {
+    var out = [];
+    for (var p = 1; p <= 1e12; p *= 10) out.push(p, 2 * p, 5 * p);
+    return out;
+  })();
+
+  function pad2(n) { return (n < 10 ? '0' : '') + n; }
+
+  function timeLabel(t, incr) {
+    var d = new Date(t * 1000);
+    var hm = pad2(d.getHours()) + ':' + pad2(d.getMinutes());
+    return incr >= 60 && d.getSeconds() === 0 ? hm : hm + ':' + pad2(d.getSeconds());
+  }
+
+  // From 0 (rates and counts are never negative) to a little above the highest value.
+  function zeroBased(u, min, max) {
+    var hi = typeof max === 'number' && isFinite(max) && max > 0 ? max * 1.1 : 1;
+    return [0, hi];
+  }
+
+  /* A uPlot line chart over time, drawn in place as points arrive. `fields`: which of SERIES to
+     draw (default all three); `labels`: a label per field replacing SERIES' (e.g. what "depth"
+     sums). The x axis spans the first point to the last. */
+  function Chart(name, title, fields, labels) {
     this.name = name;
     this.fields = fields || ['rate', 'depth', 'in_flight'];
+    this.labels = labels || {};
     this.el = h('div', {'class': 'chart', test: 'chart-' + name, 'data-points': '0', 'data-last': ''});
     this.status = h('span', {'class': 'chart-status', test: 'chart-' + name + '-status'});
     this.wrap = h('figure', {'class': 'chart-box'}, h('figcaption', null, title || '', ' ', this.status), this.el);
     this.plot = null;
+    this.xTicks = [];
     this.onResize = this.resize.bind(this);
     window.addEventListener('resize', this.onResize);
   }
@@ -380,33 +422,65 @@
     this.plot = null;
   };
 
+  /* Test hooks after each draw: data-x-ticks (the time labels, '|'-separated) and
+     data-scales (JSON {scale: [min, max]}). */
+  Chart.prototype.drawn = function (u) {
+    var scales = {};
+    this.fields.forEach(function (f) {
+      var sc = u.scales[SERIES[f].scale];
+      if (sc) scales[SERIES[f].scale] = [sc.min, sc.max];
+    });
+    this.el.setAttribute('data-x-ticks', this.xTicks.join('|'));
+    this.el.setAttribute('data-scales', JSON.stringify(scales));
+  };
+
+  Chart.prototype.options = function () {
+    var self = this;
+    var scales = {x: {time: true, range: function (u, min, max) {
+      // One point: a span of a second, not uPlot's default padding in milliseconds.
+      return min !== null && min === max ? [min, min + 1] : [min, max];
+    }}};
+    var axes = [{
+      incrs: TIME_INCRS,
+      values: function (u, splits, axisIdx, space, incr) {
+        self.xTicks = splits.map(function (t) { return timeLabel(t, incr); });
+        return self.xTicks;
+      },
+    }];
+    this.fields.forEach(function (f) {
+      var s = SERIES[f];
+      scales[s.scale] = {range: zeroBased};
+      var axis = {scale: s.scale, label: s.axis, side: s.side, size: 60, stroke: s.stroke,
+        values: function (u, splits) { return splits.map(commafy); }};
+      if (s.counts) axis.incrs = COUNT_INCRS;
+      if (axes.length > 1) axis.grid = {show: false};
+      axes.push(axis);
+    });
+    return {
+      width: this.width(),
+      height: 240,
+      scales: scales,
+      series: [{}].concat(this.fields.map(function (f) {
+        var s = SERIES[f];
+        return {label: self.labels[f] || s.label, scale: s.scale, stroke: s.stroke, width: s.width,
+          value: function (u, v) { return v === null || v === undefined ? '--' : commafy(v); }};
+      })),
+      axes: axes,
+      legend: {live: true},
+      hooks: {draw: [function (u) { self.drawn(u); }]},
+    };
+  };
+
   // points: [{t, rate, depth, in_flight}], oldest first.
   Chart.prototype.update = function (points, caption) {
     points = (points || []).filter(function (p) { return typeof p.t === 'number'; });
     var data = [points.map(function (p) { return p.t; })].concat(this.fields.map(function (f) {
       return points.map(function (p) { return typeof p[f] === 'number' ? p[f] : null; });
     }));
-    var counts = this.fields.some(function (f) { return SERIES[f].scale === 'n'; });
     if (caption !== undefined) this.status.textContent = caption;
     if (typeof window.uPlot === 'function') {
-      if (!this.plot) {
-        var opts = {
-          width: this.width(),
-          height: 240,
-          scales: {x: {time: true}, rate: {auto: true}, n: {auto: true}},
-          series: [{}].concat(this.fields.map(function (f) {
-            var s = SERIES[f];
-            return {label: s.label, scale: s.scale, stroke: s.stroke, width: s.width,
-              value: function (u, v) { return v === null || v === undefined ? '--' : commafy(v); }};
-          })),
-          axes: [{}, {scale: 'rate', label: 'msgs/s', size: 60}].concat(counts ?
-            [{scale: 'n', side: 1, label: 'messages', size: 60, grid: {show: false}}] : []),
-          legend: {live: true},
-        };
-        this.plot = new window.uPlot(opts, data, this.el);
-      } else {
-        this.plot.setData(data);
-      }
+      if (!this.plot) this.plot = new window.uPlot(this.options(), data, this.el);
+      else this.plot.setData(data);
     }
     this.el.setAttribute('data-points', String(points.length));
     this.el.setAttribute('data-last', points.length ? String(points[points.length - 1].t) : '');
@@ -529,8 +603,8 @@
     this.charts.forEach(function (c) { c.destroy(); });
   };
 
-  Page.prototype.chart = function (name, title, fields) {
-    var c = new Chart(name, title, fields);
+  Page.prototype.chart = function (name, title, fields, labels) {
+    var c = new Chart(name, title, fields, labels);
     this.charts.push(c);
     return c;
   };
@@ -650,7 +724,8 @@
   function streamsPage() {
     var page = new Page('streams', 'Streams');
     var table = new Table('topics-table', 'No topics in the cluster.');
-    var chart = page.chart('cluster', 'Cluster: message rate, depth and in flight');
+    var chart = page.chart('cluster', 'Cluster: message rate, depth and in flight', null,
+      {depth: 'depth (every topic and channel)'});
     page.add(title('Streams'), chart.wrap, h('h3', {text: 'Topics'}), table.wrap);
     var columns = [
       {key: 'topic', label: 'Topic', sig: function (r) { return r.name; },
@@ -766,6 +841,14 @@
       'No broker produces it now.';
   }
 
+  /* Show Pause or Unpause, whichever applies: Unpause when paused anywhere, Pause while some
+     producer (or none known) is not paused; both only when the producers disagree. */
+  function showPauseButtons(stats, pause, unpause) {
+    var nodes = stats && Array.isArray(stats.nodes) ? stats.nodes : [];
+    unpause.hidden = !(stats && stats.paused);
+    pause.hidden = !(nodes.length ? nodes.some(function (n) { return !n.paused; }) : !(stats && stats.paused));
+  }
+
   function pausedBadge(stats) {
     return h('span', {'class': 'badge', test: 'paused-badge', hidden: !(stats && stats.paused), text: 'paused'});
   }
@@ -775,7 +858,8 @@
     var stats = null;
     var producers = new Table('producers-table', 'No broker produces this topic.');
     var channels = new Table('channels-table', 'No channels: messages queue at the topic until a channel is created.');
-    var chart = page.chart('topic', 'Topic ' + topic + ': message rate, depth and in flight');
+    var chart = page.chart('topic', 'Topic ' + topic + ': message rate, depth (the topic and its channels) and in flight',
+      null, {depth: 'depth (topic + channels)'});
     var badge = pausedBadge(null);
     function act(action, label, lines, method, after) {
       return function () {
@@ -784,14 +868,15 @@
           body: method === 'DELETE' ? undefined : {action: action}, after: after});
       };
     }
+    var pause = actionButton('pause', 'Pause topic', act('pause', 'Pause topic ' + topic,
+      'Pause topic ' + topic + ' on every broker producing it: messages stop flowing to its channels (publishing still works).'));
+    var unpause = actionButton('unpause', 'Unpause topic', act('unpause', 'Unpause topic ' + topic,
+      'Unpause topic ' + topic + ' on every broker producing it.'));
+    pause.hidden = unpause.hidden = true;
     page.add(
       crumbs([['Streams', './'], [topic]]),
       h('h2', {test: 'page-title'}, 'Topic ', h('strong', {text: topic}), ' ', badge),
-      h('div', {'class': 'actions'},
-        actionButton('pause', 'Pause topic', act('pause', 'Pause topic ' + topic,
-          'Pause topic ' + topic + ' on every broker producing it: messages stop flowing to its channels (publishing still works).')),
-        actionButton('unpause', 'Unpause topic', act('unpause', 'Unpause topic ' + topic,
-          'Unpause topic ' + topic + ' on every broker producing it.')),
+      h('div', {'class': 'actions'}, pause, unpause,
         actionButton('empty', 'Empty topic queue', act('empty', 'Empty topic ' + topic,
           'Empty topic ' + topic + "'s own queue (messages not yet copied to channels) on every broker producing it; those messages are lost."), 'warn'),
         actionButton('delete', 'Delete topic', act('delete', 'Delete topic ' + topic,
@@ -811,11 +896,12 @@
         });
         var cqs = [];
         chanList.forEach(function (c) { quantiles(c.e2e_processing_latency).forEach(function (q) { if (cqs.indexOf(q) < 0) cqs.push(q); }); });
-        cqs.sort();
+        cqs.sort(function (a, b) { return a - b; });
         channels.update(channelColumns(cqs), chanList.map(function (c) {
           return {key: c.channel_name, data: Object.assign({topic_name: topic}, c)};
         }));
         badge.hidden = !stats.paused;
+        showPauseButtons(stats, pause, unpause);
         showWarning(stats.message || '');
       });
     }, true);
@@ -830,8 +916,7 @@
     if (c.sample_rate) spans.push(h('span', {'class': 'attr', test: 'attr-sampled', text: 'Sampled ' + c.sample_rate + '%'}));
     if (c.tls) {
       spans.push(h('span', {'class': 'attr tls', test: 'attr-tls', text: 'TLS' + (c.tls_version ? ' ' + c.tls_version : ''),
-        title: [c.tls_version, c.tls_cipher_suite, c.tls_negotiated_protocol,
-          c.tls_negotiated_protocol_is_mutual ? 'mutual' : ''].filter(Boolean).join(' ')}));
+        title: tlsText(c)}));
     }
     if (c.deflate) spans.push(h('span', {'class': 'attr', test: 'attr-deflate', text: 'Deflate'}));
     if (c.snappy) spans.push(h('span', {'class': 'attr', test: 'attr-snappy', text: 'Snappy'}));
@@ -849,12 +934,61 @@
       c.auth_identity, c.auth_identity_url].join('|');
   }
 
+  /* nsqadmin's name for a client: hostname:port (port of its remote address), then
+     " (client_id)" unless the id is the hostname or its first label. */
+  function clientName(c) {
+    var hostname = c.hostname || '', id = c.client_id || '';
+    var port = (c.remote_address || '').split(':').pop();
+    var short = hostname.split('.')[0].toLowerCase();
+    var showId = id && id.toLowerCase() !== short && id.toLowerCase() !== hostname.toLowerCase();
+    return (hostname || c.remote_address || '') + (hostname && port ? ':' + port : '') + (showId ? ' (' + id + ')' : '');
+  }
+
+  // "mutual" qualifies a negotiated (ALPN) protocol; Go reports it true even when none was.
+  function tlsText(c) {
+    if (!c.tls) return 'no';
+    var protocol = c.tls_negotiated_protocol ?
+      c.tls_negotiated_protocol + (c.tls_negotiated_protocol_is_mutual ? ' (mutual)' : '') : '';
+    return [c.tls_version, c.tls_cipher_suite, protocol].filter(Boolean).join(' ') || 'yes';
+  }
+
+  // Everything /stats says about who a client is and how it talks: [[label, data-test suffix, text]].
+  function clientDetails(c) {
+    return [
+      ['Client ID', 'client_id', c.client_id || ''],
+      ['Hostname', 'hostname', c.hostname || ''],
+      ['Remote address', 'remote_address', c.remote_address || ''],
+      ['User-Agent', 'user_agent', c.user_agent || ''],
+      ['Protocol', 'version', c.version || ''],
+      ['TLS', 'tls', tlsText(c)],
+      ['Compression', 'compression', c.snappy ? 'snappy' : c.deflate ? 'deflate' : 'none'],
+      ['Sample rate', 'sample_rate', c.sample_rate ? c.sample_rate + '%' : 'none (every message)'],
+      ['Authed', 'authed', c.authed ? 'yes' + (c.auth_identity ? ': ' + c.auth_identity : '') +
+        (c.auth_identity_url ? ' (' + c.auth_identity_url + ')' : '') : 'no'],
+      ['Connected since', 'connect_ts', typeof c.connect_ts === 'number' && c.connect_ts > 0 ?
+        new Date(c.connect_ts * 1000).toLocaleString() : ''],
+    ];
+  }
+
+  /* The client cell: its name (the details as a tooltip) and a disclosure with the same details. */
+  function clientCell(td, c) {
+    var details = clientDetails(c);
+    td.appendChild(h('span', {'class': 'client-name', test: 'client-name', text: clientName(c),
+      title: details.filter(function (d) { return d[2]; }).map(function (d) { return d[0] + ': ' + d[2]; }).join('\n')}));
+    td.appendChild(h('details', {'class': 'client-details', test: 'client-details'},
+      h('summary', {text: 'details'}),
+      h('dl', null, details.map(function (d) {
+        return [h('dt', {text: d[0]}), h('dd', {test: 'detail-' + d[1], text: d[2]})];
+      }))));
+  }
+
+  function clientSig(c) {
+    return clientDetails(c).map(function (d) { return d[2]; }).join('|');
+  }
+
   function clientColumns(withQueue) {
     var cols = [
-      {key: 'client', label: 'Client', value: function (c) {
-        var port = (c.remote_address || '').split(':').pop();
-        return (c.hostname || c.client_id || '') + (port ? ':' + port : '');
-      }},
+      {key: 'client', label: 'Client Host', sig: clientSig, cell: clientCell},
       {key: 'user_agent', label: 'User-Agent', value: function (c) { return c.user_agent || ''; }},
       {key: 'attributes', label: 'Attributes', sig: attributesSig, cell: attributes},
       {key: 'node', label: 'Broker', sig: function (c) { return c.node || ''; },
@@ -899,14 +1033,18 @@
       };
     }
     var name = topic + '/' + channel;
+    var pause = actionButton('pause', 'Pause channel', act('pause', 'Pause channel ' + name,
+      'Pause channel ' + name + ' on every broker producing ' + topic + ': no message is delivered to its consumers until unpaused.'));
+    var unpause = actionButton('unpause', 'Unpause channel', act('unpause', 'Unpause channel ' + name,
+      'Unpause channel ' + name + ' on every broker producing ' + topic + '.'));
+    pause.hidden = unpause.hidden = true;
+    var peek = peekPanel(topic, channel);
+    peek.hidden = true;
+    var mqdNodes = new MqdNodes();
     page.add(
       crumbs([['Streams', './'], [topic, topicPath(topic)], [channel]]),
       h('h2', {test: 'page-title'}, 'Channel ', h('strong', {text: name}), ' ', badge),
-      h('div', {'class': 'actions'},
-        actionButton('pause', 'Pause channel', act('pause', 'Pause channel ' + name,
-          'Pause channel ' + name + ' on every broker producing ' + topic + ': no message is delivered to its consumers until unpaused.')),
-        actionButton('unpause', 'Unpause channel', act('unpause', 'Unpause channel ' + name,
-          'Unpause channel ' + name + ' on every broker producing ' + topic + '.')),
+      h('div', {'class': 'actions'}, pause, unpause,
         actionButton('empty', 'Empty channel queue', act('empty', 'Empty channel ' + name,
           'Empty channel ' + name + "'s queue (memory and disk) on every broker producing " + topic + '; those messages are lost.'), 'warn'),
         actionButton('delete', 'Delete channel', act('delete', 'Delete channel ' + name,
@@ -915,7 +1053,7 @@
       chart.wrap,
       h('h3', {text: 'Producers'}), producers.wrap,
       h('h3', {text: 'Client connections'}), clients.wrap,
-      peekPanel(topic, channel));
+      peek);
     page.poll(TABLE_REFRESH_MS, function () {
       return api('api/topics/' + enc(topic) + '/' + enc(channel)).then(function (data) {
         if (!page.alive) return;
@@ -923,6 +1061,12 @@
         producers.update(producerColumns('channel', quantiles(stats.e2e_processing_latency)), producerRows(stats));
         clients.update(clientColumns(false), clientRows(stats.clients));
         badge.hidden = !stats.paused;
+        showPauseButtons(stats, pause, unpause);
+        // Peek is mqd's: shown when some broker producing the channel is an mqd (nsqd cannot).
+        var nodes = producersOf(stats);
+        mqdNodes.check(nodes).then(function (known) {
+          if (page.alive) peek.hidden = !nodes.some(function (n) { return known.has(n); });
+        });
         showWarning(stats.message || '');
       });
     }, true);
@@ -1086,6 +1230,40 @@
     }).filter(function (x) { return x.node; });
   }
 
+  /* A broker is an mqd when it answers mqd's own /config/durable or /config/backend: nsqd answers
+     both with 400 INVALID_OPTION, so /api/health gives it neither. */
+  function isMqd(x) {
+    return !!x && (typeof x.durable === 'boolean' || typeof x.backend === 'string' && x.backend !== '');
+  }
+
+  /* Which brokers are mqd, from /api/health; asked again only for a broker not known yet, or one
+     that was down when asked. check(nodes) resolves to the Set of mqd nodes. */
+  function MqdNodes() {
+    this.known = new Set();
+    this.asked = new Set();
+    this.pending = Promise.resolve(this.known);
+  }
+
+  MqdNodes.prototype.check = function (nodes) {
+    var self = this;
+    var fresh = nodes.filter(function (n) { return !self.asked.has(n); });
+    if (!fresh.length) return self.pending;
+    fresh.forEach(function (n) { self.asked.add(n); });
+    self.pending = api('api/health').then(function (d) {
+      var up = new Set();
+      healthList(d).forEach(function (x) {
+        if (isMqd(x)) self.known.add(x.node);
+        if (x.up) up.add(x.node);
+      });
+      fresh.forEach(function (n) { if (!up.has(n)) self.asked.delete(n); });
+      return self.known;
+    }, function () {
+      fresh.forEach(function (n) { self.asked.delete(n); });
+      return self.known;
+    });
+    return self.pending;
+  };
+
   function toList(obj) {
     return Object.keys(obj).filter(function (k) {
       return obj[k] && typeof obj[k] === 'object' && !Array.isArray(obj[k]);
@@ -1132,11 +1310,12 @@
             text: up === true ? 'up' : up === false ? 'down' : '?'}));
         }},
       {key: 'ping', label: '/ping', value: function (r) { return r.h ? (r.h.ping !== null ? r.h.ping : r.h.error || '') : ''; }},
-      {key: 'durable', label: 'Durable', value: function (r) { return r.h ? yesNo(r.h.durable) : '?'; }},
+      // Durable and Snapshot are mqd's: empty for an nsqd (or a broker not known to be an mqd).
+      {key: 'durable', label: 'Durable', value: function (r) { return isMqd(r.h) ? yesNo(r.h.durable) : ''; }},
       {key: 'backend', label: 'Backend', value: function (r) { return r.h && r.h.backend ? r.h.backend : ''; }},
-      {key: 'snapshot', label: 'Snapshot', sig: function (r) { return r.node; },
+      {key: 'snapshot', label: 'Snapshot', sig: function (r) { return r.node + '|' + isMqd(r.h); },
         cell: function (td, r) {
-          td.appendChild(actionButton('snapshot', 'Snapshot', function () { takeSnapshot(r.node); }));
+          if (isMqd(r.h)) td.appendChild(actionButton('snapshot', 'Snapshot', function () { takeSnapshot(r.node); }));
         }},
     ];
     page.poll(TABLE_REFRESH_MS, function () {
