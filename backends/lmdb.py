@@ -161,11 +161,10 @@ class LmdbStore(SpillingShutdown):
         self._log_puts: list | None = [] if self._log is not None else None
         self._log_updates: list = []
         self._log_dels: list | None = [] if self._log is not None else None
-        # The chunk being written and synced by a thread, and whether a
-        # commit was asked for meanwhile.
         # Chunks handed to the writer thread and not landed yet, oldest
         # first; the queues with messages staged since the last chunk; the
         # writer's inbox, whether it is running, and the error that broke it.
+        # `_again`: a checkpoint (or a probe) waits for those chunks to land.
         self._flights: deque[_Flight] = deque()
         self._staging: set[LmdbQueue] = set()
         self._outbox: list[_Flight] = []
@@ -263,10 +262,11 @@ class LmdbStore(SpillingShutdown):
                 f"free space on that filesystem or choose another --data-path")
 
     def _replay_log(self) -> None:
-        """Write into LMDB what a publish log holds past the last checkpoint (a crash), then empty it.
+        """Write into LMDB what a publish log holds past the last checkpoint (a crash).
 
         Torn or damaged chunks at the end are what a crash cut short: their
-        publishers were never answered, so they are dropped.
+        publishers were never answered, so they are dropped. A durable store
+        then writes the log over from its start; any other removes it.
         """
         with self.env.begin(db=self.meta_db) as txn:
             mark = txn.get(_LOG_EPOCH)
