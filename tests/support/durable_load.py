@@ -63,17 +63,24 @@ def parse_message(payload: bytes, at: float) -> Delivery:
     return Delivery(bytes(payload[10:26]), attempts, bytes(payload[26:]), at)
 
 
+# Messages a drain lets the broker send ahead of its FINs.
+DRAIN_RDY = 200
+
+
 def drain(broker, topic: str, channel: str, *, silence: float = 1.5, expect: int | None = None,
           timeout: float = 60.0) -> list[Delivery]:
     """Subscribe, FIN everything, stop after `silence` seconds without a message.
 
     With `expect`, stop as soon as that many arrived (and a short silence after
     them), so a test that knows the count does not wait the full silence.
+    RDY stays at DRAIN_RDY: the tests run brokers with a 1 s msg-timeout, and
+    on a busy machine a drain thread that had thousands of messages waiting
+    in its socket could FIN one after it timed out and came back.
     """
     got: list[Delivery] = []
     deadline = time.monotonic() + timeout
     with RawConn(broker, timeout=10) as conn:
-        conn.send(command(f"SUB {topic} {channel}") + command("RDY 2500"))
+        conn.send(command(f"SUB {topic} {channel}") + command(f"RDY {DRAIN_RDY}"))
         assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
         wait = silence
         while time.monotonic() < deadline:
