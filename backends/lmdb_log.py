@@ -42,9 +42,10 @@ __all__ = ["LOG_FILE", "PublishLog", "encode_chunk", "parse_chunks"]
 LOG_FILE = "publish.log"
 CHUNK = struct.Struct(">4sQII")  # magic, epoch, payload length, CRC-32 of the payload
 MAGIC = b"MQL1"
-# A put: op, key, record length, then the record (RECORD's fields, then the body).
-PUT = struct.Struct(">c12sI" + RECORD.format.lstrip(">"))
-DEL = struct.Struct(">c12s")
+# A put: op, key, record length (PUT_HEAD), then the record (RECORD's fields, then the body).
+PUT_HEAD = struct.Struct(f">c{KEY.size}sI")
+PUT = struct.Struct(PUT_HEAD.format + RECORD.format.lstrip(">"))
+DEL = struct.Struct(f">c{KEY.size}s")
 _P, _D = b"P", b"D"
 _RECORD_SIZE = RECORD.size
 
@@ -94,15 +95,14 @@ def parse_chunks(raw: bytes) -> Iterator[tuple[int, list[tuple[bytes, bytes | No
 def _parse_ops(payload: bytes) -> list[tuple[bytes, bytes | None]] | None:
     ops: list[tuple[bytes, bytes | None]] = []
     pos, end = 0, len(payload)
-    key_size = KEY.size
+    head = PUT_HEAD.size
     while pos < end:
         op = payload[pos:pos + 1]
         if op == _P:
-            if pos + 17 > end:
+            if pos + head > end:
                 return None
-            key = payload[pos + 1:pos + 1 + key_size]
-            (length,) = struct.unpack_from(">I", payload, pos + 13)
-            start = pos + 17
+            _, key, length = PUT_HEAD.unpack_from(payload, pos)
+            start = pos + head
             if length < _RECORD_SIZE or start + length > end:
                 return None
             ops.append((key, payload[start:start + length]))
@@ -148,11 +148,6 @@ class PublishLog:
             os.fsync(fd)
         except OSError:
             os.ftruncate(fd, have)  # no room after all: the file grows as it is written
-
-    def read(self) -> bytes:
-        """The whole file (at start-up, for replay)."""
-        with open(self.path, "rb") as f:
-            return f.read()
 
     def append(self, data: bytes) -> None:
         """Write chunks at the end of the live part and fdatasync them (in a thread); raises OSError.

@@ -152,7 +152,7 @@ def test_chunks_taken_while_the_writer_syncs_are_written_together_and_land_in_or
     assert len(tclock.jobs) == 1  # the writer is busy: the second chunk waits in its inbox
     assert tclock.run_threads() == 1
     assert len(appends) == 1  # both chunks, one write and one sync
-    assert [epoch for epoch, _ in parse_chunks(store._log.read())] == [store._log_epoch - 1,
+    assert [epoch for epoch, _ in parse_chunks((tmp_path / "mqd.lmdb" / LOG_FILE).read_bytes())] == [store._log_epoch - 1,
                                                                        store._log_epoch]
     tclock.advance(0)
     assert first == [None] and second == [None]
