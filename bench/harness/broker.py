@@ -80,6 +80,13 @@ def broker_command(
     ]
 
 
+def lookupd_command() -> list[str]:
+    """``twistd mqlookupd`` on ephemeral loopback ports, twistd from the running venv."""
+    twistd = str(Path(sys.executable).parent / "twistd")
+    return [twistd, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
+            "--http-address=127.0.0.1:0"]
+
+
 def find_nsqd(
     value: str | None, program: str = "nsqd", use_env: bool = True, use_beside: bool = False
 ) -> str | None:

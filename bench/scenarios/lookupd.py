@@ -32,12 +32,11 @@ import asyncio
 import json
 import statistics
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness.broker import BenchError, Broker, BrokerError, find_nsqd
+from bench.harness.broker import BenchError, Broker, BrokerError, find_nsqd, lookupd_command
 from bench.harness.report import machine, save_json, today
 from bench.harness.wire import parse_address
 
@@ -80,9 +79,7 @@ class Result:
 
 
 def targets(args: argparse.Namespace) -> list[Target]:
-    twistd = str(Path(sys.executable).parent / "twistd")
-    mq = [twistd, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
-          "--http-address=127.0.0.1:0"]
+    mq = lookupd_command()
     out = []
     if not args.no_mqlookupd:
         out.append(Target("mqlookupd", mq))

@@ -40,12 +40,10 @@ import os
 import resource
 import shutil
 import statistics
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from bench.harness.broker import (
@@ -54,11 +52,12 @@ from bench.harness.broker import (
     BrokerError,
     Sampler,
     broker_command,
+    lookupd_command,
     read_proc,
     running,
 )
 from bench.harness.load import ReaderConfig, WriterConfig
-from bench.harness.report import fmt, heading, load_average, percent, ratio, save_json
+from bench.harness.report import fmt, heading, load_average, median, percent, ratio, save_json
 from bench.harness.session import Session, load_line
 from bench.harness.wire import create_topic_channel, parse_address
 from mqd.client.discovery import LookupdError, producer_addresses
@@ -225,13 +224,6 @@ class ScaleSession(Session):
                 raise BrokerError(f"{daemon.describe()} exited with {code}:\n{daemon.log_tail()}")
 
 
-def lookupd_argv() -> list[str]:
-    """``twistd mqlookupd`` on ephemeral loopback ports, as ``bench lookupd`` starts it."""
-    twistd = str(Path(sys.executable).parent / "twistd")
-    return [twistd, "-n", "--pidfile=", "mqlookupd", "--tcp-address=127.0.0.1:0",
-            "--http-address=127.0.0.1:0"]
-
-
 def broker_argv(args: argparse.Namespace, lookupd_tcp: Address, core: int | None) -> list[str]:
     """One broker's command line: twistd mqd registering with the lookupd, pinned to ``core``."""
     extra = [f"--lookupd-tcp-address={lookupd_tcp[0]}:{lookupd_tcp[1]}",
@@ -333,11 +325,6 @@ class Row:
     runs: int
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def summarize(runs: list[Run]) -> list[Row]:
     """One row per broker count, in increasing order: each figure's median on its own."""
     rows = []
@@ -347,14 +334,14 @@ def summarize(runs: list[Run]) -> list[Row]:
                       for i in range(min(len(r.broker_cpu) for r in mine))]
         rows.append(Row(
             brokers=n,
-            rate_in=_median([r.rate_in for r in mine]),
-            rate_out=_median([r.rate_out for r in mine]),
+            rate_in=median([r.rate_in for r in mine]),
+            rate_out=median([r.rate_out for r in mine]),
             broker_cpu=per_broker,
-            load_cpu=_median([r.load_cpu for r in mine]),
-            machine_cpu=_median([r.machine_cpu for r in mine]),
-            out_per_core=_median([per_broker_core(r.rate_out, r.broker_cpu) for r in mine]),
-            lat_p50=_median([r.lat_p50 for r in mine]),
-            lat_p99=_median([r.lat_p99 for r in mine]),
+            load_cpu=median([r.load_cpu for r in mine]),
+            machine_cpu=median([r.machine_cpu for r in mine]),
+            out_per_core=median([per_broker_core(r.rate_out, r.broker_cpu) for r in mine]),
+            lat_p50=median([r.lat_p50 for r in mine]),
+            lat_p99=median([r.lat_p99 for r in mine]),
             runs=len(mine),
         ))
     return rows
@@ -510,7 +497,7 @@ def main(argv: list[str]) -> int:
     load_before = load_average()
     print(f"load average {load_before:.2f} on {ncores} cores", flush=True)
     runs: list[Run] = []
-    lookupd = Broker(argv=lookupd_argv(), startup_timeout=30)
+    lookupd = Broker(argv=lookupd_command(), startup_timeout=30)
     with running(lookupd, verbose=False):
         if lookupd.http_address is None:
             raise BrokerError(f"mqlookupd logged no HTTP address:\n{lookupd.log_tail()}")
