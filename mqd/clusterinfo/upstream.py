@@ -43,7 +43,7 @@ from zope.interface import implementer
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.options import ConfigError
-from mqd.wire.errors import go_quote
+from mqd.wire.errors import go_quote, go_refused
 
 __all__ = ["ClientTLS", "ErrorLine", "Upstream", "UpstreamError", "base_url", "error_text", "go_quote", "reason_of"]
 
@@ -97,7 +97,7 @@ class UpstreamError(Exception):
             port = parts.port or (443 if parts.scheme == "https" else 80)
             host = parts.hostname or ""
             host = f"[{host}]" if ":" in host else host
-            reason = f"dial tcp {host}:{port}: connect: connection refused"
+            reason = go_refused(f"{host}:{port}")
         return f'{self.method.capitalize()} "{self.url}": {reason}'
 
 

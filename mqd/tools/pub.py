@@ -22,6 +22,7 @@ from twisted.internet import protocol
 
 from mqd.logs import get_logger
 from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.wire.errors import go_refused
 
 __all__ = ["LineSplitter", "Publisher", "build_parser", "main"]
 
@@ -195,7 +196,7 @@ def go_nsq_text(failure: Any, address: str) -> str:
     if text:
         return text
     if failure.check(error.ConnectionRefusedError):
-        return f"dial tcp {address}: connect: connection refused"
+        return go_refused(address)
     if failure.check(error.TCPTimedOutError, error.TimeoutError):
         return f"dial tcp {address}: i/o timeout"
     return failure.getErrorMessage()

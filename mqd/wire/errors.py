@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "go_string", "GoStruct"]
+__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "go_refused", "go_string", "GoStruct"]
 
 
 class ProtocolError(Exception):
@@ -46,6 +46,11 @@ _GO_ESCAPES = {
     0x07: "\\a", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n",
     0x0D: "\\r", 0x09: "\\t", 0x0B: "\\v", 0x5C: "\\\\", 0x22: '\\"',
 }
+
+
+def go_refused(address: str) -> str:
+    """Go's error for a TCP connection refused at `address` (`host:port`, IPv6 bracketed), as NSQ's tools print it."""
+    return f"dial tcp {address}: connect: connection refused"
 
 
 def go_quote(raw: bytes) -> str:
