@@ -731,7 +731,7 @@ class LmdbStore(SpillingShutdown):
         size = 0
         for item in early:
             chunk.append(item)
-            size += len(item[1].body)
+            size += len(item[1].data)
             if len(chunk) >= _COMMIT_CHUNK or size >= _COMMIT_CHUNK_BYTES:
                 self._write_records(chunk, meta)
                 if meta:

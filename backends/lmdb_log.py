@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
-from backends.lmdb_records import KEY, RECORD
+from backends.lmdb_records import KEY, RECORD, RECORD_HEAD
 from mqd.message import Message
 
 __all__ = ["LOG_FILE", "PublishLog", "encode_chunk", "parse_chunks"]
@@ -44,10 +44,12 @@ CHUNK = struct.Struct(">4sQII")  # magic, epoch, payload length, CRC-32 of the p
 MAGIC = b"MQL1"
 # A put: op, key, record length (PUT_HEAD), then the record (RECORD's fields, then the body).
 PUT_HEAD = struct.Struct(f">c{KEY.size}sI")
-PUT = struct.Struct(PUT_HEAD.format + RECORD.format.lstrip(">"))
+# A put up to the message's id: its data (id and body) follows.
+PUT = struct.Struct(PUT_HEAD.format + RECORD_HEAD.format.lstrip(">"))
 DEL = struct.Struct(f">c{KEY.size}s")
 _P, _D = b"P", b"D"
 _RECORD_SIZE = RECORD.size
+_HEAD_SIZE = RECORD_HEAD.size
 
 
 def encode_chunk(epoch: int, puts: Iterable[Iterable[Message]], updates: Iterable[Iterable[Message]],
@@ -61,9 +63,9 @@ def encode_chunk(epoch: int, puts: Iterable[Iterable[Message]], updates: Iterabl
     """
     live = [m for batch in chain(puts, updates) for m in batch if m.key is not None]
     put = PUT.pack
-    heads = [put(_P, m.key, _RECORD_SIZE + len(m.body), m.timestamp, m.attempts & 0xFFFF,
-                 m.deferred_until, m.id) for m in live]
-    payload = b"".join(chain(chain.from_iterable(zip(heads, [m.body for m in live], strict=True)),
+    heads = [put(_P, m.key, _HEAD_SIZE + len(m.data), m.timestamp, m.attempts & 0xFFFF,
+                 m.deferred_until) for m in live]
+    payload = b"".join(chain(chain.from_iterable(zip(heads, [m.data for m in live], strict=True)),
                              [_D + key for key in dels]))
     return CHUNK.pack(MAGIC, epoch, len(payload), zlib.crc32(payload)) + payload
 

@@ -226,7 +226,7 @@ class LmdbQueue:
             for msg in islice(tail, first, None):
                 if msg.key is None:  # finished meanwhile: gone
                     continue
-                out.append((msg, len(msg.body)))
+                out.append((msg, msg.body_size))
                 last = record_seq(msg)
                 if len(out) >= count:
                     break
@@ -265,7 +265,7 @@ class LmdbQueue:
                     msg.key = key
                     out.append((msg, len(value) - RECORD_SIZE))
                 else:
-                    out.append((msg, len(msg.body)))
+                    out.append((msg, msg.body_size))
         return out, last
 
     def finish(self, messages) -> None:

@@ -14,7 +14,7 @@ import struct
 
 from mqd.message import Message
 
-__all__ = ["ENV_DIR", "FORMAT", "KEY", "OUR_DBS", "QID", "RECORD", "RECORD_SIZE",
+__all__ = ["ENV_DIR", "FORMAT", "KEY", "OUR_DBS", "QID", "RECORD", "RECORD_HEAD", "RECORD_SIZE",
            "decode_record", "drop_range", "encode_record", "record_seq"]
 
 ENV_DIR = "mqd.lmdb"
@@ -26,17 +26,19 @@ QID = struct.Struct(">I")
 # timestamp (ns), attempts, deferred_until (reactor seconds, 0 = due), id; then the body.
 RECORD = struct.Struct(">qHd16s")
 RECORD_SIZE = RECORD.size
+# RECORD up to the id: the id and body follow as a message holds them (Message.data).
+RECORD_HEAD = struct.Struct(">qHd")
 
 
 def encode_record(msg: Message) -> bytes:
     # attempts is nsqd's uint16, which wraps: a record must never fail to pack,
     # or every later commit of the whole store would fail with it.
-    return RECORD.pack(msg.timestamp, msg.attempts & 0xFFFF, msg.deferred_until, msg.id) + msg.body
+    return RECORD_HEAD.pack(msg.timestamp, msg.attempts & 0xFFFF, msg.deferred_until) + msg.data
 
 
 def decode_record(key: bytes, value: bytes) -> Message:
-    timestamp, attempts, deferred_until, msg_id = RECORD.unpack_from(value)
-    msg = Message(msg_id, value[RECORD_SIZE:], timestamp, attempts, deferred_until)
+    timestamp, attempts, deferred_until = RECORD_HEAD.unpack_from(value)
+    msg = Message.of(value[RECORD_HEAD.size:], timestamp, attempts, deferred_until)
     msg.key = key
     return msg
 

@@ -263,14 +263,13 @@ def object_breakdown(count: int, size: int, batch: int) -> dict:
 
     sample = queues[0].mem[0]
     parts = {
-        "Message (9 slots + GC header)": sys.getsizeof(sample),
-        f"body bytes ({size} B)": sys.getsizeof(sample.body),
-        "id bytes (16 hex digits)": sys.getsizeof(sample.id),
+        "Message (6 slots + GC header)": sys.getsizeof(sample),
+        f"data bytes (16-digit id + {size} B body)": sys.getsizeof(sample.data),
         "timestamp int (one per batch)": sys.getsizeof(sample.timestamp) / batch,
         "deque slot": sys.getsizeof(queues[0].mem) / len(queues[0].mem),
     }
     blocks = {
-        k: (pymalloc_block(v) if k.startswith(("Message", "body", "id")) else v)
+        k: (pymalloc_block(v) if k.startswith(("Message", "data")) else v)
         for k, v in parts.items()
     }
     copy_parts = {"Message copy": sys.getsizeof(sample), "deque slot": parts["deque slot"]}
@@ -392,7 +391,7 @@ def report(
         lines += [
             f"| **first channel** | {objects['getsizeof_total']:,.1f} "
             f"| {objects['pymalloc_total']:,.1f} |",
-            f"| **each further channel** (Message copy + deque slot; body and id shared) "
+            f"| **each further channel** (Message copy + deque slot; id and body shared) "
             f"| {sum(objects['copy_getsizeof'].values()):,.1f} "
             f"| {objects['copy_pymalloc_total']:,.1f} |",
             "",

@@ -14,7 +14,7 @@ import struct
 __all__ = ["Message", "decode_message", "MESSAGE_HEADER_SIZE"]
 
 # A message frame's payload: [timestamp ns int64][attempts uint16][16-byte id][body]
-# (mqd/message.py's MESSAGE_HEADER without the frame's size and type).
+# (mqd/message.py's FRAME_HEAD without the frame's size and type, then the id).
 _PAYLOAD_HEADER = struct.Struct(">qH16s")
 MESSAGE_HEADER_SIZE = _PAYLOAD_HEADER.size
 _unpack_header = _PAYLOAD_HEADER.unpack_from

@@ -273,13 +273,14 @@ class Channel:
             if not batch:
                 return
         in_flight = self._in_flight
+        # One delivery's state, shared by its messages (Message.state).
+        delivery = (client, now)
         for msg in batch:
             # nsqd's attempts is a uint16 and wraps (65535 -> 0); a larger
             # number could not be packed into a frame nor a record.
             msg.attempts = (msg.attempts + 1) & 0xFFFF
-            msg.client = client
-            msg.delivered_at = now
-            in_flight[msg.id] = msg
+            msg.state = delivery
+            in_flight[msg.data[:16]] = msg
         self._in_flight_pq.push_batch(batch, now + client.msg_timeout)
         n = len(batch)
         client.in_flight_count += n
@@ -308,7 +309,7 @@ class Channel:
         msg = self._in_flight.get(msg_id)
         if msg is None:
             raise ChannelError("ID not in flight")
-        if msg.client is not client:
+        if msg.state[0] is not client:
             raise ChannelError("client does not own message")
         return msg
 
@@ -316,7 +317,7 @@ class Channel:
         msg = self._owned(client, msg_id)
         del self._in_flight[msg_id]
         self._in_flight_pq.discard(msg)
-        msg.client = None
+        msg.state = None
         client.in_flight_count -= 1
         return msg
 
@@ -340,10 +341,10 @@ class Channel:
         append = done.append
         for msg_id in islice(msg_ids, start, None):
             msg = get(msg_id)
-            if msg is None or msg.client is not client:
+            if msg is None or msg.state[0] is not client:
                 break
             del in_flight[msg_id]
-            msg.client = None
+            msg.state = None
             append(msg)
         n = len(done)
         if n:
@@ -376,7 +377,7 @@ class Channel:
         """TOUCH: a fresh msg_timeout, but never past delivery + max-msg-timeout."""
         msg = self._owned(client, msg_id)
         deadline = self._clock.seconds() + client.msg_timeout
-        latest = msg.delivered_at + self._max_msg_timeout
+        latest = msg.state[1] + self._max_msg_timeout
         self._in_flight_pq.push(msg, deadline if deadline < latest else latest)
 
     # -- timeouts and deferred, driven by the queue scan ----------------------
@@ -388,9 +389,9 @@ class Channel:
             return False
         in_flight = self._in_flight
         for msg in expired:
-            del in_flight[msg.id]
-            msg.client.in_flight_count -= 1
-            msg.client = None
+            del in_flight[msg.data[:16]]
+            msg.state[0].in_flight_count -= 1
+            msg.state = None
         self.timeout_count += len(expired)
         self._queue.put_accepted(expired)
         self.deliver()
@@ -402,7 +403,7 @@ class Channel:
         if not due:
             return False
         for msg in due:
-            msg.deferred_until = 0.0
+            msg.state = None
         self._queue.put_accepted(due)
         self.deliver()
         return True
@@ -440,13 +441,13 @@ class Channel:
             return
         if self.exiting:
             return
-        orphans = [msg for msg in self._in_flight.values() if msg.client is client]
+        orphans = [msg for msg in self._in_flight.values() if msg.state[0] is client]
         if orphans:
             discard = self._in_flight_pq.discard
             for msg in orphans:
-                del self._in_flight[msg.id]
+                del self._in_flight[msg.data[:16]]
                 discard(msg)
-                msg.client = None
+                msg.state = None
             client.in_flight_count -= len(orphans)
             # nsqd counts these as timeouts when their msg_timeout runs out.
             self.timeout_count += len(orphans)
@@ -469,7 +470,7 @@ class Channel:
         """Drop queued, in-flight and deferred messages (nsqd's /channel/empty)."""
         self._queue.empty()
         for msg in self._in_flight.values():
-            msg.client = None
+            msg.state = None
         self._in_flight.clear()
         self._in_flight_pq.drain()
         self._deferred.drain()
@@ -496,6 +497,6 @@ class Channel:
         in_flight = self._in_flight_pq.drain()
         self._in_flight.clear()
         for msg in in_flight:
-            msg.client = None
+            msg.state = None
         self._queue.close(in_flight + self._deferred.drain())
 

@@ -104,7 +104,7 @@ class OverflowQueue:
         if not self.backend.depth():
             return []
         batch = self.backend.read(n)
-        if not any([m.deferred_until for m in batch]):
+        if not any([m.state for m in batch]):  # none deferred (none of them is in flight)
             self.mem.extend(batch)
             return []
         later = []
@@ -113,7 +113,7 @@ class OverflowQueue:
             if m.deferred_until > now:
                 later.append(m)
             else:
-                m.deferred_until = 0.0
+                m.state = None
                 mem.append(m)
         return later
 
@@ -160,14 +160,14 @@ class OverflowQueue:
         """
         if count <= 0:
             return iter(())
-        first = [(m, len(m.body)) for m in islice(self.mem, count)]
+        first = [(m, m.body_size) for m in islice(self.mem, count)]
         rest = count - len(first)
         backend = self.backend
         if rest <= 0 or not backend.depth():
             return iter([first])
         if IPiecewisePeek.providedBy(backend):
             return chain([first], backend.peek_pieces(rest, body_limit))
-        return iter([first + [(m, len(m.body)) for m in backend.peek(rest)]])
+        return iter([first + [(m, m.body_size) for m in backend.peek(rest)]])
 
     def empty(self) -> None:
         self.mem.clear()

@@ -122,7 +122,7 @@ class LiveState:
         overhead = KEY.size + HELD.size + RECORD.size
         total = 0
         for q in self.queues:
-            total += sum(overhead + len(m.body) for m in q.queued)
+            total += sum(overhead + m.body_size for m in q.queued)
             total += sum(overhead + len(e[1][-1]) for e in q.deferred)
             total += sum(overhead + len(e[1][-1]) for e in q.in_flight)
         return total
@@ -155,7 +155,7 @@ def snapshot_estimate(state: LiveState, env: lmdb.Environment | None = None) -> 
     fill = usable  # the first row starts a page
     # Rows are appended in key order: a leaf page takes rows until the next does not fit.
     for q in sorted(state.queues, key=lambda q: q.queue_id):
-        sizes = [len(m.body) for m in q.queued]
+        sizes = [m.body_size for m in q.queued]
         sizes += [len(e[1][-1]) for e in q.deferred]
         sizes += [len(e[1][-1]) for e in q.in_flight]
         for size in sizes:

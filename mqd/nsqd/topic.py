@@ -20,7 +20,7 @@ from zope.interface import implementer
 
 from backends import BackendError
 from mqd.logs import get_logger
-from mqd.message import IdFactory, Message, channel_copies
+from mqd.message import ID_SIZE, IdFactory, Message, channel_copies, new_messages
 from mqd.nsqd.channel import Channel
 from mqd.nsqd.interfaces import IChannelLifecycle
 
@@ -139,7 +139,7 @@ class Topic:
         now = self.clock.seconds()
         ts = int(now * 1e9)
         ids = self.ids.new_ids(len(bodies), ts)
-        msgs = [Message(i, b, ts) for i, b in zip(ids, bodies, strict=True)]
+        msgs = new_messages(ids, bodies, ts)
         if defer > 0:
             due = now + defer
             for msg in msgs:
@@ -173,7 +173,7 @@ class Topic:
                 self.drain_waiting()
         # Counted once stored: a publish the backend refused is not (as nsqd).
         self.message_count += len(msgs)
-        self.message_bytes += sum([len(m.body) for m in msgs])
+        self.message_bytes += sum([len(m.data) for m in msgs]) - ID_SIZE * len(msgs)
 
     def _fan_out(self, msgs: list[Message], keep_originals: bool = False) -> None:
         """One copy per channel; the last channel takes the originals unless `keep_originals`.

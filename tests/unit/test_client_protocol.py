@@ -20,7 +20,7 @@ from mqd.client.config import Config
 from mqd.client.errors import ConnectionClosed, HeartbeatTimeout
 from mqd.client.message import Message, decode_message
 from mqd.client.protocol import ConnectionFactory, NSQClientProtocol
-from mqd.message import MESSAGE_HEADER
+from mqd.message import FRAME_HEAD, ID_SIZE
 from mqd.wire.framing import CLOSE_WAIT, HEARTBEAT, OK
 from tests.support.client_conn import (
     ADDRESS,
@@ -207,7 +207,7 @@ def test_message_frame_to_message():
 
 def test_decode_message_matches_the_broker_layout():
     data = message_frame(b"abc", attempts=2, timestamp=42)
-    assert len(data) == MESSAGE_HEADER.size + 3
+    assert len(data) == FRAME_HEAD.size + ID_SIZE + 3
     msg = decode_message(data[8:], "a:1")
     assert (msg.id, msg.body, msg.attempts, msg.timestamp, msg.nsqd_address) == (MSG_ID, b"abc", 2, 42, "a:1")
     with pytest.raises(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqd.message import Message, channel_copies
+from mqd.message import Message, channel_copies, new_messages
 
 
 def slots(msg: Message) -> dict:
@@ -19,10 +19,10 @@ def slots(msg: Message) -> dict:
 def test_channel_copies_are_what_copy_makes(fields):
     originals = [Message(*f) for f in fields]
     for m in originals:  # a delivered original: its own state must not be inherited
-        m.client, m.delivered_at, m.pq_seq, m.key = object(), 5.0, 3, b"k"
+        m.state, m.pq_seq, m.key = (object(), 5.0), 3, b"k"
     copies = channel_copies(originals)
     assert [slots(c) for c in copies] == [slots(m.copy()) for m in originals]
-    assert all(c is not m and c.body is m.body for c, m in zip(copies, originals, strict=True))
+    assert all(c is not m and c.data is m.data for c, m in zip(copies, originals, strict=True))
 
 
 def test_a_copy_counts_its_own_attempts():
@@ -30,3 +30,24 @@ def test_a_copy_counts_its_own_attempts():
     (copy,) = channel_copies([original])
     copy.attempts += 1
     assert original.attempts == 0
+
+
+@given(st.lists(st.tuples(st.binary(min_size=16, max_size=16), st.binary(max_size=64)), max_size=20),
+       st.integers(min_value=0, max_value=2**63 - 1))
+def test_a_publish_builds_what_the_constructor_builds(pairs, timestamp):
+    ids = [i for i, _ in pairs]
+    bodies = [b for _, b in pairs]
+    built = new_messages(ids, bodies, timestamp)
+    assert [slots(m) for m in built] == [slots(Message(i, b, timestamp)) for i, b in pairs]
+    assert [(m.id, m.body, m.deferred_until, m.client, m.delivered_at) for m in built] == [
+        (i, b, 0.0, None, 0.0) for i, b in pairs]
+
+
+def test_a_message_in_flight_reads_its_delivery_and_is_not_deferred():
+    msg = Message(b"1" * 16, b"body", 7, 0, deferred_until=12.5)
+    assert (msg.deferred_until, msg.client) == (12.5, None)
+    owner = object()
+    msg.state = (owner, 3.0)
+    assert (msg.client, msg.delivered_at, msg.deferred_until) == (owner, 3.0, 0.0)
+    msg.deferred_until = 0.0
+    assert msg.state is None and msg.body_size == 4

@@ -17,7 +17,7 @@ from __future__ import annotations
 from twisted.internet.task import LoopingCall
 
 from mqd.logs import get_logger
-from mqd.message import MESSAGE_HEADER
+from mqd.message import FRAME_HEAD
 from mqd.wire.errors import ProtocolError, fatal
 from mqd.wire.framing import FRAME_TYPE_ERROR, HEARTBEAT, OK, frame
 
@@ -30,9 +30,9 @@ __all__ = ["OutputMixin", "WRITE_STEP"]
 # steps, as nsqd's does per write.
 WRITE_STEP = 64 * 1024
 
-_MSG_HEADER_PACK = MESSAGE_HEADER.pack
-_MSG_OVERHEAD = MESSAGE_HEADER.size - 4
-_MSG_FRAME = MESSAGE_HEADER.size
+_MSG_HEADER_PACK = FRAME_HEAD.pack
+_MSG_OVERHEAD = FRAME_HEAD.size - 4
+_MSG_FRAME = FRAME_HEAD.size
 
 # The V2 protocol logs under one namespace, whichever module a line comes from.
 log = get_logger("mqd.nsqd.protocol.v2")
@@ -276,10 +276,10 @@ class OutputMixin:
         pack = _MSG_HEADER_PACK
         size = self._obuf_len + _MSG_FRAME * len(messages)
         for msg in messages:
-            body = msg.body
-            append(pack(len(body) + _MSG_OVERHEAD, 2, msg.timestamp, msg.attempts, msg.id))
-            append(body)
-            size += len(body)
+            data = msg.data
+            append(pack(len(data) + _MSG_OVERHEAD, 2, msg.timestamp, msg.attempts))
+            append(data)
+            size += len(data)
         self._obuf_len = size
         if size >= self.output_buffer_size or self.in_flight_count >= self.ready_count:
             self.flush_output()
