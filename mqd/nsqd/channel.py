@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from backends import BackendError
 from mqd.latency import LatencyWindow
+from mqd.nsqd.inflight import InFlightQueue
 from mqd.nsqd.overflow import OverflowQueue, take
 from mqd.nsqd.pqueue import PriorityQueue
 
@@ -95,7 +96,7 @@ class Channel:
         )
         self._queue = queue
         self._in_flight: dict[bytes, Message] = {}
-        self._in_flight_pq = PriorityQueue()
+        self._in_flight_pq = InFlightQueue()
         self._deferred = PriorityQueue()
         self._rr = 0
         self._clock = clock
@@ -281,7 +282,7 @@ class Channel:
             msg.attempts = (msg.attempts + 1) & 0xFFFF
             msg.state = delivery
             in_flight[msg.data[:16]] = msg
-        self._in_flight_pq.push_batch(batch, now + client.msg_timeout)
+        self._in_flight_pq.push_batch(batch, now + client.msg_timeout, delivery)
         n = len(batch)
         client.in_flight_count += n
         client.message_count += n
@@ -316,8 +317,8 @@ class Channel:
     def _pop_in_flight(self, client, msg_id: bytes) -> Message:
         msg = self._owned(client, msg_id)
         del self._in_flight[msg_id]
-        self._in_flight_pq.discard(msg)
         msg.state = None
+        self._in_flight_pq.forget(1)
         client.in_flight_count -= 1
         return msg
 
@@ -348,7 +349,7 @@ class Channel:
             append(msg)
         n = len(done)
         if n:
-            self._in_flight_pq.discard_many(done)
+            self._in_flight_pq.forget(n)
             client.in_flight_count -= n
             client.finish_count += n
             if self.e2e is not None:
@@ -377,8 +378,11 @@ class Channel:
         """TOUCH: a fresh msg_timeout, but never past delivery + max-msg-timeout."""
         msg = self._owned(client, msg_id)
         deadline = self._clock.seconds() + client.msg_timeout
-        latest = msg.state[1] + self._max_msg_timeout
-        self._in_flight_pq.push(msg, deadline if deadline < latest else latest)
+        delivered_at = msg.state[1]
+        latest = delivered_at + self._max_msg_timeout
+        # A new state object: the entry of the old deadline is dead for this message.
+        msg.state = (client, delivered_at)
+        self._in_flight_pq.renew(msg, deadline if deadline < latest else latest)
 
     # -- timeouts and deferred, driven by the queue scan ----------------------
 
@@ -410,7 +414,7 @@ class Channel:
 
     # -- snapshots -----------------------------------------------------------
 
-    def holdings(self) -> tuple[OverflowQueue, PriorityQueue, PriorityQueue]:
+    def holdings(self) -> tuple[OverflowQueue, PriorityQueue, InFlightQueue]:
         """The queue (memory + backend), the deferred queue and the in-flight queue, live.
 
         For a snapshot's capture (mqd.nsqd.capture), which must read all three
@@ -443,11 +447,10 @@ class Channel:
             return
         orphans = [msg for msg in self._in_flight.values() if msg.state[0] is client]
         if orphans:
-            discard = self._in_flight_pq.discard
             for msg in orphans:
                 del self._in_flight[msg.data[:16]]
-                discard(msg)
                 msg.state = None
+            self._in_flight_pq.forget(len(orphans))
             client.in_flight_count -= len(orphans)
             # nsqd counts these as timeouts when their msg_timeout runs out.
             self.timeout_count += len(orphans)

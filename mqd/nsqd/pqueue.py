@@ -1,15 +1,16 @@
-"""The priority queues of a channel: in-flight (by deadline) and deferred (by due time).
+"""A priority queue of messages: a channel's deferred ones, by due time.
 
-Both are `heapq` heaps of ``(priority, seq, message)`` with lazy removal: a
-FIN or TOUCH does not search the heap, it only changes the message's
-``pq_seq`` so the old entry no longer matches and is skipped when it
-surfaces. Removal is O(1), push and pop O(log n); when dead entries
+A `heapq` heap of ``(priority, seq, message)`` with lazy removal: replacing
+or removing a message does not search the heap, it only changes the
+message's ``pq_seq`` so the old entry no longer matches and is skipped
+when it surfaces. (In-flight messages, which come and go a delivery at a
+time, have a queue of their own: mqd.nsqd.inflight.) Removal is O(1), push and pop O(log n); when dead entries
 outnumber live ones the heap is rebuilt (O(n), so amortised O(1) per
 removal), which keeps memory bounded however long the timeouts are.
 
 One sequence counter is shared by every queue of the process, so a message
-moving from in-flight to deferred (REQ with a delay) can never make its
-stale in-flight entry look live again.
+moving from one queue to another can never make a stale entry look live
+again.
 """
 
 from __future__ import annotations
@@ -20,17 +21,39 @@ from collections.abc import Iterator
 
 from mqd.message import Message
 
-__all__ = ["PriorityQueue"]
+__all__ = ["COMPACT_FACTOR", "COMPACT_SLACK", "PriorityQueue", "best_first", "sequence"]
 
-_sequence = itertools.count()
+# Entries' second field: unique, so no comparison ever reaches a message.
+sequence = itertools.count()
 _heappush = heapq.heappush
 _heappop = heapq.heappop
 
 # Rebuild when the heap holds this many more entries than live messages and
 # at least four times as many: rebuilding less often costs less per FIN than
 # the memory the dead entries hold.
-_COMPACT_SLACK = 1024
-_COMPACT_FACTOR = 4
+COMPACT_SLACK = 1024
+COMPACT_FACTOR = 4
+
+
+def best_first(heap: list[tuple]) -> Iterator[int]:
+    """The indices of a heap's entries in the order popping would give them, popping nothing.
+
+    Walked from the root through a second, small heap of the entries
+    reached (by their first two fields), so taking the first k costs
+    O(k log k), not a pass over the heap: a peek at the first 20 of a
+    million entries does not scan the million.
+    """
+    if not heap:
+        return
+    size = len(heap)
+    frontier = [(heap[0][0], heap[0][1], 0)]
+    while frontier:
+        i = _heappop(frontier)[2]
+        yield i
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size:
+                entry = heap[child]
+                _heappush(frontier, (entry[0], entry[1], child))
 
 
 class PriorityQueue:
@@ -48,7 +71,7 @@ class PriorityQueue:
 
     def push(self, msg: Message, priority: float) -> None:
         """Enter `msg` due at `priority`, replacing any entry it already has here."""
-        seq = next(_sequence)
+        seq = next(sequence)
         replacing = msg.pq_seq >= 0
         if not replacing:
             self._live += 1
@@ -69,7 +92,7 @@ class PriorityQueue:
         the batch is appended in one C call instead of pushed one by one.
         """
         n = len(msgs)
-        seqs = list(itertools.islice(_sequence, n))
+        seqs = list(itertools.islice(sequence, n))
         for msg, seq in zip(msgs, seqs, strict=True):
             msg.pq_seq = seq
         entries = zip(itertools.repeat(priority, n), seqs, msgs, strict=True)
@@ -97,7 +120,7 @@ class PriorityQueue:
 
     def _compact_if_sparse(self) -> None:
         heap = self._heap
-        if len(heap) > _COMPACT_SLACK + _COMPACT_FACTOR * self._live:
+        if len(heap) > COMPACT_SLACK + COMPACT_FACTOR * self._live:
             self._heap = [entry for entry in heap if entry[2].pq_seq == entry[1]]
             heapq.heapify(self._heap)
 
@@ -143,26 +166,19 @@ class PriorityQueue:
 
         By priority, then by entry (a delivery batch shares one deadline and
         keeps its order); nothing is popped, so no timer or order changes.
-        The heap is walked best first from its root (a second, small heap of
-        the nodes reached), so the cost grows with `count` and the dead
-        entries met on the way, not with the queue: a peek at the first 20 of
-        a million deferred messages does not scan the million.
+        The cost grows with `count` and the dead entries met on the way, not
+        with the queue (`best_first`).
         """
         heap = self._heap
         found: list[tuple[float, Message]] = []
-        if count <= 0 or not heap:
+        if count <= 0:
             return found
-        size = len(heap)
-        frontier = [(heap[0][0], heap[0][1], 0)]
-        while frontier and len(found) < count:
-            i = _heappop(frontier)[2]
+        for i in best_first(heap):
             priority, seq, msg = heap[i]
             if msg.pq_seq == seq:
                 found.append((priority, msg))
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < size:
-                    entry = heap[child]
-                    _heappush(frontier, (entry[0], entry[1], child))
+                if len(found) >= count:
+                    break
         return found
 
     def __iter__(self) -> Iterator[Message]:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mqd.message import IdFactory, Message, frame_message
-from mqd.nsqd.pqueue import _COMPACT_FACTOR, _COMPACT_SLACK, PriorityQueue
+from mqd.nsqd.pqueue import COMPACT_FACTOR, COMPACT_SLACK, PriorityQueue
 from tests.support.v2_client import Client
 from tests.support.v2_frames import Msg, mpub, ok, parse_frames, pub
 
@@ -197,9 +197,9 @@ def test_pq_compaction_bounds_heap():
     pq.push_batch(msgs, 1000.0)
     for m in msgs[:-10]:
         pq.discard(m)
-        assert len(pq._heap) <= _COMPACT_SLACK + _COMPACT_FACTOR * len(pq) + 1
+        assert len(pq._heap) <= COMPACT_SLACK + COMPACT_FACTOR * len(pq) + 1
     assert len(pq) == 10
-    assert len(pq._heap) <= _COMPACT_SLACK + 21
+    assert len(pq._heap) <= COMPACT_SLACK + 21
     assert pq.pop_due(1000.0) == msgs[-10:]
 
 
@@ -213,7 +213,7 @@ def test_pq_compaction_under_repeated_touch():
             pq.push(m, 2 + r)  # every TOUCH leaves a dead entry behind
     assert len(pq) == 10
     # Every re-push (TOUCH) leaves a dead entry; compaction keeps them bounded.
-    assert len(pq._heap) <= _COMPACT_SLACK + _COMPACT_FACTOR * len(pq) + 1
+    assert len(pq._heap) <= COMPACT_SLACK + COMPACT_FACTOR * len(pq) + 1
     assert sorted(m.id for m in pq.pop_due(10**6)) == sorted(m.id for m in msgs)
 
 

@@ -1,0 +1,150 @@
+"""A channel's in-flight messages by deadline: one heap entry per delivery, not per message.
+
+A delivery hands a client a batch of messages that share one deadline (now
+plus the client's msg_timeout) and one state object (`Message.state`, the
+delivery's `(client, delivered_at)`), so the queue keeps one `heapq` entry
+per delivery: ``(deadline, seq, state, messages)``. A message is live in an
+entry while its state is that entry's state object. A FIN, REQ or timeout
+changes the message's state (to None, a due time, or a later delivery's),
+which is all it takes to leave the queue: nothing in the heap is touched
+per message, and a delivery costs one entry whatever its size. TOUCH gives
+the message a new state object, equal to the old one, in an entry of its
+own.
+
+Entries whose messages have all moved on die lazily: popped when their
+deadline comes, or dropped when the heap is rebuilt because it holds many
+more message references than live messages (O(n), amortised O(1) per
+message that left), which keeps memory bounded however long msg_timeout
+is.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+
+from mqd.message import Message
+from mqd.nsqd.pqueue import COMPACT_FACTOR, COMPACT_SLACK, best_first, sequence
+
+__all__ = ["InFlightQueue"]
+
+_heappush = heapq.heappush
+_heappop = heapq.heappop
+
+
+class InFlightQueue:
+    """The in-flight messages of one channel, earliest deadline first.
+
+    The queue reads `Message.state` but never writes it: the channel gives
+    a message its delivery's state before `push_batch`, and changes it
+    before telling the queue (`forget`) that the message left.
+    """
+
+    __slots__ = ("_heap", "_live", "_refs", "_top")
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, object, list[Message]]] = []
+        self._live = 0
+        # Message references held by the entries, live or not.
+        self._refs = 0
+        # No entry's deadline is above this (the highest pushed since the
+        # heap was last emptied): entries at or above it may be appended.
+        self._top = float("-inf")
+
+    def __len__(self) -> int:
+        return self._live
+
+    def _push(self, deadline: float, state: object, msgs: list[Message]) -> None:
+        entry = (deadline, next(sequence), state, msgs)
+        if deadline >= self._top:
+            # A delivery's deadline is normally the latest in the heap (now +
+            # a client's fixed timeout): appending it keeps the heap ordered.
+            self._top = deadline
+            self._heap.append(entry)
+        else:
+            _heappush(self._heap, entry)
+        self._refs += len(msgs)
+
+    def push_batch(self, msgs: list[Message], deadline: float, state: object) -> None:
+        """Enter a delivery: `msgs`, whose state is `state`, all due at `deadline`.
+
+        The queue keeps the list itself: the caller must not change it.
+        """
+        self._push(deadline, state, msgs)
+        self._live += len(msgs)
+
+    def renew(self, msg: Message, deadline: float) -> None:
+        """A live message's new deadline (TOUCH): its new state is already set, its old entry is dead for it."""
+        self._push(deadline, msg.state, [msg])
+        self._compact_if_sparse()
+
+    def forget(self, count: int) -> None:
+        """`count` live messages left the queue: their state has already changed."""
+        self._live -= count
+        self._compact_if_sparse()
+
+    def _compact_if_sparse(self) -> None:
+        # Rebuilt as the deferred queue is (mqd.nsqd.pqueue), counting message
+        # references rather than entries.
+        if self._refs > COMPACT_SLACK + COMPACT_FACTOR * self._live:
+            heap = []
+            for deadline, seq, state, msgs in self._heap:
+                live = [m for m in msgs if m.state is state]
+                if live:
+                    heap.append((deadline, seq, state, live))
+            heapq.heapify(heap)
+            self._heap = heap
+            self._refs = self._live
+
+    def pop_due(self, now: float) -> list[Message]:
+        """Remove and return every live message whose deadline is <= `now`, earliest first.
+
+        Their state is still their delivery's: the caller changes it.
+        """
+        heap = self._heap
+        due: list[Message] = []
+        while heap and heap[0][0] <= now:
+            _, _, state, msgs = _heappop(heap)
+            self._refs -= len(msgs)
+            due += [m for m in msgs if m.state is state]
+        self._live -= len(due)
+        return due
+
+    def drain(self) -> list[Message]:
+        """Remove and return every live message, earliest deadline first."""
+        live = [m for _, _, state, msgs in sorted(self._heap) for m in msgs if m.state is state]
+        self._heap = []
+        self._live = self._refs = 0
+        self._top = float("-inf")
+        return live
+
+    def entries(self) -> list[tuple[float, Message]]:
+        """Every live message with its deadline, in heap (not sorted) order.
+
+        One pass and no sort, for a snapshot's capture on the reactor: the
+        caller sorts what it took, in its own thread.
+        """
+        return [(deadline, m) for deadline, _, state, msgs in self._heap for m in msgs if m.state is state]
+
+    def peek(self, count: int) -> list[tuple[float, Message]]:
+        """The first `count` live messages with their deadline, in the order `pop_due` gives them.
+
+        By deadline, then by delivery, then in the delivery's order; nothing
+        is popped. The cost grows with `count` and the dead references met
+        on the way, not with the queue (`best_first`).
+        """
+        heap = self._heap
+        found: list[tuple[float, Message]] = []
+        if count <= 0:
+            return found
+        for i in best_first(heap):
+            deadline, _, state, msgs = heap[i]
+            for m in msgs:
+                if m.state is state:
+                    found.append((deadline, m))
+                    if len(found) >= count:
+                        return found
+        return found
+
+    def __iter__(self) -> Iterator[Message]:
+        return (m for _, _, state, msgs in self._heap for m in msgs if m.state is state)
