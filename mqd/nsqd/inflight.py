@@ -21,7 +21,6 @@ is.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 
 from mqd.message import Message
 from mqd.nsqd.pqueue import COMPACT_FACTOR, COMPACT_SLACK, best_first, sequence
@@ -145,6 +144,3 @@ class InFlightQueue:
                     if len(found) >= count:
                         return found
         return found
-
-    def __iter__(self) -> Iterator[Message]:
-        return (m for _, _, state, msgs in self._heap for m in msgs if m.state is state)
