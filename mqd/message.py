@@ -34,9 +34,10 @@ class Message:
     deferred, and its delivery `(client, delivered_at)` while in flight (one
     tuple shared by the messages of one delivery). `id`, `body`,
     `deferred_until`, `client` and `delivered_at` read them. The delivery
-    bookkeeping lives on the message itself (owner, heap sequence) so that
-    FIN/REQ/TOUCH are one dict lookup and the in-flight heap can drop
-    entries lazily without a second index.
+    bookkeeping lives on the message itself (its delivery in `state`, its
+    place in the deferred heap in `pq_seq`) so that FIN/REQ/TOUCH are one
+    dict lookup and the heaps can drop entries lazily without a second
+    index.
     """
 
     __slots__ = ("data", "timestamp", "attempts", "state", "pq_seq", "key")
@@ -49,7 +50,17 @@ class Message:
         attempts: int = 0,
         deferred_until: float = 0.0,
     ) -> None:
-        self.data = id + body
+        self._fill(id + body, timestamp, attempts, deferred_until)
+
+    @classmethod
+    def of(cls, data: bytes, timestamp: int, attempts: int = 0, deferred_until: float = 0.0) -> Message:
+        """A message from its `data` (id then body), as a store's record holds them."""
+        msg = _new(cls)
+        msg._fill(data, timestamp, attempts, deferred_until)
+        return msg
+
+    def _fill(self, data: bytes, timestamp: int, attempts: int, deferred_until: float) -> None:
+        self.data = data
         self.timestamp = timestamp
         self.attempts = attempts
         # Absolute reactor time at which a deferred message becomes due; none
@@ -60,18 +71,6 @@ class Message:
         # Where a store keeps this message until it is FINished; None for
         # messages only held in memory.
         self.key = None
-
-    @classmethod
-    def of(cls, data: bytes, timestamp: int, attempts: int = 0, deferred_until: float = 0.0) -> Message:
-        """A message from its `data` (id then body), as a store's record holds them."""
-        msg = _new(cls)
-        msg.data = data
-        msg.timestamp = timestamp
-        msg.attempts = attempts
-        msg.state = float(deferred_until) if deferred_until else None
-        msg.pq_seq = -1
-        msg.key = None
-        return msg
 
     @property
     def id(self) -> bytes:

@@ -281,7 +281,7 @@ class Channel:
             # number could not be packed into a frame nor a record.
             msg.attempts = (msg.attempts + 1) & 0xFFFF
             msg.state = delivery
-            in_flight[msg.data[:16]] = msg
+            in_flight[msg.data[:16]] = msg  # msg.id, without the property's call
         self._in_flight_pq.push_batch(batch, now + client.msg_timeout, delivery)
         n = len(batch)
         client.in_flight_count += n
@@ -393,7 +393,7 @@ class Channel:
             return False
         in_flight = self._in_flight
         for msg in expired:
-            del in_flight[msg.data[:16]]
+            del in_flight[msg.id]
             msg.state[0].in_flight_count -= 1
             msg.state = None
         self.timeout_count += len(expired)
@@ -448,7 +448,7 @@ class Channel:
         orphans = [msg for msg in self._in_flight.values() if msg.state[0] is client]
         if orphans:
             for msg in orphans:
-                del self._in_flight[msg.data[:16]]
+                del self._in_flight[msg.id]
                 msg.state = None
             self._in_flight_pq.forget(len(orphans))
             client.in_flight_count -= len(orphans)

@@ -3,10 +3,11 @@
 A `heapq` heap of ``(priority, seq, message)`` with lazy removal: replacing
 or removing a message does not search the heap, it only changes the
 message's ``pq_seq`` so the old entry no longer matches and is skipped
-when it surfaces. (In-flight messages, which come and go a delivery at a
-time, have a queue of their own: mqd.nsqd.inflight.) Removal is O(1), push and pop O(log n); when dead entries
-outnumber live ones the heap is rebuilt (O(n), so amortised O(1) per
-removal), which keeps memory bounded however long the timeouts are.
+when it surfaces. Removal is O(1), push and pop O(log n); when dead
+entries outnumber live ones the heap is rebuilt (O(n), so amortised O(1)
+per removal), which keeps memory bounded however long the timeouts are.
+(In-flight messages, which come and go a delivery at a time, have a queue
+of their own: mqd.nsqd.inflight.)
 
 One sequence counter is shared by every queue of the process, so a message
 moving from one queue to another can never make a stale entry look live
@@ -164,8 +165,8 @@ class PriorityQueue:
     def peek(self, count: int) -> list[tuple[float, Message]]:
         """The first `count` live messages with their priority, in the order `pop_due` gives them.
 
-        By priority, then by entry (a delivery batch shares one deadline and
-        keeps its order); nothing is popped, so no timer or order changes.
+        By priority, then by entry (messages pushed with one priority keep
+        their order); nothing is popped, so no timer or order changes.
         The cost grows with `count` and the dead entries met on the way, not
         with the queue (`best_first`).
         """
