@@ -34,13 +34,12 @@ class Message:
     deferred, and its delivery `(client, delivered_at)` while in flight (one
     tuple shared by the messages of one delivery). `id`, `body`,
     `deferred_until`, `client` and `delivered_at` read them. The delivery
-    bookkeeping lives on the message itself (its delivery in `state`, its
-    place in the deferred heap in `pq_seq`) so that FIN/REQ/TOUCH are one
-    dict lookup and the heaps can drop entries lazily without a second
-    index.
+    lives on the message itself so that FIN/REQ/TOUCH are one dict lookup
+    and the in-flight heap can drop entries lazily without a second index
+    (an entry is live for the messages whose state is still its own).
     """
 
-    __slots__ = ("data", "timestamp", "attempts", "state", "pq_seq", "key")
+    __slots__ = ("data", "timestamp", "attempts", "state", "key")
 
     def __init__(
         self,
@@ -67,7 +66,6 @@ class Message:
         # means "deliverable now". Absolute rather than a duration so that a
         # DPUB held at a topic without channels keeps its original due time.
         self.state = float(deferred_until) if deferred_until else None
-        self.pq_seq = -1
         # Where a store keeps this message until it is FINished; None for
         # messages only held in memory.
         self.key = None
@@ -131,7 +129,6 @@ def new_messages(ids: list[bytes], bodies: list[bytes], timestamp: int) -> list[
         m.timestamp = timestamp
         m.attempts = 0
         m.state = None
-        m.pq_seq = -1
         m.key = None
         append(m)
     return out
@@ -155,7 +152,6 @@ def channel_copies(msgs: list[Message]) -> list[Message]:
         c.attempts = m.attempts
         state = m.state
         c.state = None if state.__class__ is tuple else state
-        c.pq_seq = -1
         c.key = None
         append(c)
     return out

@@ -23,12 +23,18 @@ from __future__ import annotations
 import heapq
 
 from mqd.message import Message
-from mqd.nsqd.pqueue import COMPACT_FACTOR, COMPACT_SLACK, best_first, sequence
+from mqd.nsqd.pqueue import best_first, sequence
 
 __all__ = ["InFlightQueue"]
 
 _heappush = heapq.heappush
 _heappop = heapq.heappop
+
+# Rebuild when the heap holds this many more message references than live
+# messages and at least four times as many: rebuilding less often costs
+# less per FIN than the memory the dead references hold.
+COMPACT_SLACK = 1024
+COMPACT_FACTOR = 4
 
 
 class InFlightQueue:
@@ -83,8 +89,8 @@ class InFlightQueue:
         self._compact_if_sparse()
 
     def _compact_if_sparse(self) -> None:
-        # Rebuilt as the deferred queue is (mqd.nsqd.pqueue), counting message
-        # references rather than entries.
+        # Counts message references rather than entries: one entry may hold
+        # a whole delivery.
         if self._refs > COMPACT_SLACK + COMPACT_FACTOR * self._live:
             heap = []
             for deadline, seq, state, msgs in self._heap:

@@ -135,7 +135,7 @@ def test_req_timeout_of_any_length_is_clamped_as_nsqd_does(broker, publish, cloc
     if expect > 0:
         # Clamped to --max-req-timeout (1 h).
         assert channel.deferred_count() == 1
-        assert channel._deferred.next_due() == pytest.approx(clock.seconds() + min(expect / 1e9, 3600))
+        assert channel.peek("deferred", 1)[0][1] == pytest.approx(clock.seconds() + min(expect / 1e9, 3600))
     assert logged_failures == []
 
 

@@ -104,7 +104,7 @@ def check_durable_invariant(broker) -> None:
             where = f"channel {topic.name}:{channel.name}"
             cq = channel._queue
             in_flight = list(channel._in_flight.values())
-            deferred = list(channel._deferred)
+            deferred = [msg for _, msg in channel._deferred.entries()]
             assert channel.in_flight_count() == len(in_flight)
             assert channel.deferred_count() == len(deferred), (
                 f"{where}: deferred_count {channel.deferred_count()} but {len(deferred)} deferred messages"

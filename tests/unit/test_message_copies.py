@@ -19,7 +19,7 @@ def slots(msg: Message) -> dict:
 def test_channel_copies_are_what_copy_makes(fields):
     originals = [Message(*f) for f in fields]
     for m in originals:  # a delivered original: its own state must not be inherited
-        m.state, m.pq_seq, m.key = (object(), 5.0), 3, b"k"
+        m.state, m.key = (object(), 5.0), b"k"
     copies = channel_copies(originals)
     assert [slots(c) for c in copies] == [slots(m.copy()) for m in originals]
     assert all(c is not m and c.data is m.data for c, m in zip(copies, originals, strict=True))

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mqd.message import IdFactory, Message, frame_message
-from mqd.nsqd.pqueue import COMPACT_FACTOR, COMPACT_SLACK, PriorityQueue
+from mqd.nsqd.pqueue import PriorityQueue
 from tests.support.v2_client import Client
 from tests.support.v2_frames import Msg, mpub, ok, parse_frames, pub
 
@@ -85,7 +85,7 @@ def test_large_topic_backlog_drains_over_reactor_turns(make_broker, clock):
     assert [m.body for m in got] == [b"%d" % i for i in range(2500)]
 
 
-# -- PriorityQueue ------------------------------------------------------------------------------
+# -- the deferred queue -------------------------------------------------------------------------
 
 
 def msg(i: int) -> Message:
@@ -99,14 +99,14 @@ def test_pq_pop_due_in_priority_order():
     for m, p in zip(msgs, prios, strict=True):
         pq.push(m, p)
     assert len(pq) == 10
-    assert pq.next_due() == 0
+    assert pq.peek(1) == [(0, msgs[7])]
     due = pq.pop_due(4)
     assert [prios[msgs.index(m)] for m in due] == [0, 1, 2, 3, 4]
     assert len(pq) == 5
     assert pq.pop_due(4) == []
     assert [prios[msgs.index(m)] for m in pq.pop_due(100)] == [5, 6, 7, 8, 9]
     assert len(pq) == 0
-    assert pq.next_due() is None
+    assert pq.peek(1) == []
 
 
 def test_pq_equal_priorities_keep_push_order():
@@ -117,174 +117,58 @@ def test_pq_equal_priorities_keep_push_order():
     assert pq.pop_due(1.0) == msgs
 
 
-def test_pq_discard():
-    pq = PriorityQueue()
-    a, b, c = msg(1), msg(2), msg(3)
-    pq.push(a, 1)
-    pq.push(b, 2)
-    pq.push(c, 3)
-    pq.discard(b)
-    assert len(pq) == 2
-    assert b.pq_seq == -1
-    pq.discard(a)
-    assert pq.next_due() == 3
-    assert pq.pop_due(10) == [c]
-    assert len(pq) == 0
-
-
-def test_pq_push_again_replaces_entry():
-    pq = PriorityQueue()
-    a, b = msg(1), msg(2)
-    pq.push(a, 1)
-    pq.push(b, 2)
-    pq.push(a, 5)  # TOUCH: a new deadline
-    assert len(pq) == 2
-    assert pq.pop_due(4) == [b]
-    assert pq.pop_due(10) == [a]
-    assert len(pq) == 0
-
-
-def test_pq_push_batch():
-    pq = PriorityQueue()
-    first = [msg(i) for i in range(3)]
-    pq.push(msg(99), 0.5)
-    pq.push_batch(first, 1.0)
-    pq.push_batch([msg(10), msg(11)], 2.0)
-    assert len(pq) == 6
-    due = pq.pop_due(1.0)
-    assert [m.id for m in due] == [b"%016d" % 99] + [m.id for m in first]
-    assert len(pq) == 2
-
-
-def test_pq_drain_returns_live_in_order_and_empties():
+def test_pq_drain_returns_all_in_order_and_empties():
     pq = PriorityQueue()
     msgs = [msg(i) for i in range(6)]
     for i, m in enumerate(msgs):
         pq.push(m, 10 - i)
-    pq.discard(msgs[2])
+    pq.push(msg(99), 7)  # the same due time as msgs[3]: after it
     drained = pq.drain()
-    assert drained == [msgs[5], msgs[4], msgs[3], msgs[1], msgs[0]]
-    assert all(m.pq_seq == -1 for m in drained)
+    assert [m.id for m in drained] == [msgs[5].id, msgs[4].id, msgs[3].id, b"%016d" % 99,
+                                       msgs[2].id, msgs[1].id, msgs[0].id]
     assert len(pq) == 0
     assert pq.pop_due(100) == []
-    assert list(pq) == []
+    assert pq.entries() == []
 
 
-def test_pq_iter_yields_live_only():
+def test_pq_entries_are_every_message_with_its_due_time():
     pq = PriorityQueue()
-    msgs = [msg(i) for i in range(4)]
-    for m in msgs:
-        pq.push(m, 1)
-    pq.discard(msgs[0])
-    pq.push(msgs[1], 2)
-    assert sorted(m.id for m in pq) == sorted(m.id for m in msgs[1:])
-
-
-def test_pq_message_moving_between_queues():
-    in_flight, deferred = PriorityQueue(), PriorityQueue()
-    m = msg(1)
-    in_flight.push(m, 1)
-    in_flight.discard(m)  # REQ with delay: out of flight ...
-    deferred.push(m, 5)  # ... into deferred
-    assert in_flight.pop_due(100) == []
-    assert len(in_flight) == 0
-    assert deferred.pop_due(100) == [m]
-
-
-def test_pq_compaction_bounds_heap():
-    pq = PriorityQueue()
-    msgs = [msg(i) for i in range(20000)]
-    pq.push_batch(msgs, 1000.0)
-    for m in msgs[:-10]:
-        pq.discard(m)
-        assert len(pq._heap) <= COMPACT_SLACK + COMPACT_FACTOR * len(pq) + 1
-    assert len(pq) == 10
-    assert len(pq._heap) <= COMPACT_SLACK + 21
-    assert pq.pop_due(1000.0) == msgs[-10:]
-
-
-def test_pq_compaction_under_repeated_touch():
-    pq = PriorityQueue()
-    msgs = [msg(i) for i in range(10)]
-    for m in msgs:
-        pq.push(m, 1)
-    for r in range(2000):
-        for m in msgs:
-            pq.push(m, 2 + r)  # every TOUCH leaves a dead entry behind
-    assert len(pq) == 10
-    # Every re-push (TOUCH) leaves a dead entry; compaction keeps them bounded.
-    assert len(pq._heap) <= COMPACT_SLACK + COMPACT_FACTOR * len(pq) + 1
-    assert sorted(m.id for m in pq.pop_due(10**6)) == sorted(m.id for m in msgs)
+    msgs = [msg(i) for i in range(50)]
+    for i, m in enumerate(msgs):
+        pq.push(m, float(i % 7))
+    assert sorted((due, m.id) for due, m in pq.entries()) == sorted((float(i % 7), m.id) for i, m in enumerate(msgs))
+    assert len(pq) == 50  # reading them takes nothing out
 
 
 def test_pq_random_operations_match_model():
     rng = random.Random(42)
     pq = PriorityQueue()
-    live: dict[int, float] = {}
+    live: dict[int, tuple[float, int]] = {}
+    order = itertools.count()
     pool = [msg(i) for i in range(300)]
     now = 0.0
     for _ in range(5000):
-        i = rng.randrange(len(pool))
-        op = rng.random()
-        if op < 0.5:
-            prio = now + rng.random() * 10
-            pq.push(pool[i], prio)
-            live[i] = prio
-        elif op < 0.8 and i in live:
-            pq.discard(pool[i])
-            del live[i]
-        else:
-            now += rng.random()
-            due = pq.pop_due(now)
-            expected = sorted((p, i) for i, p in live.items() if p <= now)
-            # Random float priorities: no ties, so the order is fully determined.
-            assert [m.id for m in due] == [pool[i].id for _, i in expected]
-            for _, i in expected:
-                del live[i]
-        assert len(pq) == len(live)
-    rest = pq.drain()
-    assert sorted(m.id for m in rest) == sorted(pool[i].id for i in live)
-    assert [live[pool.index(m)] for m in rest] == sorted(live.values())
-
-
-def test_pq_push_batch_appended_or_pushed_matches_model():
-    """push_batch appends when its priority is the highest and pushes otherwise:
-    either way the heap stays a heap and pops in (priority, push order)."""
-    rng = random.Random(7)
-    pq = PriorityQueue()
-    live: dict[int, tuple[float, int]] = {}
-    pool = [msg(i) for i in range(400)]
-    order = itertools.count()
-    now = 0.0
-    for _ in range(3000):
-        op = rng.random()
-        if op < 0.4:
+        if rng.random() < 0.6:
             free = [i for i in range(len(pool)) if i not in live]
-            batch = rng.sample(free, min(len(free), rng.randrange(1, 20)))
-            # Mostly the latest deadline (a delivery), sometimes an earlier one.
-            prio = now + (10 + rng.random() if rng.random() < 0.8 else rng.random() * 10)
-            pq.push_batch([pool[i] for i in batch], prio)
-            live.update((i, (prio, next(order))) for i in batch)
-        elif op < 0.55 and live:
-            i = rng.choice(list(live))
-            prio = now + rng.random() * 20
+            if not free:
+                continue
+            i = rng.choice(free)
+            # Often a due time already used, to check the push order of ties.
+            prio = float(int(now + rng.random() * 10))
             pq.push(pool[i], prio)
             live[i] = (prio, next(order))
-        elif op < 0.8 and live:
-            i = rng.choice(list(live))
-            pq.discard(pool[i])
-            del live[i]
         else:
-            now += rng.random() * 3
+            now += rng.random()
             due = pq.pop_due(now)
             expected = sorted((key, i) for i, key in live.items() if key[0] <= now)
             assert [m.id for m in due] == [pool[i].id for _, i in expected]
             for _, i in expected:
                 del live[i]
+        assert len(pq) == len(live)
         heap = pq._heap
         assert all(heap[(k - 1) // 2][:2] <= heap[k][:2] for k in range(1, len(heap)))
-        assert len(pq) == len(live)
-
+    rest = pq.drain()
+    assert [m.id for m in rest] == [pool[i].id for _, i in sorted((key, i) for i, key in live.items())]
 
 # -- ids and frames ----------------------------------------------------------------------------------
 
@@ -342,7 +226,7 @@ def test_message_copy_is_independent():
     assert (c.id, c.body, c.timestamp, c.attempts, c.deferred_until) == (m.id, m.body, 123, 2, 5.0)
     c.attempts += 1
     assert m.attempts == 2
-    assert c.client is None and c.pq_seq == -1
+    assert c.client is None and c.key is None  # no delivery, no record of its own yet
 
 
 def test_frame_message_layout():

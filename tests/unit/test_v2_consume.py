@@ -314,7 +314,7 @@ def test_req_default_max_is_one_hour(consumer, publish, broker, clock):
     consumer.send(cmd("REQ", m.id, 3_600_001))
     assert consumer.raw() == b""
     channel = broker.topics["t"].channels["c"]
-    assert channel._deferred.next_due() == pytest.approx(clock.seconds() + 3600)
+    assert channel.peek("deferred", 1)[0][1] == pytest.approx(clock.seconds() + 3600)
 
 
 # -- TOUCH ------------------------------------------------------------------------------
