@@ -282,6 +282,23 @@ def read_proc(pid: int) -> tuple[int, int, float, int] | None:
     return memory.get("VmRSS", 0), memory.get("VmHWM", 0), cpu, memory.get("RssAnon", 0)
 
 
+def run_delay(pid: int) -> float | None:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU, summed; None once gone.
+
+    The second field of each thread's /proc schedstat. On a machine whose
+    cores the load shares with the broker, it tells a broker short of CPU
+    time (it was ready, the scheduler ran something else) from one that
+    was idle; None too where the kernel keeps no schedstat.
+    """
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return total / 1e9
+
+
 class Sampler:
     """Samples the broker's RSS every 100 ms in a thread and keeps per-window peaks.
 
@@ -299,6 +316,8 @@ class Sampler:
         self._hwm = 0
         self._stop = threading.Event()
         self._window_start = (time.monotonic(), 0.0)
+        self._delay_start: float | None = None
+        self.wait_pct: float | None = None
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
     def start(self) -> Sampler:
@@ -321,22 +340,34 @@ class Sampler:
             self._sample()
 
     def reset(self) -> None:
-        """Start a new measurement window (peak RSS, peak RssAnon and CPU time)."""
+        """Start a new measurement window (peak RSS, peak RssAnon, CPU time and run-queue wait)."""
         got = read_proc(self.pid)
+        delay = run_delay(self.pid)
         with self._lock:
             self._peak = got[0] if got else 0
             self._anon_peak = got[3] if got else 0
             self._window_start = (time.monotonic(), got[2] if got else 0.0)
+            self._delay_start = delay
 
     def window(self) -> tuple[float, float]:
-        """(peak RSS MB, CPU % of one core) since the last reset."""
+        """(peak RSS MB, CPU % of one core) since the last reset.
+
+        Also sets `wait_pct`: the time the broker's threads spent waiting
+        for a CPU in the window, in % of one core (None without schedstat).
+        """
         self._sample()
         got = read_proc(self.pid)
+        delay = run_delay(self.pid)
         with self._lock:
             peak = self._peak
             t0, cpu0 = self._window_start
+            delay0 = self._delay_start
         elapsed = time.monotonic() - t0
         cpu = (got[2] - cpu0) if got else 0.0
+        if delay is None or delay0 is None or elapsed <= 0:
+            self.wait_pct = None
+        else:
+            self.wait_pct = 100.0 * (delay - delay0) / elapsed
         return peak / 1024, (100.0 * cpu / elapsed if elapsed > 0 else 0.0)
 
     def anon_peak_kb(self) -> int:

@@ -247,6 +247,7 @@ class NsqToolSession(Session):
             rate_out=sum(r.rate for r in rrates) if rrates else None,
             rss_mb=rss,
             cpu_pct=cpu,
+            wait_pct=self.sampler.wait_pct if self.sampler is not None else None,
             seconds=seconds,
         )
 

@@ -42,7 +42,11 @@ DRAIN_IDLE = 2.0  # seconds without messages that end a drain / backlog read
 
 @dataclass
 class Result:
-    """One scenario run; rates in msgs/s, latencies in ms, RSS in MB, CPU in % of a core."""
+    """One scenario run; rates in msgs/s, latencies in ms, RSS in MB, CPU in % of a core.
+
+    `wait_pct` is the time the broker was ready to run but waited for a
+    CPU (the scheduler ran the load or another thread), in % of a core.
+    """
 
     scenario: str
     msgs_in: int = 0
@@ -55,6 +59,7 @@ class Result:
     ack_p99: float | None = None
     rss_mb: float | None = None
     cpu_pct: float | None = None
+    wait_pct: float | None = None
     seconds: float = 0.0
 
 
@@ -76,7 +81,7 @@ def result_line(r: Result, label: str) -> str:
         f"{label:<14} in {fmt(r.rate_in):>9} msgs/s  out {fmt(r.rate_out):>9} msgs/s  "
         f"lat p50/p99 {fmt(r.lat_p50, '.1f')}/{fmt(r.lat_p99, '.1f')} ms  "
         f"ack p50/p99 {fmt(r.ack_p50, '.2f')}/{fmt(r.ack_p99, '.2f')} ms  "
-        f"rss {fmt(r.rss_mb)} MB  cpu {percent(r.cpu_pct)}  "
+        f"rss {fmt(r.rss_mb)} MB  cpu {percent(r.cpu_pct)}  waited {percent(r.wait_pct)}  "
         f"({r.msgs_in:,} in / {r.msgs_out:,} out, {r.seconds:.1f} s)"
     )
 
@@ -258,6 +263,7 @@ class Session:
             ack_p99=ack99,
             rss_mb=rss,
             cpu_pct=cpu,
+            wait_pct=self.sampler.wait_pct if self.sampler is not None else None,
             seconds=seconds,
         )
 

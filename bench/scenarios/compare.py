@@ -116,7 +116,11 @@ _RATIOS = (("probe", ("old", "new", "nsqd")), ("old", ("new",)), ("nsqd", ("old"
 
 
 def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> list[str]:
-    """Markdown rows: per scenario and target, msgs/s and the ratios to the probe, old build, nsqd.
+    """Markdown rows: per scenario and target, msgs/s, the ratios to the probe, old build, nsqd, and CPU.
+
+    Beside the broker's CPU share: the share of a core it waited for one
+    (ready, but the scheduler ran something else: on a machine the load
+    shares, a one-threaded broker's ceiling) and its CPU per message.
 
     A pair of ratio columns (``in ÷ base``, ``out ÷ base``) is there when its
     base target ran, and filled for the rows of the targets it applies to.
@@ -127,7 +131,7 @@ def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> 
     for base, _ in bases:
         head += f" in ÷ {base} | out ÷ {base} |"
         rule += "---:|---:|"
-    lines = [head + " broker CPU | peak RSS (MB) |", rule + "---:|---:|"]
+    lines = [head + " broker CPU | waited for CPU | CPU µs/msg | peak RSS (MB) |", rule + "---:|---:|---:|---:|"]
     for name in scenarios:
         for target in TARGETS:
             r = medians.get(target, {}).get(name)
@@ -140,8 +144,24 @@ def table(medians: dict[str, dict[str, Result]], scenarios: tuple[str, ...]) -> 
                     row += f" {_ratio(r.rate_in, b.rate_in)} | {_ratio(r.rate_out, b.rate_out)} |"
                 else:
                     row += " - | - |"
-            lines.append(row + f" {percent(r.cpu_pct)} | {fmt(r.rss_mb)} |")
+            lines.append(row + f" {percent(r.cpu_pct)} | {percent(r.wait_pct)} | {fmt(cpu_per_message(r), '.2f')} "
+                         f"| {fmt(r.rss_mb)} |")
     return lines
+
+
+def cpu_per_message(r: Result) -> float | None:
+    """The broker's CPU time per message it handled, in µs: per message out when any went out, else in.
+
+    A broker's rate is bounded by its cost per message times the cores it
+    can use. Beside the rate, this tells the two apart: with one channel
+    or many, a broker that spends no more CPU per delivered message than
+    another yet delivers fewer is short of cores (mqd runs on one), not
+    slower per message. Computed from the medians (CPU share ÷ rate).
+    """
+    rate = r.rate_out or r.rate_in
+    if r.cpu_pct is None or not rate:
+        return None
+    return 1e4 * r.cpu_pct / rate
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from bench.harness import broker as bench_broker
+from bench.harness.broker import Sampler
 from bench.harness.load import due_commands
 from bench.harness.nsqtools import (
     channel_names,
@@ -24,8 +27,8 @@ from bench.harness.nsqtools import (
 )
 from bench.harness.pyspy import frame_counts, frame_name, top, top_table
 from bench.harness.session import Result
+from bench.scenarios.compare import cpu_per_message, table
 from bench.scenarios.compare import parse_args as compare_args
-from bench.scenarios.compare import table
 from bench.scenarios.latency import latency_summary, split_rate
 from bench.scenarios.memory import nsqd_estimate, per_message, pymalloc_block
 
@@ -241,3 +244,45 @@ def test_compare_table_gives_ratios_to_nsqd_for_mqd_rows():
     assert "in ÷ nsqd | out ÷ nsqd" in head and "probe" not in head and "old" not in head
     assert "| 0.75 | 1.50 |" in new_row
     assert "| - | - |" in nsqd_row
+
+
+def test_compare_table_gives_the_broker_cpu_per_message_out_or_else_in():
+    medians = {
+        # 80% of a core for 400,000 deliveries a second: 2 µs each.
+        "new": {"both": Result("both", rate_in=200_000.0, rate_out=400_000.0, cpu_pct=80.0, wait_pct=9.0),
+                "writer": Result("writer", rate_in=500_000.0, cpu_pct=100.0)},
+        "nsqd": {"both": Result("both", rate_in=250_000.0, rate_out=500_000.0),
+                 "writer": Result("writer", rate_in=600_000.0, cpu_pct=120.0)},
+    }
+    head, _, *rows = table(medians, ("both", "writer"))
+    assert head.endswith("broker CPU | waited for CPU | CPU µs/msg | peak RSS (MB) |")
+    new_both, nsqd_both, new_writer, nsqd_writer = rows
+    # The last four cells: broker CPU, its wait for a CPU, CPU per message, peak RSS.
+    assert new_both.endswith("| 80% | 9% | 2.00 | - |")
+    assert nsqd_both.endswith("| - | - | - | - |")  # no CPU figure, no per-message cost
+    assert new_writer.endswith("| 100% | - | 2.00 | - |")
+    assert nsqd_writer.endswith("| 120% | - | 2.00 | - |")
+    assert cpu_per_message(Result("reader", cpu_pct=50.0)) is None
+
+
+def test_sampler_tells_waiting_for_a_cpu_from_idle():
+    """Three processes spinning on one CPU each wait for it most of the time; a sleeping one never does."""
+    spin = [sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(3)]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy, idle = Sampler(spinners[0].pid), Sampler(sleeper.pid)
+        time.sleep(0.3)  # the interpreters start, then spin
+        busy.reset()
+        idle.reset()
+        time.sleep(1.0)
+        _, busy_cpu = busy.window()
+        _, idle_cpu = idle.window()
+    finally:
+        for p in (*spinners, sleeper):
+            p.kill()
+            p.wait()
+    # One CPU shared three ways: about a third each, and about two thirds waiting.
+    assert busy.wait_pct is not None and busy.wait_pct > 30
+    assert busy_cpu < 70
+    assert idle.wait_pct is not None and idle.wait_pct < 5 and idle_cpu < 5
