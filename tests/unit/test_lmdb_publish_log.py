@@ -3,11 +3,10 @@
 On a reactor with threads a durable LmdbStore acknowledges through its
 publish log: each reactor turn's changes are one chunk, written and synced
 by a thread while the reactor goes on, and LMDB takes them in checkpoints.
-Here the "thread" is a ThreadedClock: `callInThread` queues the job and
-`run_threads()` runs it, so a test decides when a chunk is synced, and
-`clock.advance(0)` lands it on the "reactor". A crash is the environment
-closed without a checkpoint: what was logged must come back, what was not
-acknowledged must not.
+Here the "thread" is a ThreadedClock (tests.support.threaded_clock): a test
+decides when a chunk is synced, and `clock.advance(0)` lands it on the
+"reactor". A crash is the environment closed without a checkpoint: what
+was logged must come back, what was not acknowledged must not.
 """
 
 from __future__ import annotations
@@ -16,42 +15,14 @@ import errno
 import os
 
 import pytest
-from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.task import Clock
-from zope.interface import implementer
 
 from backends.lmdb import LmdbStore
 from backends.lmdb_log import LOG_FILE, encode_chunk, parse_chunks
 from backends.lmdb_records import KEY
 from tests.support.inprocess_broker import msgs, settings
 from tests.support.lmdb_stores import FULL, bodies, expected, records
-
-
-@implementer(IReactorThreads)
-class ThreadedClock(Clock):
-    """A Clock whose threads run when the test says so."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.jobs: list = []
-
-    def callInThread(self, f, *args, **kwargs) -> None:
-        self.jobs.append((f, args, kwargs))
-
-    def callFromThread(self, f, *args, **kwargs) -> None:
-        self.callLater(0, f, *args, **kwargs)
-
-    def getThreadPool(self):
-        raise NotImplementedError
-
-    def suggestThreadPoolSize(self, size: int) -> None:
-        pass
-
-    def run_threads(self) -> int:
-        jobs, self.jobs = self.jobs, []
-        for f, args, kwargs in jobs:
-            f(*args, **kwargs)
-        return len(jobs)
+from tests.support.threaded_clock import ThreadedClock
 
 
 def durable_store(path, clock) -> LmdbStore:
