@@ -79,19 +79,40 @@ def export_tree(rev: str) -> Path:
     return dest
 
 
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a taskset-style list (``0``, ``0,2``, ``1-3``); ValueError if it names none or one that is not there."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        lo = int(first)
+        hi = int(last) if last else lo
+        if lo < 0 or hi < lo:
+            raise ValueError(f"bad CPU range {part.strip()!r}")
+        cpus.update(range(lo, hi + 1))
+    absent = cpus - os.sched_getaffinity(0)
+    if not cpus or absent:
+        raise ValueError(f"no such CPU here: {sorted(absent) or text!r}")
+    return cpus
+
+
+def cpu_text(cpus: set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
 def target_argv(target: str, args: argparse.Namespace, old_tree: Path | None) -> list[str]:
-    """The broker command of a target; ``{data}`` is replaced by Broker."""
+    """The broker command of a target, pinned with ``taskset`` under ``--pin-broker``; ``{data}`` is replaced by Broker."""
+    pin = ["taskset", "-c", cpu_text(args.pin_broker)] if args.pin_broker else []
     if target == "probe":
-        return [sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0"]
+        return [*pin, sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0"]
     if target == "nsqd":
         # --backend and --broker-arg are mqd's: nsqd gets the equivalent flags only.
-        return nsqd_command(args.nsqd, args.mem_queue_size)
+        return [*pin, *nsqd_command(args.nsqd, args.mem_queue_size)]
     cmd = broker_command(args.backend, args.mem_queue_size, "{data}", args.broker_arg)
     if target == "old":
         # Broker puts this checkout on PYTHONPATH; env replaces it with the old tree (and execs,
         # so the pid the sampler watches is twistd's).
-        return ["env", f"PYTHONPATH={old_tree}", *cmd]
-    return cmd
+        return [*pin, "env", f"PYTHONPATH={old_tree}", *cmd]
+    return [*pin, *cmd]
 
 
 def run_target(target: str, args: argparse.Namespace, argv: list[str], label: str) -> list[Result]:
@@ -212,6 +233,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         type=int,
         help=f"messages per MPUB (default: 100 for our load, {NSQ_BATCH} for --load nsq)",
     )
+    p.add_argument(
+        "--pin-broker",
+        metavar="CPUS",
+        help="run every broker on these CPUs only (taskset list: 0, 0,2, 1-3), e.g. one core per "
+        "broker, as mqd is deployed; with --pin-load, brokers and load do not share a core",
+    )
+    p.add_argument(
+        "--pin-load",
+        metavar="CPUS",
+        help="run the load (and this harness) on these CPUs only",
+    )
     mine, rest = p.parse_known_args(argv)
     if mine.targets is None:
         mine.targets = "old,new,probe"
@@ -234,6 +266,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if mine.load == "nsq" and (args.count is not None or args.mode != "mpub"):
         p.error("--load nsq runs for --duration with MPUB: no --count or --mode pub")
     args.load, args.channels = mine.load, mine.channels
+    try:
+        args.pin_broker = cpu_list(mine.pin_broker) if mine.pin_broker else None
+        args.pin_load = cpu_list(mine.pin_load) if mine.pin_load else None
+    except ValueError as exc:
+        p.error(f"--pin-broker / --pin-load: {exc}")
+    if args.pin_broker and shutil.which("taskset") is None:
+        p.error("--pin-broker needs taskset (util-linux)")
     args.nsqd = args.bench_writer = args.bench_reader = None
     if "nsqd" in mine.targets or mine.load == "nsq":
         try:
@@ -274,6 +313,9 @@ def main(argv: list[str]) -> int:
     except subprocess.CalledProcessError:
         print(f"error: unknown revision {mine.old!r}", file=sys.stderr)
         return 2
+    if args.pin_load:
+        # The load's processes (and the harness) inherit this process's CPUs.
+        os.sched_setaffinity(0, args.pin_load)
     head = git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     new_desc = f"{head[:10]}" + (" + uncommitted changes" if dirty else "")
@@ -327,6 +369,9 @@ def main(argv: list[str]) -> int:
           if "nsqd" in mine.targets else []),
         f"- load: {describe_load(args)}; median of {args.repeat}, targets interleaved "
         f"({', '.join(mine.targets)}) per repetition, a fresh broker each",
+        *([f"- pinned: brokers to CPU {cpu_text(args.pin_broker) if args.pin_broker else 'any'}, "
+           f"load to CPU {cpu_text(args.pin_load) if args.pin_load else 'any'}"]
+          if args.pin_broker or args.pin_load else []),
         "",
         *table(medians, scenarios),
     ]

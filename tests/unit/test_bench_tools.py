@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,7 @@ from bench.harness.nsqtools import (
 )
 from bench.harness.pyspy import frame_counts, frame_name, top, top_table
 from bench.harness.session import Result
-from bench.scenarios.compare import cpu_per_message, table
+from bench.scenarios.compare import cpu_list, cpu_per_message, table, target_argv
 from bench.scenarios.compare import parse_args as compare_args
 from bench.scenarios.latency import latency_summary, split_rate
 from bench.scenarios.memory import nsqd_estimate, per_message, pymalloc_block
@@ -226,6 +227,9 @@ def test_compare_finds_nsq_through_the_environment(nsq_bin, monkeypatch):
         (["--targets", "new", "--channels", "3"], "--channels needs --load nsq"),
         (["--targets", "new", "--channels", "0"], "at least 1"),
         (["--targets", "new", "--load", "nsq", "--count", "1000", "--nsqd", "BIN"], "--count"),
+        (["--targets", "new", "--pin-broker", "x"], "--pin-broker / --pin-load"),
+        (["--targets", "new", "--pin-load", "100000"], "no such CPU here"),
+        (["--targets", "new", "--pin-broker", "1-0"], "bad CPU range"),
     ],
 )
 def test_compare_rejects_targets_and_flags_it_cannot_run(nsq_bin, capsys, argv, message):
@@ -233,6 +237,26 @@ def test_compare_rejects_targets_and_flags_it_cannot_run(nsq_bin, capsys, argv, 
     with pytest.raises(SystemExit):
         compare_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_compare_pins_every_broker_with_taskset_and_reports_it(nsq_bin):
+    cpu = min(os.sched_getaffinity(0))
+    _, args = compare_args(["--targets", "old,new,nsqd", "--nsqd", str(nsq_bin), "--pin-broker", str(cpu),
+                            "--pin-load", f"{cpu}-{cpu}"])
+    assert args.pin_broker == args.pin_load == {cpu}
+    for target in ("new", "old", "nsqd", "probe"):
+        argv = target_argv(target, args, Path("/old-tree"))
+        assert argv[:3] == ["taskset", "-c", str(cpu)], target
+    assert target_argv("old", args, Path("/old-tree"))[3:5] == ["env", "PYTHONPATH=/old-tree"]
+    _, unpinned = compare_args(["--targets", "new"])
+    assert unpinned.pin_broker is None and target_argv("new", unpinned, None)[0] != "taskset"
+
+
+def test_cpu_lists_read_as_taskset_reads_them():
+    cpu = min(os.sched_getaffinity(0))
+    assert cpu_list(str(cpu)) == {cpu}
+    if {0, 1} <= os.sched_getaffinity(0):
+        assert cpu_list("0,1") == cpu_list("0-1") == {0, 1}
 
 
 def test_compare_table_gives_ratios_to_nsqd_for_mqd_rows():
