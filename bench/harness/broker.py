@@ -353,7 +353,9 @@ class Sampler:
         """(peak RSS MB, CPU % of one core) since the last reset.
 
         Also sets `wait_pct`: the time the broker's threads spent waiting
-        for a CPU in the window, in % of one core (None without schedstat).
+        for a CPU in the window, in % of one core (None without schedstat;
+        a thread that ended in the window takes its wait with it, so it is
+        a lower bound).
         """
         self._sample()
         got = read_proc(self.pid)
@@ -367,7 +369,7 @@ class Sampler:
         if delay is None or delay0 is None or elapsed <= 0:
             self.wait_pct = None
         else:
-            self.wait_pct = 100.0 * (delay - delay0) / elapsed
+            self.wait_pct = max(0.0, 100.0 * (delay - delay0) / elapsed)
         return peak / 1024, (100.0 * cpu / elapsed if elapsed > 0 else 0.0)
 
     def anon_peak_kb(self) -> int:

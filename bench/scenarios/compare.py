@@ -96,6 +96,7 @@ def cpu_list(text: str) -> set[int]:
 
 
 def cpu_text(cpus: set[int]) -> str:
+    """A CPU set as taskset writes a list: ``0,1``."""
     return ",".join(map(str, sorted(cpus)))
 
 
