@@ -6,8 +6,10 @@ this reactor allows; the gap between the two is the budget a faster mqd can
 win back. It does only what NSQ's bench_writer/bench_reader and our
 load processes (bench/harness/load.py) need: magic, IDENTIFY (``OK``, or the
 feature-negotiation JSON), SUB, RDY, PUB, MPUB, FIN, NOP, CLS. Messages live
-in a deque per channel; a delivery is one preallocated struct pack per message
-and one ``writeSequence`` per reader; FIN is a dict pop. No persistence,
+in a deque per channel; a read's publishes are put together, a batch per
+topic, and answered with one write (as mqd's fast path does); a delivery is
+one preallocated struct pack per message and one ``writeSequence`` per
+reader; FIN is a dict pop. No persistence,
 timeouts, REQ/TOUCH, heartbeats, stats, HTTP (the harness creates topic and
 channel by SUB + CLS), validation or error recovery beyond closing the
 connection: adding any of them would make it a slower broker and a worse
@@ -15,6 +17,17 @@ yardstick.
 
 ``python -m bench.harness.probe --tcp-address=127.0.0.1:0`` logs
 ``TCP: listening on HOST:PORT`` as mqd does, so bench/harness/broker.py can start it.
+
+``--durable DIR`` makes it the floor of a durable broker on one reactor
+instead: each reactor turn's publishes (a record of length, id and body
+each) and FINs (an id each) are one chunk of a log in DIR, written and
+fdatasync'ed by a thread (one sync for every chunk handed over meanwhile, a
+group commit), and a publish is answered and its messages delivered only
+once its chunk is synced. The log is preallocated and written in place,
+starting over at its end (as mqd's publish log is written in place between
+checkpoints, since a sync that grows a file also commits the filesystem's
+journal). No checksum, checkpoint, replay, spill or failure handling:
+whatever a durable broker adds costs more.
 """
 
 from __future__ import annotations
@@ -22,8 +35,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import struct
 import sys
+import threading
 import time
 from collections import deque
 
@@ -40,6 +55,8 @@ MESSAGE_HEADER = struct.Struct(">iiqH16s")
 _INT32 = struct.Struct(">i")
 _FRAME = struct.Struct(">ii")
 _MSG_OVERHEAD = MESSAGE_HEADER.size - 4  # the size field does not count itself
+# A published message in the durable log: body length, id, then the body.
+_LOG_RECORD = struct.Struct(">I16s")
 
 
 def response(payload: bytes, ftype: int = 0) -> bytes:
@@ -143,6 +160,10 @@ class ProbeProtocol(protocol.Protocol):
         self.rdy = 0
         self.channel: Channel | None = None
         self.in_flight: dict[bytes, tuple[bytes, int, bytes]] = {}
+        # The read's publishes, put (and answered) together when it ends or
+        # before another answer: per topic, and how many commands.
+        self.gathered: dict[Topic, list] = {}
+        self.replies = 0
 
     def connectionMade(self) -> None:
         self.transport.setTcpNoDelay(True)
@@ -155,7 +176,22 @@ class ProbeProtocol(protocol.Protocol):
             self.in_flight = {}
             ch.deliver()
 
+    def _publish_gathered(self) -> None:
+        """Put the read's publishes, one batch per topic, and answer them (or hand them to the log)."""
+        gathered, self.gathered = self.gathered, {}
+        replies, self.replies = self.replies, 0
+        durable = self.factory.log
+        for topic, msgs in gathered.items():
+            if durable is None:
+                topic.put(msgs)
+            else:
+                durable.publish(self, topic, msgs, replies)
+                replies = 0
+        if replies:
+            self.transport.write(OK * replies)
+
     def _fatal(self, text: bytes) -> None:
+        self._publish_gathered()
         self.transport.write(response(text, 1))
         self.transport.loseConnection()
 
@@ -180,8 +216,12 @@ class ProbeProtocol(protocol.Protocol):
             if nl < 0:
                 break
             if buf.startswith(b"FIN ", pos):
-                if in_flight.pop(buf[pos + 4 : nl].rstrip(b"\r"), None) is None:
+                mid = buf[pos + 4 : nl].rstrip(b"\r")
+                if in_flight.pop(mid, None) is None:
+                    self._publish_gathered()
                     write(FIN_FAILED)
+                elif self.factory.log is not None:
+                    self.factory.log.finish(mid)
                 finished = True
                 pos = nl + 1
                 continue
@@ -206,14 +246,18 @@ class ProbeProtocol(protocol.Protocol):
             elif name == b"SUB" and len(words) == 3 and self.channel is None:
                 self.channel = self.factory.topic(words[1]).channel(words[2])
                 self.channel.readers.append(self)
+                self._publish_gathered()
                 write(OK)
             elif name == b"CLS":
                 self.rdy = 0
+                self._publish_gathered()
                 write(CLOSE_WAIT)
             else:
                 self._fatal(b"E_INVALID invalid command " + name[:32])
                 return
         self.buf = buf[pos:]
+        if self.replies:
+            self._publish_gathered()
         if finished and self.channel is not None:
             self.channel.deliver()
 
@@ -221,6 +265,7 @@ class ProbeProtocol(protocol.Protocol):
         """PUB, MPUB or IDENTIFY with its body at ``buf[start:stop]``; False once closed."""
         if name == b"IDENTIFY":
             negotiate = json.loads(buf[start:stop]).get("feature_negotiation")
+            self._publish_gathered()
             self.transport.write(IDENTIFY_JSON if negotiate else OK)
             return True
         if len(words) != 2:
@@ -244,19 +289,106 @@ class ProbeProtocol(protocol.Protocol):
             if p != stop:
                 self._fatal(b"E_BAD_BODY MPUB invalid body size")
                 return False
-        self.factory.topic(words[1]).put(msgs)
-        self.transport.write(OK)
+        topic = self.factory.topic(words[1])
+        gathered = self.gathered.get(topic)
+        if gathered is None:
+            self.gathered[topic] = msgs
+        else:
+            gathered += msgs
+        self.replies += 1
         return True
 
 
+class DurableLog:
+    """The durable probe's log: a chunk per reactor turn, written and synced by a thread, then landed."""
+
+    def __init__(self, reactor, path: str, size: int = 32 << 20) -> None:
+        self.reactor = reactor
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        zeros = bytes(1 << 20)
+        for offset in range(0, size, len(zeros)):
+            os.pwrite(self.fd, zeros[: size - offset], offset)
+        os.fsync(self.fd)
+        self.size = size
+        self.offset = 0
+        self.pieces: list[bytes] = []
+        # Per turn: publishes answered per connection, messages landed per topic.
+        self.answers: dict[ProbeProtocol, int] = {}
+        self.landing: dict[Topic, list] = {}
+        self.turn = None
+        self.lock = threading.Lock()
+        self.outbox: list[tuple[bytes, list, list]] = []
+        self.writing = False
+
+    def publish(self, proto: ProbeProtocol, topic: Topic, msgs: list[tuple[bytes, int, bytes]],
+                replies: int) -> None:
+        """Log `msgs` for `topic`; once synced they are delivered and `proto` gets `replies` OKs."""
+        pack = _LOG_RECORD.pack
+        append = self.pieces.append
+        for mid, _, body in msgs:
+            append(pack(len(body), mid))
+            append(body)
+        answers = self.answers
+        answers[proto] = answers.get(proto, 0) + replies
+        landing = self.landing.get(topic)
+        if landing is None:
+            self.landing[topic] = msgs
+        else:
+            landing += msgs
+        self._end_of_turn()
+
+    def finish(self, mid: bytes) -> None:
+        self.pieces.append(mid)
+        self._end_of_turn()
+
+    def _end_of_turn(self) -> None:
+        if self.turn is None:
+            self.turn = self.reactor.callLater(0, self._take_off)
+
+    def _take_off(self) -> None:
+        self.turn = None
+        chunk = (b"".join(self.pieces), self.answers, self.landing)
+        self.pieces, self.answers, self.landing = [], {}, {}
+        with self.lock:
+            self.outbox.append(chunk)
+            if self.writing:
+                return
+            self.writing = True
+        self.reactor.callInThread(self._write_out)
+
+    def _write_out(self) -> None:
+        while True:
+            with self.lock:
+                if not self.outbox:
+                    self.writing = False
+                    return
+                batch, self.outbox = self.outbox, []
+            data = b"".join([chunk[0] for chunk in batch])
+            if self.offset + len(data) > self.size:
+                self.offset = 0  # no replay here: start over, in place
+            os.pwrite(self.fd, data, self.offset)
+            self.offset += len(data)
+            os.fdatasync(self.fd)
+            self.reactor.callFromThread(self._land, batch)
+
+    def _land(self, batch: list) -> None:
+        for _, answers, landing in batch:
+            for topic, msgs in landing.items():
+                topic.put(msgs)
+            for proto, count in answers.items():
+                if count:
+                    proto.transport.write(OK * count)
+
+
 class ProbeFactory(protocol.Factory):
-    """Topics shared by all connections, and the message id sequence."""
+    """Topics shared by all connections, the message id sequence, and the log when durable."""
 
     protocol = ProbeProtocol
 
-    def __init__(self) -> None:
+    def __init__(self, log: DurableLog | None = None) -> None:
         self.topics: dict[bytes, Topic] = {}
         self.ids = itertools.count(1)
+        self.log = log
 
     def topic(self, name: bytes) -> Topic:
         t = self.topics.get(name)
@@ -268,6 +400,7 @@ class ProbeFactory(protocol.Factory):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.harness.probe", description=__doc__.split("\n")[0])
     p.add_argument("--tcp-address", default="127.0.0.1:4150", metavar="HOST:PORT")
+    p.add_argument("--durable", metavar="DIR", help="answer a publish once its log chunk in DIR is synced")
     args = p.parse_args(argv)
     from twisted.internet import reactor
 
@@ -275,7 +408,8 @@ def main(argv: list[str] | None = None) -> None:
 
     host, port = parse_address(args.tcp_address)
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sys.stdout)])
-    listening = reactor.listenTCP(port, ProbeFactory(), interface=host)
+    durable = DurableLog(reactor, os.path.join(args.durable, "probe.log")) if args.durable else None
+    listening = reactor.listenTCP(port, ProbeFactory(durable), interface=host)
     bound = listening.getHost()
     reactor.callWhenRunning(log.info, "TCP: listening on {h}:{p}", h=bound.host, p=bound.port)
     reactor.run()

@@ -104,7 +104,8 @@ def target_argv(target: str, args: argparse.Namespace, old_tree: Path | None) ->
     """The broker command of a target, pinned with ``taskset`` under ``--pin-broker``; ``{data}`` is replaced by Broker."""
     pin = ["taskset", "-c", cpu_text(args.pin_broker)] if args.pin_broker else []
     if target == "probe":
-        return [*pin, sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0"]
+        durable = ["--durable={data}"] if args.probe_durable else []
+        return [*pin, sys.executable, "-m", "bench.harness.probe", "--tcp-address=127.0.0.1:0", *durable]
     if target == "nsqd":
         # --backend and --broker-arg are mqd's: nsqd gets the equivalent flags only.
         return [*pin, *nsqd_command(args.nsqd, args.mem_queue_size)]
@@ -235,6 +236,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
         help=f"messages per MPUB (default: 100 for our load, {NSQ_BATCH} for --load nsq)",
     )
     p.add_argument(
+        "--probe-durable",
+        action="store_true",
+        help="the probe as the floor of a durable broker: a publish answered once its log chunk "
+        "is synced (bench/harness/probe.py --durable)",
+    )
+    p.add_argument(
         "--pin-broker",
         metavar="CPUS",
         help="run every broker on these CPUs only (taskset list: 0, 0,2, 1-3), e.g. one core per "
@@ -267,6 +274,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     if mine.load == "nsq" and (args.count is not None or args.mode != "mpub"):
         p.error("--load nsq runs for --duration with MPUB: no --count or --mode pub")
     args.load, args.channels = mine.load, mine.channels
+    args.probe_durable = mine.probe_durable
     try:
         args.pin_broker = cpu_list(mine.pin_broker) if mine.pin_broker else None
         args.pin_load = cpu_list(mine.pin_load) if mine.pin_load else None
@@ -355,7 +363,7 @@ def main(argv: list[str]) -> int:
     builds = {
         "old": f"old: `{old_rev[:10]}` ({mine.old})",
         "new": f"new: `{new_desc}`",
-        "probe": "probe: bench/harness/probe.py",
+        "probe": "probe: bench/harness/probe.py" + (" --durable" if args.probe_durable else ""),
     }
     lines = [
         heading(

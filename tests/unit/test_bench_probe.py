@@ -11,7 +11,8 @@ import json
 import pytest
 from twisted.internet.testing import StringTransport
 
-from bench.harness.probe import ProbeFactory
+from bench.harness.probe import DurableLog, ProbeFactory
+from tests.support.threaded_clock import ThreadedClock
 from tests.support.v2_frames import (
     CLOSE_WAIT,
     MAGIC,
@@ -124,3 +125,41 @@ def test_bad_input_closes(factory):
     proto.dataReceived(b"  V1")
     assert parse_frames(transport.value()) == [err("E_BAD_PROTOCOL bad protocol magic")]
     assert transport.disconnecting
+
+
+def test_durable_probe_answers_and_delivers_only_once_the_chunk_is_synced(tmp_path):
+    """--durable: a turn's publishes and FINs go to the log in one write; OK and delivery follow the sync."""
+    clock = ThreadedClock()
+    path = tmp_path / "probe.log"
+    factory = ProbeFactory(DurableLog(clock, str(path), size=4096))
+    writer, reader = Conn(factory), Conn(factory)
+    assert reader.request(cmd("SUB", "t", "c") + cmd("RDY", 10)) == [ok()]
+    assert writer.request(pub("t", b"one") + mpub("t", [b"two", b"three"])) == []
+    assert reader.request(b"") == []
+    clock.advance(0)  # the turn ends: its chunk goes to the writer thread
+    assert writer.request(b"") == [] and path.read_bytes() == bytes(4096)  # preallocated, nothing written
+    assert clock.run_threads() == 1
+    written = sum(4 + 16 + len(b) for b in (b"one", b"two", b"three"))
+    assert path.read_bytes()[written:] == bytes(4096 - written)
+    assert path.read_bytes()[4:20] != bytes(16)  # the first record's id
+    assert writer.request(b"") == []  # written and synced, not landed yet
+    clock.advance(0)
+    assert writer.request(b"") == [ok(), ok()]
+    got = reader.request(b"")
+    assert [m.body for m in got] == [b"one", b"two", b"three"]
+
+    # A FIN is logged (its id) with the next chunk; it needs no answer.
+    assert reader.request(cmd("FIN", got[0].id)) == []
+    clock.advance(0)
+    clock.run_threads()
+    assert path.read_bytes()[written:written + 16] == got[0].id
+
+    # A chunk that would run past the end starts the log over, in place: the file never grows.
+    big = b"x" * 4000
+    assert writer.request(pub("t", big)) == []
+    clock.advance(0)
+    clock.run_threads()
+    clock.advance(0)
+    assert writer.request(b"") == [ok()]
+    data = path.read_bytes()
+    assert len(data) == 4096 and data[20:4020] == big
