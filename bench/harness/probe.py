@@ -45,6 +45,7 @@ from collections import deque
 from twisted.internet import protocol
 from twisted.logger import globalLogBeginner, textFileLogObserver
 
+from backends.lmdb_log import PublishLog
 from mqd.logs import get_logger
 
 log = get_logger("bench.probe")
@@ -304,13 +305,9 @@ class DurableLog:
 
     def __init__(self, reactor, path: str, size: int = 32 << 20) -> None:
         self.reactor = reactor
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-        zeros = bytes(1 << 20)
-        for offset in range(0, size, len(zeros)):
-            os.pwrite(self.fd, zeros[: size - offset], offset)
-        os.fsync(self.fd)
+        # mqd's own log file: preallocated (when the disk has room), written in place, fdatasync'ed.
+        self.file = PublishLog(path, size)
         self.size = size
-        self.offset = 0
         self.pieces: list[bytes] = []
         # Per turn: publishes answered per connection, messages landed per topic.
         self.answers: dict[ProbeProtocol, int] = {}
@@ -364,11 +361,9 @@ class DurableLog:
                     return
                 batch, self.outbox = self.outbox, []
             data = b"".join([chunk[0] for chunk in batch])
-            if self.offset + len(data) > self.size:
-                self.offset = 0  # no replay here: start over, in place
-            os.pwrite(self.fd, data, self.offset)
-            self.offset += len(data)
-            os.fdatasync(self.fd)
+            if self.file.size + len(data) > self.size:
+                self.file.empty()  # no replay here: start over, in place
+            self.file.append(data)
             self.reactor.callFromThread(self._land, batch)
 
     def _land(self, batch: list) -> None:
