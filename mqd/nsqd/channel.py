@@ -21,7 +21,7 @@ from backends import BackendError
 from mqd.latency import LatencyWindow
 from mqd.nsqd.inflight import InFlightQueue
 from mqd.nsqd.overflow import OverflowQueue, take
-from mqd.nsqd.pqueue import PriorityQueue
+from mqd.nsqd.pqueue import DeferredQueue
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -97,7 +97,7 @@ class Channel:
         self._queue = queue
         self._in_flight: dict[bytes, Message] = {}
         self._in_flight_pq = InFlightQueue()
-        self._deferred = PriorityQueue()
+        self._deferred = DeferredQueue()
         self._rr = 0
         self._clock = clock
         self._max_msg_timeout = options.max_msg_timeout
@@ -414,7 +414,7 @@ class Channel:
 
     # -- snapshots -----------------------------------------------------------
 
-    def holdings(self) -> tuple[OverflowQueue, PriorityQueue, InFlightQueue]:
+    def holdings(self) -> tuple[OverflowQueue, DeferredQueue, InFlightQueue]:
         """The queue (memory + backend), the deferred queue and the in-flight queue, live.
 
         For a snapshot's capture (mqd.nsqd.capture), which must read all three

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from mqd.message import Message
 
-__all__ = ["PriorityQueue", "best_first", "sequence"]
+__all__ = ["DeferredQueue", "best_first", "sequence"]
 
 # Entries' second field: unique, so no comparison ever reaches a message.
 sequence = itertools.count()
@@ -51,7 +51,7 @@ def best_first(heap: list[tuple]) -> Iterator[int]:
                 _heappush(frontier, (entry[0], entry[1], child))
 
 
-class PriorityQueue:
+class DeferredQueue:
     """The deferred messages of one channel, earliest due first (equal due times in push order)."""
 
     __slots__ = ("_heap",)

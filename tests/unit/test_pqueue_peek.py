@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqd.message import Message
-from mqd.nsqd.pqueue import PriorityQueue
+from mqd.nsqd.pqueue import DeferredQueue
 
 _ids = itertools.count()
 
@@ -30,7 +30,7 @@ def _message() -> Message:
 @settings(max_examples=300, deadline=None)
 @given(ops=_ops, count=st.integers(0, 40))
 def test_peek_is_the_first_entries_by_due_time_then_entry(ops, count):
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     live: list[Message] = []
     for op, value in ops:
         if op == "push":
@@ -50,7 +50,7 @@ def test_peek_is_the_first_entries_by_due_time_then_entry(ops, count):
 
 def test_peek_reads_few_entries_of_a_large_heap():
     """Peeking the first 20 of 100,000 touches about 20 heap nodes, not 100,000."""
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     for i in range(100_000):
         pq.push(_message(), float(i % 997))
 

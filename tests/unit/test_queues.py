@@ -1,4 +1,4 @@
-"""Memory queues overflowing to the backend, the priority queue, and message ids."""
+"""Memory queues overflowing to the backend, the deferred queue, and message ids."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from mqd.message import IdFactory, Message, frame_message
-from mqd.nsqd.pqueue import PriorityQueue
+from mqd.nsqd.pqueue import DeferredQueue
 from tests.support.v2_client import Client
 from tests.support.v2_frames import Msg, mpub, ok, parse_frames, pub
 
@@ -93,7 +93,7 @@ def msg(i: int) -> Message:
 
 
 def test_pq_pop_due_in_priority_order():
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     msgs = [msg(i) for i in range(10)]
     prios = [5, 3, 9, 1, 7, 2, 8, 0, 6, 4]
     for m, p in zip(msgs, prios, strict=True):
@@ -110,7 +110,7 @@ def test_pq_pop_due_in_priority_order():
 
 
 def test_pq_equal_priorities_keep_push_order():
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     msgs = [msg(i) for i in range(5)]
     for m in msgs:
         pq.push(m, 1.0)
@@ -118,7 +118,7 @@ def test_pq_equal_priorities_keep_push_order():
 
 
 def test_pq_drain_returns_all_in_order_and_empties():
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     msgs = [msg(i) for i in range(6)]
     for i, m in enumerate(msgs):
         pq.push(m, 10 - i)
@@ -132,7 +132,7 @@ def test_pq_drain_returns_all_in_order_and_empties():
 
 
 def test_pq_entries_are_every_message_with_its_due_time():
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     msgs = [msg(i) for i in range(50)]
     for i, m in enumerate(msgs):
         pq.push(m, float(i % 7))
@@ -142,7 +142,7 @@ def test_pq_entries_are_every_message_with_its_due_time():
 
 def test_pq_random_operations_match_model():
     rng = random.Random(42)
-    pq = PriorityQueue()
+    pq = DeferredQueue()
     live: dict[int, tuple[float, int]] = {}
     order = itertools.count()
     pool = [msg(i) for i in range(300)]
