@@ -225,7 +225,6 @@ def test_fatal_writes_the_message_and_exits_1(capsys):
 
 
 def test_make_config_applies_opts_then_the_tools_own_flags():
-    pytest.importorskip("mqd.client.config")
     cfg = make_config(
         "mq-tail", ["max_in_flight,5", "max_attempts=3", "read_timeout,90s"], max_in_flight=200
     )
@@ -236,7 +235,6 @@ def test_make_config_applies_opts_then_the_tools_own_flags():
 
 
 def test_make_config_unknown_or_out_of_range_option_is_a_tool_error():
-    pytest.importorskip("mqd.client.config")
     with pytest.raises(ToolError, match="bogus"):
         make_config("mq-tail", ["bogus,1"])
     with pytest.raises(ToolError, match="max_attempts"):
