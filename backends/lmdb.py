@@ -531,7 +531,7 @@ class LmdbStore(SpillingShutdown):
                 try:
                     if any(flight.data is None for flight in batch):
                         raise ValueError("a chunk could not be encoded")
-                    self._log.append(b"".join([flight.data for flight in batch]))
+                    self._log.append([piece for flight in batch for piece in flight.data])
                 except BaseException as e:
                     error = self._broken = e
             for flight in batch:
@@ -922,7 +922,8 @@ class _Flight:
         self.updates = updates
         self.dels = dels
         self.queues: list[LmdbQueue] = []
-        self.data: bytes | None = b""
+        # The encoded chunk (header, payload); None if it could not be encoded.
+        self.data: tuple[bytes, bytes] | None = (b"", b"")
         self.error: BaseException | None = None
         self.done = threading.Event()
 

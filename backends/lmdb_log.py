@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
 
 from backends.lmdb_records import KEY, RECORD, RECORD_HEAD
@@ -50,24 +50,31 @@ DEL = struct.Struct(f">c{KEY.size}s")
 _P, _D = b"P", b"D"
 _RECORD_SIZE = RECORD.size
 _HEAD_SIZE = RECORD_HEAD.size
+# Buffers per pwritev call: the kernel takes at most IOV_MAX (1024 on Linux).
+_IOV_MAX = 1024
 
 
 def encode_chunk(epoch: int, puts: Iterable[Iterable[Message]], updates: Iterable[Iterable[Message]],
-                 dels: Iterable[bytes]) -> bytes:
-    """One chunk: every message of `puts` and `updates` still stored (its current state), then the deletions.
+                 dels: Iterable[bytes]) -> tuple[bytes, bytes]:
+    """One chunk, as its header and its payload: every message of `puts` and `updates` still stored (its current state), then the deletions.
 
     Records are written in the state their messages are in now, so a
     rewrite made before the chunk is taken needs no entry of its own;
     messages whose key is gone (finished, or their queue emptied) are
-    left out.
+    left out. The header and payload are written side by side
+    (`PublishLog.append`) rather than joined: a chunk is often hundreds of
+    kilobytes, and joining them would copy the payload once more on the
+    reactor.
     """
     live = [m for batch in chain(puts, updates) for m in batch if m.key is not None]
     put = PUT.pack
+    # m.state is a deferred message's due time (a float); None or a
+    # delivery's tuple mean 0.0 (Message.deferred_until, without the call).
     heads = [put(_P, m.key, _HEAD_SIZE + len(m.data), m.timestamp, m.attempts & 0xFFFF,
-                 m.deferred_until) for m in live]
+                 0.0 if (s := m.state) is None or s.__class__ is tuple else s) for m in live]
     payload = b"".join(chain(chain.from_iterable(zip(heads, [m.data for m in live], strict=True)),
                              [_D + key for key in dels]))
-    return CHUNK.pack(MAGIC, epoch, len(payload), zlib.crc32(payload)) + payload
+    return CHUNK.pack(MAGIC, epoch, len(payload), zlib.crc32(payload)), payload
 
 
 def parse_chunks(raw: bytes) -> Iterator[tuple[int, list[tuple[bytes, bytes | None]]]]:
@@ -151,19 +158,27 @@ class PublishLog:
         except OSError:
             os.ftruncate(fd, have)  # no room after all: the file grows as it is written
 
-    def append(self, data: bytes) -> None:
-        """Write chunks at the end of the live part and fdatasync them (in a thread); raises OSError.
+    def append(self, buffers: Sequence[bytes]) -> None:
+        """Write `buffers` (chunks' headers and payloads, in order) at the end of the live part, and fdatasync; raises OSError.
 
-        On an error the live part is as it was: what was written past it is
-        a torn chunk, where replay stops.
+        Called in a thread: `pwritev` gathers them in the kernel, with the
+        GIL given up, instead of a join that copies them first. On an error
+        the live part is as it was: what was written past it is a torn
+        chunk, where replay stops.
         """
         fd = self._fd
         offset = self.size
-        view = memoryview(data)
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view = view[written:]
-            offset += written
+        for start in range(0, len(buffers), _IOV_MAX):
+            group = buffers[start:start + _IOV_MAX]
+            size = sum(map(len, group))
+            written = os.pwritev(fd, group, offset)
+            if written < size:
+                # A short write: the rest a call at a time.
+                rest = memoryview(b"".join(group))[written:]
+                while rest:
+                    n = os.pwrite(fd, rest, offset + size - len(rest))
+                    rest = rest[n:]
+            offset += size
         os.fdatasync(fd)
         self.size = offset
 

@@ -360,8 +360,8 @@ class DurableLog:
                     self.writing = False
                     return
                 batch, self.outbox = self.outbox, []
-            data = b"".join([chunk[0] for chunk in batch])
-            if self.file.size + len(data) > self.size:
+            data = [chunk[0] for chunk in batch]
+            if self.file.size + sum(map(len, data)) > self.size:
                 self.file.empty()  # no replay here: start over, in place
             self.file.append(data)
             self.reactor.callFromThread(self._land, batch)

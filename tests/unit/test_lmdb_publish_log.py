@@ -18,7 +18,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from backends.lmdb import LmdbStore
-from backends.lmdb_log import LOG_FILE, encode_chunk, parse_chunks
+from backends.lmdb_log import LOG_FILE, PublishLog, encode_chunk, parse_chunks
 from backends.lmdb_records import KEY
 from tests.support.inprocess_broker import msgs, settings
 from tests.support.lmdb_stores import FULL, bodies, expected, records
@@ -56,12 +56,12 @@ def crash(store: LmdbStore, path, clock=None) -> LmdbStore:
     return durable_store(path, clock or ThreadedClock())
 
 
-def failing_once(store: LmdbStore) -> list[bytes]:
+def failing_once(store: LmdbStore) -> list[list[bytes]]:
     """The writer's next write fails as on a full disk, once; returns what it was asked to write."""
     real = store._log.append
-    calls: list[bytes] = []
+    calls: list[list[bytes]] = []
 
-    def append(data: bytes) -> None:
+    def append(data: list[bytes]) -> None:
         calls.append(data)
         if len(calls) == 1:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -105,8 +105,8 @@ def count_appends(store: LmdbStore) -> list[int]:
     real = store._log.append
     sizes: list[int] = []
 
-    def append(data: bytes) -> None:
-        sizes.append(len(data))
+    def append(data: list[bytes]) -> None:
+        sizes.append(sum(map(len, data)))
         real(data)
 
     store._log.append = append
@@ -189,7 +189,7 @@ def test_replay_takes_whole_chunks_and_drops_a_torn_last_one(tmp_path, tclock, c
     synced(tclock)
     extra = msgs(1, 7)
     extra[0].key = KEY.pack(q.qid, 100)
-    chunk = encode_chunk(store._log_epoch + 1, [extra], [], [])
+    chunk = b"".join(encode_chunk(store._log_epoch + 1, [extra], [], []))
     with open(tmp_path / "mqd.lmdb" / LOG_FILE, "r+b") as f:
         f.seek(store._log.size)  # right after the live chunks, as a crash mid-write leaves it
         f.write(chunk[:len(chunk) - cut])
@@ -236,7 +236,7 @@ def test_a_failed_chunk_answers_the_error_and_its_publishes_never_appear(tmp_pat
     real = store._log.append
     full = [True]
 
-    def append(data: bytes) -> None:
+    def append(data: list[bytes]) -> None:
         if full[0]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(data)
@@ -319,3 +319,27 @@ def test_without_threads_a_durable_store_commits_to_lmdb_each_turn(tmp_path):
     assert answers == [None]
     assert [body for _, _, body in records(store)] == expected(2)
     store.close()
+
+
+def test_the_log_writes_more_buffers_than_one_system_call_takes_in_their_order(tmp_path):
+    log = PublishLog(str(tmp_path / LOG_FILE))
+    pieces = [b"%05d" % i for i in range(2500)]  # more than IOV_MAX buffers
+    log.append(pieces)
+    log.append([b"end"])
+    assert (tmp_path / LOG_FILE).read_bytes() == b"".join(pieces) + b"end"
+    assert log.size == 5 * 2500 + 3
+    log.close()
+
+
+def test_a_short_write_of_the_log_is_completed_in_place(tmp_path, monkeypatch):
+    log = PublishLog(str(tmp_path / LOG_FILE))
+    log.append([b"head"])
+
+    def short(fd, buffers, offset):  # the kernel takes 3 bytes of the first buffer only
+        return os.pwrite(fd, bytes(buffers[0])[:3], offset)
+
+    monkeypatch.setattr(os, "pwritev", short)
+    log.append([b"abcdef", b"ghij"])
+    assert (tmp_path / LOG_FILE).read_bytes() == b"headabcdefghij"
+    assert log.size == 14
+    log.close()
