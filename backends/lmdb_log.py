@@ -66,14 +66,22 @@ def encode_chunk(epoch: int, puts: Iterable[Iterable[Message]], updates: Iterabl
     kilobytes, and joining them would copy the payload once more on the
     reactor.
     """
-    live = [m for batch in chain(puts, updates) for m in batch if m.key is not None]
+    pieces: list[bytes] = []
+    append = pieces.append
     put = PUT.pack
-    # m.state is a deferred message's due time (a float); None or a
-    # delivery's tuple mean 0.0 (Message.deferred_until, without the call).
-    heads = [put(_P, m.key, _HEAD_SIZE + len(m.data), m.timestamp, m.attempts & 0xFFFF,
-                 0.0 if (s := m.state) is None or s.__class__ is tuple else s) for m in live]
-    payload = b"".join(chain(chain.from_iterable(zip(heads, [m.data for m in live], strict=True)),
-                             [_D + key for key in dels]))
+    for batch in chain(puts, updates):
+        for m in batch:
+            key = m.key
+            if key is not None:
+                data = m.data
+                # m.state is a deferred message's due time (a float); None or
+                # a delivery's tuple mean 0.0 (Message.deferred_until, inline).
+                state = m.state
+                append(put(_P, key, _HEAD_SIZE + len(data), m.timestamp, m.attempts & 0xFFFF,
+                           0.0 if state is None or state.__class__ is tuple else state))
+                append(data)
+    pieces += [_D + key for key in dels]
+    payload = b"".join(pieces)
     return CHUNK.pack(MAGIC, epoch, len(payload), zlib.crc32(payload)), payload
 
 

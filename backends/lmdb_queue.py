@@ -269,23 +269,33 @@ class LmdbQueue:
         return out, last
 
     def finish(self, messages) -> None:
-        store = self._store
-        puts = store._puts
-        updates = store._updates
-        dels = store._dels
-        held = self._held
-        logged = store._log_dels
+        """The messages are done for good: forget their records, written or not.
+
+        A reader FINs every message, so this runs once per run of FINs and
+        works a step at a time over the whole run rather than message by
+        message: most records are not in LMDB yet (a checkpoint comes
+        every so often), and leave the pending puts without being written.
+        """
+        keys = [msg.key for msg in messages]
+        if None in keys:
+            keys = [key for key in keys if key is not None]
+            if not keys:
+                return
         for msg in messages:
-            key = msg.key
-            if key is None:
-                continue
             msg.key = None
-            updates.pop(key, None)
-            held.discard(key)
-            if puts.pop(key, None) is None:
-                dels.add(key)
-            if logged is not None:
-                logged.append(key)
+        store = self._store
+        updates = store._updates
+        if updates:
+            for key in keys:
+                updates.pop(key, None)
+        if self._held:
+            self._held.difference_update(keys)
+        pop = store._puts.pop
+        written = [key for key in keys if pop(key, None) is None]
+        if written:
+            store._dels.update(written)
+        if store._log_dels is not None:
+            store._log_dels += keys
         store._schedule()
 
     def update(self, messages) -> None:
