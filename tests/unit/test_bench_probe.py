@@ -88,6 +88,20 @@ def test_pub_sub_rdy_fin(factory, split):
     assert not reader.transport.disconnecting
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_a_pipelined_run_of_pubs_is_answered_and_delivered_in_order(factory, split):
+    writer, reader = Conn(factory), Conn(factory)
+    reader.request(cmd("SUB", "t", "c") + cmd("RDY", 10))
+    run = pub("t", b"1") + pub("t", b"2") + pub("u", b"x") + pub("t", b"3")
+    assert writer.request(run, split) == [ok()] * 4
+    assert [m.body for m in reader.request(b"")] == [b"1", b"2", b"3"]
+    # A run cut inside a body waits for the rest, then goes on.
+    tail = pub("t", b"4") + pub("t", b"five")
+    assert writer.request(tail[:-2]) == [ok()]
+    assert writer.request(tail[-2:]) == [ok()]
+    assert [m.body for m in reader.request(b"")] == [b"4", b"five"]
+
+
 def test_messages_before_the_channel_and_unfinished_ones_are_kept(factory):
     writer = Conn(factory)
     assert writer.request(mpub("t", [b"a", b"b"])) == [ok()]
