@@ -230,31 +230,44 @@ class OutputMixin:
             self.transport.write(data)
 
     def _ok_when_durable(self, verb: str, replies: int = 1) -> None:
+        """Answer `replies` publishes (`verb`: PUB, MPUB, DPUB) once the commit holding them is synced.
+
+        Held as one (verb, count) entry, not an entry per publish: a
+        pipelining publisher's read holds many, answered together.
+        """
         if self._held is None:
             self._held = []
             self.broker.store.when_durable(self._release)
-        self._held.extend([verb] * replies)
+        self._held.append((verb, replies))
 
     def _release(self, error: str | None) -> None:
-        """The commit holding this connection's publishes is synced (or failed)."""
+        """The commit holding this connection's publishes is synced (or failed).
+
+        Synced: each held publish gets its OK, in order with the frames
+        held behind them, in one write. Failed: the first held publish gets
+        the error, and the connection closes after it (as nsqd's does).
+        """
         held, self._held = self._held or [], None
         if self._obuf:
             self.flush_output()
         out: list[bytes] = []
         failed = False
         for item in held:
-            if isinstance(item, str):
+            if item.__class__ is tuple:
+                verb, count = item
                 if error is None:
-                    out.append(OK)
+                    out.append(OK * count)
                     continue
-                out.append(frame(FRAME_TYPE_ERROR, fatal(f"E_{item}_FAILED", f"{item} failed {error}").payload))
+                out.append(frame(FRAME_TYPE_ERROR, fatal(f"E_{verb}_FAILED", f"{verb} failed {error}").payload))
                 failed = True
                 break
             out.append(item)
-        if self._unsent:
-            self._unsent.extend(out)
-        else:
-            self.transport.writeSequence(out)
+        if out:
+            data = b"".join(out)
+            if self._unsent:
+                self._unsent.append(data)
+            else:
+                self.transport.write(data)
         if failed or self._close_after_release:
             self.lose_connection()
 
