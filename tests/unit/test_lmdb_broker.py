@@ -356,6 +356,31 @@ def test_durable_responses_stay_in_order_behind_ok(tmp_path, clock):
     broker.close()
 
 
+def test_durable_pipelined_publishes_get_an_ok_each_in_order_with_other_answers(tmp_path, clock):
+    broker = lmdb_broker(tmp_path, clock, durable=True)
+    c = Client(broker)
+    c.sub("t", "c")
+    c.send(pub("t", b"a") + pub("t", b"b") + mpub("t", [b"c", b"d"]) + cmd("FIN", b"0" * 16)
+           + pub("t", b"e") + pub("t", b"f"))
+    assert c.transport.value() == b""
+    clock.advance(0)
+    fin_failed = err("E_FIN_FAILED FIN 0000000000000000 failed ID not in flight")
+    assert c.read() == [ok(), ok(), ok(), fin_failed, ok(), ok()]
+    assert broker.topics["t"].channels["c"].depth() == 6
+    broker.close()
+
+
+def test_durable_failure_answers_the_first_of_a_pipelined_run_and_closes(tmp_path, clock):
+    broker = lmdb_broker(tmp_path, clock, durable=True)
+    p = Client(broker)
+    failing_once(broker.store)
+    p.send(pub("t", b"x") + pub("t", b"y") + pub("t", b"z"))
+    clock.advance(0)
+    assert p.read() == [err(f"E_PUB_FAILED PUB failed {FULL}")]
+    assert p.closed
+    broker.close()
+
+
 def test_durable_fatal_error_after_pub_waits_then_closes(tmp_path, clock):
     broker = lmdb_broker(tmp_path, clock, durable=True)
     p = Client(broker)
