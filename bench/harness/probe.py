@@ -39,14 +39,13 @@ import json
 import os
 import struct
 import sys
-import threading
 import time
 from collections import deque
 
 from twisted.internet import protocol
 from twisted.logger import globalLogBeginner, textFileLogObserver
 
-from backends.lmdb_log import PublishLog
+from bench.harness.turn_log import TurnLog
 from mqd.logs import get_logger
 
 log = get_logger("bench.probe")
@@ -342,24 +341,16 @@ class DurableLog:
     """The durable probe's log: a chunk per reactor turn, written and synced by a thread, then landed."""
 
     def __init__(self, reactor, path: str, size: int = 32 << 20) -> None:
-        self.reactor = reactor
-        # mqd's own log file: preallocated (when the disk has room), written in place, fdatasync'ed.
-        self.file = PublishLog(path, size)
-        self.size = size
-        self.pieces: list[bytes] = []
+        self.log = TurnLog(reactor, path, size, self._take, self._land)
         # Per turn: publishes answered per connection, messages landed per topic.
         self.answers: dict[ProbeProtocol, int] = {}
         self.landing: dict[Topic, list] = {}
-        self.turn = None
-        self.lock = threading.Lock()
-        self.outbox: list[tuple[bytes, list, list]] = []
-        self.writing = False
 
     def publish(self, proto: ProbeProtocol, topic: Topic, msgs: list[tuple[bytes, int, bytes]],
                 replies: int) -> None:
         """Log `msgs` for `topic`; once synced they are delivered and `proto` gets `replies` OKs."""
         pack = _LOG_RECORD.pack
-        append = self.pieces.append
+        append = self.log.pieces.append
         for mid, _, body in msgs:
             append(pack(len(body), mid))
             append(body)
@@ -370,42 +361,19 @@ class DurableLog:
             self.landing[topic] = msgs
         else:
             landing += msgs
-        self._end_of_turn()
+        self.log.turn()
 
     def finish(self, mid: bytes) -> None:
-        self.pieces.append(mid)
-        self._end_of_turn()
+        self.log.pieces.append(mid)
+        self.log.turn()
 
-    def _end_of_turn(self) -> None:
-        if self.turn is None:
-            self.turn = self.reactor.callLater(0, self._take_off)
-
-    def _take_off(self) -> None:
-        self.turn = None
-        chunk = (b"".join(self.pieces), self.answers, self.landing)
-        self.pieces, self.answers, self.landing = [], {}, {}
-        with self.lock:
-            self.outbox.append(chunk)
-            if self.writing:
-                return
-            self.writing = True
-        self.reactor.callInThread(self._write_out)
-
-    def _write_out(self) -> None:
-        while True:
-            with self.lock:
-                if not self.outbox:
-                    self.writing = False
-                    return
-                batch, self.outbox = self.outbox, []
-            data = [chunk[0] for chunk in batch]
-            if self.file.size + sum(map(len, data)) > self.size:
-                self.file.empty()  # no replay here: start over, in place
-            self.file.append(data)
-            self.reactor.callFromThread(self._land, batch)
+    def _take(self) -> tuple[dict, dict]:
+        taken = (self.answers, self.landing)
+        self.answers, self.landing = {}, {}
+        return taken
 
     def _land(self, batch: list) -> None:
-        for _, answers, landing in batch:
+        for answers, landing in batch:
             for topic, msgs in landing.items():
                 topic.put(msgs)
             for proto, count in answers.items():
