@@ -9,7 +9,7 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
 
-from mqd.nsqd.gcpolicy import GCPolicy
+from mqd.nsqd.gcpolicy import YOUNG_THRESHOLD, GCPolicy
 from mqd.options import MQD_OPTIONS, resolve
 
 INTERVAL = 300.0
@@ -59,15 +59,37 @@ def _frozen(objects) -> bool:
     return not ids & {id(o) for o in gc.get_objects()}
 
 
-def test_survivors_of_generation_1_collections_are_frozen_not_of_generation_0(policy):
+@pytest.mark.parametrize("generation", [0, 1, 2])
+def test_survivors_of_every_collection_are_frozen(policy, generation):
     kept = [Node() for _ in range(1000)]
-    gc.collect(0)
     tracked = {id(o) for o in gc.get_objects()}
-    assert all(id(n) in tracked for n in kept)  # a generation-0 survivor is not frozen
-    gc.collect(1)
+    assert all(id(n) in tracked for n in kept)  # young: the next collection traverses them
+    gc.collect(generation)
     assert _frozen(kept)
-    gc.collect(2)
     assert all(gc.is_tracked(n) for n in kept)
+
+
+def test_a_burst_freed_soon_after_sets_off_no_collection_and_growth_does(policy):
+    """A fan-out's copies, FINed a little later, cost no collection; a backlog building up still does."""
+    started: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.callbacks.append(count)
+    gc.enable()
+    try:
+        for _ in range(20):
+            burst = [Node() for _ in range(5_000)]  # CPython's own threshold (700) collects in each
+            del burst
+        assert started == []
+        backlog = [Node() for _ in range(YOUNG_THRESHOLD + 1_000)]
+        assert started == [0]
+    finally:
+        gc.disable()
+        gc.callbacks.remove(count)
+    assert _frozen(backlog[:1_000])  # alive at that collection: frozen, never traversed again
 
 
 def test_frozen_object_is_still_freed_by_reference_counting(policy):
@@ -97,12 +119,15 @@ def test_frozen_cycle_waits_for_the_thaw_then_is_reclaimed(policy):
 
 def test_stop_unhooks_unfreezes_and_cancels_the_thaw():
     callbacks = list(gc.callbacks)
+    threshold = gc.get_threshold()
     clock = Clock()
     svc = GCPolicy(clock, thaw_interval=INTERVAL)
     svc.startService()
     assert gc.get_freeze_count() > 0
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, *threshold[1:])
     svc.stopService()
     assert gc.callbacks == callbacks
+    assert gc.get_threshold() == threshold
     assert gc.get_freeze_count() == 0
     assert clock.getDelayedCalls() == []
     gc.collect(2)
