@@ -25,10 +25,10 @@ NSQ's bench that was about 5,000 collections in 8 s, a tenth of the
 reactor's CPU; at 50,000 a steady flow sets off none, and collections come
 with growth only: a backlog building up, or cyclic garbage, which is still
 reclaimed after at most 50,000 allocations. Survivors of generation-0
-collections are frozen too since then: with 50,000 young objects, the
-generation-1 collection every tenth of them would traverse 500,000, out
-of the cache, and a growing backlog was relayed at 0.86× of before that
-way (freezing them: 1.04×).
+collections are frozen too: left to generation 1, they would be traversed
+again by its collection, every tenth, over 500,000 objects out of the
+cache (a backlog building up was relayed at 0.86× of what it was with
+the threshold at 700 that way, and at 1.04× with them frozen).
 
 Frozen objects are still freed by reference counting; only cyclic garbage
 among them (a closed connection's protocol/transport cycle, a
