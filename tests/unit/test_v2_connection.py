@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from mqd.nsqd.protocol.v2 import MAX_LINE, STATE_INIT, STATE_SUBSCRIBED
@@ -391,3 +394,23 @@ def test_state_numbers(connect):
     assert c.proto.state == STATE_INIT
     c.sub()
     assert c.proto.state == STATE_SUBSCRIBED
+
+
+def test_a_fatal_error_leaves_no_reference_cycle(connect):
+    """The closed connection is freed by reference counting, not left for the cyclic collector.
+
+    The broker collects young objects only every 50,000 allocations, so a
+    cycle per failed connection (the error's traceback holding the frame
+    that held the error) would pile up under a stream of bad clients.
+    """
+    gc.disable()
+    try:
+        c = connect()
+        proto = weakref.ref(c.proto)
+        assert c.request(cmd("FOO")) == [err("E_INVALID invalid command FOO")]
+        assert c.closed
+        c.lose()
+        del c
+        assert proto() is None
+    finally:
+        gc.enable()

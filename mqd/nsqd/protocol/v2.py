@@ -207,7 +207,12 @@ class V2Protocol(FastPathMixin, PublishMixin, AuthorizeMixin, UpgradesMixin, Out
                 self._flush_pubs()
             except ProtocolError as publish_err:
                 failure = publish_err
-            self._fail(failure)
+            try:
+                self._fail(failure)
+            finally:
+                # The error's traceback holds this frame, which would hold
+                # the error: a cycle the collector frees only much later.
+                del failure
             return
         finally:
             if outermost:
