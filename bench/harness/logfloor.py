@@ -23,6 +23,7 @@ import os
 import struct
 import sys
 from collections import deque
+from itertools import islice
 
 from zope.interface import implementer
 
@@ -52,16 +53,20 @@ class FloorQueue:
 
     def put(self, messages) -> None:
         store = self._store
+        self._log_records(messages)
+        if not self._staged:
+            store._staged.append(self)
+        self._staged += messages
+
+    def _log_records(self, messages) -> None:
+        log = self._store.log
         pack = _RECORD.pack
-        append = store.log.pieces.append
+        append = log.pieces.append
         for m in messages:
             data = m.key = m.data  # a key: the broker hands it back to finish
             append(pack(len(data)))
             append(data)
-        if not self._staged:
-            store._staged.append(self)
-        self._staged += messages
-        store.log.turn()
+        log.turn()
 
     def _landed(self, msgs: list) -> None:
         self._items.extend(msgs)
@@ -72,7 +77,7 @@ class FloorQueue:
         return take(self._items, count)
 
     def peek(self, count: int) -> list:
-        return list(self._items)[:max(count, 0)]
+        return list(islice(self._items, max(count, 0)))
 
     def finish(self, messages) -> None:
         log = self._store.log
@@ -80,7 +85,8 @@ class FloorQueue:
         log.turn()
 
     def update(self, messages) -> None:
-        self.finish(messages)
+        """A requeue or a deferral rewrites the records: logged again, whole."""
+        self._log_records(messages)
 
     def hold(self, messages) -> bool:
         return False
