@@ -31,6 +31,7 @@ import backends
 from backends.interface import IBackendQueue, IBackendStore
 from backends.memory import take
 from bench.harness.turn_log import TurnLog
+from mqd.message import ID_SIZE
 
 NAME = "logfloor"
 # A published message in the log: data length (id and body), then the data.
@@ -81,7 +82,7 @@ class FloorQueue:
 
     def finish(self, messages) -> None:
         log = self._store.log
-        log.pieces += [m.data[:16] for m in messages]
+        log.pieces += [m.data[:ID_SIZE] for m in messages]
         log.turn()
 
     def update(self, messages) -> None:
@@ -148,6 +149,7 @@ class LogFloorStore:
 
     def close(self) -> None:
         self._queues.clear()
+        self.log.close()
 
 
 def main(argv: list[str] | None = None) -> None:

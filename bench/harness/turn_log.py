@@ -42,11 +42,27 @@ class TurnLog:
         self._lock = threading.Lock()
         self._outbox: list[tuple[bytes, object]] = []
         self._writing = False
+        self._closed = False
 
     def turn(self) -> None:
         """Something was logged: cut the chunk when this reactor turn ends."""
-        if self._call is None:
+        if self._call is None and not self._closed:
             self._call = self.reactor.callLater(0, self._take_off)
+
+    def close(self) -> None:
+        """Log nothing more: a chunk not cut yet is dropped, one being written lands, then the file closes.
+
+        Never waits: with the writer busy, the writer closes the file when
+        it is done, so its descriptor is not closed (and reused) under it.
+        """
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        with self._lock:
+            self._closed = True
+            if self._writing:
+                return
+        self.file.close()
 
     def _take_off(self) -> None:
         self._call = None
@@ -65,6 +81,8 @@ class TurnLog:
             with self._lock:
                 if not self._outbox:
                     self._writing = False
+                    if self._closed:
+                        self.file.close()
                     return
                 batch, self._outbox = self._outbox, []
             data = [chunk[0] for chunk in batch]
