@@ -37,9 +37,17 @@ class Message:
     lives on the message itself so that FIN/REQ/TOUCH are one dict lookup
     and the in-flight heap can drop entries lazily without a second index
     (an entry is live for the messages whose state is still its own).
+
+    `id_key` is the id as a bytes object of its own, made once for a
+    message that a topic copies to further channels and shared by all its
+    copies, or None: the in-flight tables of the channels then key their
+    deliveries by that one object, hashed once, instead of each cutting and
+    hashing an id of its own on every delivery. A message of a single
+    channel leaves it None and costs nothing more (the sixth slot fits the
+    same 80-byte allocation as five).
     """
 
-    __slots__ = ("data", "timestamp", "attempts", "state", "key")
+    __slots__ = ("data", "timestamp", "attempts", "state", "key", "id_key")
 
     def __init__(
         self,
@@ -69,6 +77,7 @@ class Message:
         # Where a store keeps this message until it is FINished; None for
         # messages only held in memory.
         self.key = None
+        self.id_key = None
 
     @property
     def id(self) -> bytes:
@@ -130,6 +139,7 @@ def new_messages(ids: list[bytes], bodies: list[bytes], timestamp: int) -> list[
         m.attempts = 0
         m.state = None
         m.key = None
+        m.id_key = None
         append(m)
     return out
 
@@ -141,12 +151,17 @@ def channel_copies(msgs: list[Message]) -> list[Message]:
     which is most of a many-channel broker's work: here each copy is built
     in one loop without a call per message (about 30% less time than
     `copy()`). The fields are `of`'s, for a copy that no channel has seen
-    yet: a delivery's state is not the copy's.
+    yet: a delivery's state is not the copy's. The original and every copy
+    share one `id_key`, made here on the first copy.
     """
     out = []
     append = out.append
     for m in msgs:
+        key = m.id_key
+        if key is None:
+            key = m.id_key = m.data[:ID_SIZE]
         c = _new(Message)
+        c.id_key = key
         c.data = m.data
         c.timestamp = m.timestamp
         c.attempts = m.attempts

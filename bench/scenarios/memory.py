@@ -241,10 +241,14 @@ def _build(count: int, size: int, batch: int) -> list:
 
 
 def _copy_to_second(queues: list) -> None:
-    """The second channel's copies (``Message.copy``: own object, shared id and body)."""
-    append = queues[1].mem.append
-    for msg in queues[0].mem:
-        append(msg.copy())
+    """The second channel's copies, as ``Topic._fan_out`` makes them (``channel_copies``).
+
+    Each is an object of its own sharing id and body; the first copy of a
+    message also makes the id key that all its copies share.
+    """
+    from mqd.message import channel_copies
+
+    queues[1].mem.extend(channel_copies(list(queues[0].mem)))
 
 
 def object_breakdown(count: int, size: int, batch: int) -> dict:
@@ -273,6 +277,7 @@ def object_breakdown(count: int, size: int, batch: int) -> dict:
         for k, v in parts.items()
     }
     copy_parts = {"Message copy": sys.getsizeof(sample), "deque slot": parts["deque slot"]}
+    id_key = pymalloc_block(sys.getsizeof(sample.id_key))
     del queues, sample
     gc.collect()
 
@@ -292,6 +297,7 @@ def object_breakdown(count: int, size: int, batch: int) -> dict:
         "pymalloc_total": sum(blocks.values()),
         "copy_getsizeof": copy_parts,
         "copy_pymalloc_total": pymalloc_block(copy_parts["Message copy"]) + copy_parts["deque slot"],
+        "id_key_pymalloc": id_key,
         "tracemalloc_first": (first - base) / n,
         "tracemalloc_second": (second - first) / n,
         "rss_first": per_message(rss0, rss1, n),
@@ -391,6 +397,8 @@ def report(
         lines += [
             f"| **first channel** | {objects['getsizeof_total']:,.1f} "
             f"| {objects['pymalloc_total']:,.1f} |",
+            f"| id key (made once, by the first copy, and shared by all copies) "
+            f"| - | {objects['id_key_pymalloc']:,.1f} |",
             f"| **each further channel** (Message copy + deque slot; id and body shared) "
             f"| {sum(objects['copy_getsizeof'].values()):,.1f} "
             f"| {objects['copy_pymalloc_total']:,.1f} |",

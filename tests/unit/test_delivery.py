@@ -308,6 +308,26 @@ def test_every_channel_gets_every_message(connect, publish):
     assert b.raw() == b""
 
 
+def test_a_fin_on_one_channel_leaves_the_other_channels_copy_in_flight(connect, publish, broker):
+    a = connect()
+    a.sub("t", "a", rdy=10)
+    b = connect()
+    b.sub("t", "b", rdy=10)
+    publish(b"1", b"2")
+    ma, mb = a.messages(), b.messages()
+    for m in ma:
+        a.fin(m)
+    assert a.raw() == b""
+    assert (channel_of(broker, channel="a").in_flight_count(),
+            channel_of(broker, channel="b").in_flight_count()) == (0, 2)
+    a.fin(ma[0])  # gone from a, whatever b still holds under the same id
+    assert b"E_FIN_FAILED" in a.raw()
+    for m in reversed(mb):
+        b.fin(m)
+    assert b.raw() == b""
+    assert channel_of(broker, channel="b").in_flight_count() == 0
+
+
 def test_clients_of_a_channel_share_its_messages(connect, publish, broker):
     a = connect()
     a.sub(rdy=200)

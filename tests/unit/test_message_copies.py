@@ -9,7 +9,8 @@ from mqd.message import Message, channel_copies, new_messages
 
 
 def slots(msg: Message) -> dict:
-    return {name: getattr(msg, name) for name in Message.__slots__}
+    """A message's fields, but for the id key its channel copies share (see below)."""
+    return {name: getattr(msg, name) for name in Message.__slots__ if name != "id_key"}
 
 
 @given(st.lists(st.tuples(st.binary(min_size=16, max_size=16), st.binary(max_size=64),
@@ -23,6 +24,16 @@ def test_channel_copies_are_what_copy_makes(fields):
     copies = channel_copies(originals)
     assert [slots(c) for c in copies] == [slots(m.copy()) for m in originals]
     assert all(c is not m and c.data is m.data for c, m in zip(copies, originals, strict=True))
+
+
+def test_a_message_and_its_channel_copies_share_one_id_key():
+    original = Message(b"0123456789abcdef", b"body", 1, 0)
+    assert original.id_key is None  # one channel: nothing is made for it
+    first = channel_copies([original])
+    second = channel_copies([original])
+    key = original.id_key
+    assert key == original.id
+    assert first[0].id_key is key and second[0].id_key is key
 
 
 def test_a_copy_counts_its_own_attempts():
