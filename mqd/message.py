@@ -81,7 +81,8 @@ class Message:
 
     @property
     def id(self) -> bytes:
-        return self.data[:ID_SIZE]
+        """The id: the object the channel copies share, else cut from `data`."""
+        return self.id_key or self.data[:ID_SIZE]
 
     @property
     def body(self) -> bytes:

@@ -281,8 +281,7 @@ class Channel:
             # number could not be packed into a frame nor a record.
             msg.attempts = (msg.attempts + 1) & 0xFFFF
             msg.state = delivery
-            # msg.id: the id its channel copies share, else cut from data.
-            in_flight[msg.id_key or msg.data[:16]] = msg
+            in_flight[msg.id_key or msg.data[:16]] = msg  # msg.id, without the property's call
         self._in_flight_pq.push_batch(batch, now + client.msg_timeout, delivery)
         n = len(batch)
         client.in_flight_count += n
