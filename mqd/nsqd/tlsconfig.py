@@ -8,13 +8,22 @@ the broker with one line instead of failing each handshake.
 
 from __future__ import annotations
 
+from twisted.internet.interfaces import IOpenSSLContextFactory
+from zope.interface import implementer
+
 from mqd.options import ConfigError
 
 __all__ = ["ServerTLS", "go_cipher_order", "server_tls"]
 
 
+@implementer(IOpenSSLContextFactory)
 class ServerTLS:
-    """A Twisted context factory (getContext) around one shared OpenSSL context."""
+    """A Twisted context factory (getContext) around one shared OpenSSL context.
+
+    It declares `IOpenSSLContextFactory`, which is how Twisted's TLS
+    wrapper (the HTTPS listener's `TLSMemoryBIOFactory`) knows it for a
+    context factory rather than guessing from its methods and warning.
+    """
 
     def __init__(self, context, required: str) -> None:
         self._context = context

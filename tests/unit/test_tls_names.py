@@ -8,10 +8,14 @@ here run pyOpenSSL in memory, client and server, with no sockets.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 from OpenSSL import SSL
+from twisted.internet.interfaces import IOpenSSLContextFactory
+from twisted.protocols.tls import TLSMemoryBIOFactory
+from zope.interface.verify import verifyObject
 
 from mqd.nsqd.tls_names import IANA_CIPHER_NAMES, iana_cipher_name, tls_version_name
 from mqd.nsqd.tlsconfig import go_cipher_order, server_tls
@@ -158,3 +162,13 @@ def test_broker_picks_the_suite_nsqd_picks(tmp_path, certs, max_version, ciphers
     tls = server_tls(settings(tmp_path, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key)))
     server = handshake(tls.getContext(), client_ctx(max_version, ciphers))
     assert (server.get_protocol_version_name(), server.get_cipher_name()) == want
+
+
+def test_broker_tls_is_a_declared_context_factory(tmp_path, certs):
+    """Twisted's TLS wrapper takes it as a context factory, with no legacy-factory warning."""
+    tls = server_tls(settings(tmp_path, tls_cert=str(certs.server_cert), tls_key=str(certs.server_key)))
+    assert verifyObject(IOpenSSLContextFactory, tls)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TLSMemoryBIOFactory(tls, False, None)
+    assert [str(w.message) for w in caught] == []
