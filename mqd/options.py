@@ -29,6 +29,7 @@ __all__ = [
     "parse_duration",
     "resolve",
     "to_endpoint",
+    "wildcard_port",
     "MQD_OPTIONS",
     "LOOKUPD_OPTIONS",
     "MQADMIN_OPTIONS",
@@ -157,6 +158,17 @@ def to_endpoint(address: str) -> str:
     if host in ("", "0.0.0.0"):
         return f"tcp:{port}"
     return f"tcp:{port}:interface={host}"
+
+
+def wildcard_port(address: str) -> int | None:
+    """The port of an address in nsqd's form that means every interface (`:4150`, `0.0.0.0:4150`, `[::]:4150`), else None.
+
+    Go listens on each of them with one socket for IPv6 and IPv4 alike.
+    """
+    m = _HOST_PORT.match(address)
+    if m is None or m.group(1) not in ("", "0.0.0.0", "[::]"):
+        return None
+    return int(m.group(2))
 
 
 def _parse_address(value: Any) -> str:

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import errno
 import re
+import socket
 import sys
 
 from twisted.application import service
-from twisted.internet import endpoints
-from twisted.internet.defer import DeferredList
+from twisted.internet import endpoints, tcp
+from twisted.internet.defer import DeferredList, fail, succeed
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.internet.posixbase import PosixReactorBase
 from twisted.python.failure import Failure
+from zope.interface import implementer
 
 from mqd.logs import get_logger
-from mqd.options import ConfigError, to_endpoint
+from mqd.options import ConfigError, to_endpoint, wildcard_port
 
-__all__ = ["BrokerService", "ListeningService", "listen_endpoint", "with_backlog"]
+__all__ = ["AnyInterfaceEndpoint", "BrokerService", "ListeningService", "listen_endpoint", "with_backlog"]
 
 log = get_logger(__name__)
 
@@ -31,12 +37,67 @@ def with_backlog(description: str, backlog: int) -> str:
     return f"{description}:backlog={backlog}"
 
 
+# What socket() or bind() on "::" fails with on a host without IPv6.
+_NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT)
+
+
+class _DualStackPort(tcp.Port):
+    """A TCP port on "::" that takes IPv4 connections too, whatever the host's net.ipv6.bindv6only says."""
+
+    def createInternetSocket(self):
+        skt = super().createInternetSocket()
+        skt.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        return skt
+
+
+@implementer(IStreamServerEndpoint)
+class AnyInterfaceEndpoint:
+    """Every interface, IPv6 and IPv4, on one socket: what nsqd's `0.0.0.0:PORT` and `:PORT` listen on.
+
+    Go listens on a wildcard address with one IPv6 socket that also takes
+    IPv4 (IPV6_V6ONLY off), and reports it as `[::]:4150`; so does this
+    endpoint, so that a client dialing `[::1]:4150` or a `localhost` that
+    resolves to ::1 reaches mqd as it reaches nsqd. On a host without IPv6
+    it listens on IPv4 alone (`0.0.0.0:4150`), as Go does. A reactor that
+    is not a real one (the tests' MemoryReactor) gets `listenTCP` on "::".
+    """
+
+    def __init__(self, reactor, port: int, backlog: int) -> None:
+        self._reactor = reactor
+        self._port = port
+        self._backlog = backlog
+
+    def listen(self, factory):
+        reactor = self._reactor
+        if not isinstance(reactor, PosixReactorBase):
+            return succeed(reactor.listenTCP(self._port, factory, self._backlog, "::"))
+        port = _DualStackPort(self._port, factory, self._backlog, "::", reactor)
+        try:
+            port.startListening()
+        except CannotListenError as e:
+            if getattr(e.socketError, "errno", None) not in _NO_IPV6:
+                return fail()
+            try:
+                return succeed(reactor.listenTCP(self._port, factory, self._backlog, ""))
+            except CannotListenError:
+                return fail()
+        return succeed(port)
+
+    def __repr__(self) -> str:
+        return f"AnyInterfaceEndpoint(port={self._port})"
+
+
 def listen_endpoint(reactor, address: str, backlog: int):
     """The server endpoint for a configured address (nsqd's or Twisted's form) with the listen backlog.
 
     Twisted listens with a backlog of 50 by default: a burst of connections
     beyond it is dropped by the kernel, where nsqd queues up to somaxconn.
+    nsqd's every-interface forms listen on IPv6 and IPv4 at once
+    (`AnyInterfaceEndpoint`).
     """
+    port = wildcard_port(address)
+    if port is not None:
+        return AnyInterfaceEndpoint(reactor, port, backlog)
     return endpoints.serverFromString(reactor, with_backlog(to_endpoint(address), backlog))
 
 

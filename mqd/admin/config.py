@@ -13,6 +13,7 @@ from mqd.http.endpoint import read_body
 from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
 from mqd.logs import get_logger, set_log_level
 from mqd.options import MQADMIN_OPTIONS
+from mqd.peers import peer_host
 
 __all__ = ["AdminConfig"]
 
@@ -24,9 +25,9 @@ _CONFIG_READ_MAX = 1024 * 1024 + 1
 _OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS}
 
 
-def _client_ip(request: Request) -> str | None:
-    address = request.getClientAddress()
-    return getattr(address, "host", None)
+def _client_ip(request: Request) -> str:
+    """The client's IP as nsqadmin parses it from req.RemoteAddr: IPv4 clients of a dual-stack listener as IPv4."""
+    return peer_host(request.getClientAddress())
 
 
 class AdminConfig(AdminEndpoint):
@@ -44,13 +45,11 @@ class AdminConfig(AdminEndpoint):
             return
         host = _client_ip(request)
         try:
-            ip = ipaddress.ip_address(host or "")
+            ip = ipaddress.ip_address(host)
         except ValueError:
             log.error("failed to parse RemoteAddr {addr}", addr=request.getClientAddress())
             raise ApiError(400, "INVALID_REMOTE_ADDR") from None
         network = ipaddress.ip_network(cidr, strict=False)
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and network.version == 4:
-            ip = ip.ipv4_mapped
         if ip not in network:
             raise ApiError(403, "FORBIDDEN")
 

@@ -10,6 +10,7 @@ from twisted.web.server import Request
 
 from mqd.clusterinfo.upstream import error_text, reason_of
 from mqd.http.response import dumps
+from mqd.http.router import client_of
 from mqd.logs import get_logger
 
 __all__ = ["MAX_PENDING_NOTIFICATIONS", "Notifier"]
@@ -18,15 +19,6 @@ log = get_logger(__name__)
 
 # Events waiting for the notification endpoint; beyond this they are dropped (and counted).
 MAX_PENDING_NOTIFICATIONS = 1000
-
-
-def _remote_addr(request: Request) -> str:
-    """Go's req.RemoteAddr: `ip:port` (`[ip]:port` for IPv6)."""
-    address = request.getClientAddress()
-    host, port = getattr(address, "host", None), getattr(address, "port", None)
-    if host is None:
-        return ""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _header(request: Request, name: str) -> str:
@@ -73,7 +65,7 @@ class Notifier:
         user = request.getUser().decode("utf-8", "replace") or _header(request, self.acl_header)
         if user:
             event["user"] = user
-        event["remote_ip"] = _remote_addr(request)
+        event["remote_ip"] = client_of(request)
         event["user_agent"] = _header(request, "User-Agent")
         event["url"] = f"{'https' if secure else 'http'}://{host}{request.uri.decode('utf-8', 'replace')}"
         event["via"] = self.via

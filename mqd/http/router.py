@@ -24,6 +24,7 @@ from mqd.http.args import BAD_ESCAPE
 from mqd.http.endpoint import Endpoint
 from mqd.http.response import respond_v1
 from mqd.logs import get_logger
+from mqd.peers import remote_address
 
 __all__ = ["ApiSite", "CappedBody", "Router", "client_of"]
 
@@ -166,6 +167,5 @@ class ApiSite(server.Site):
 
 
 def client_of(request: server.Request) -> str:
-    peer = request.getClientAddress()
-    host = getattr(peer, "host", None)
-    return f"{host}:{peer.port}" if host is not None else str(peer)
+    """The client as Go's req.RemoteAddr writes it (`ip:port`, `[ip]:port` for IPv6)."""
+    return remote_address(request.getClientAddress())

@@ -33,6 +33,7 @@ from zope.interface import implementer
 from mqd.logs import get_logger
 from mqd.lookup.registry import PeerInfo, Producer, Registration, RegistrationDB
 from mqd.names import EPHEMERAL_SUFFIX, is_valid_name
+from mqd.peers import remote_address
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
 
@@ -88,10 +89,8 @@ class LookupdProtocol(Protocol):
 
     def connectionMade(self) -> None:
         peer = self.transport.getPeer()
-        host = getattr(peer, "host", str(peer))
-        port = getattr(peer, "port", 0)
         # Go's net.Addr String(): the peer id and remote_address.
-        self.peer_id = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.peer_id = remote_address(peer)
         self.peer: PeerInfo | None = None
         self._buf = b""
         self._magic = False

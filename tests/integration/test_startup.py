@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from tests.support.processes import FAST_SCAN, child_env, twistd_command
+from tests.support.ipv6 import host_has_ipv6_loopback
+from tests.support.processes import FAST_SCAN, child_env, http_request, twistd_command
 from tests.support.pynsq_loop import Collector
 from tests.support.raw_conn import RawConn, command
 from tests.support.v2_frames import mpub_body
@@ -122,7 +126,6 @@ def test_bad_flag_stops_start_up_with_one_line(tmp_path):
 
 
 def test_port_in_use_stops_start_up_with_one_line(tmp_path):
-    import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -172,3 +175,33 @@ def test_sigterm_shuts_down_cleanly_and_writes_metadata(start_broker, loop, name
     # The consumer was disconnected by the shutdown, not left hanging.
     loop.run_until(lambda: not any(c.connected() for r in loop.clients for c in r.conns.values()),
                    what="the Reader to see the connection close")
+
+
+def test_every_interface_means_ipv6_and_ipv4_as_for_nsqd(start_broker, name):
+    """`0.0.0.0:PORT` and `:PORT` listen on IPv6 and IPv4 at once, logged as `[::]:PORT`.
+
+    nsqd's Go listener on a wildcard address is one IPv6 socket that also
+    takes IPv4; its clients appear in /stats as Go writes their addresses.
+    On a host without IPv6 both listen on IPv4 alone, as nsqd's do.
+    """
+    broker = start_broker("--tcp-address=0.0.0.0:0", "--http-address=:0", addresses=False)
+    ipv6 = host_has_ipv6_loopback()
+    assert broker.tcp_host == broker.http_host == ("[::]" if ipv6 else "0.0.0.0")
+    topic = name()
+    expected = {}
+    conns = []
+    for host in ("127.0.0.1", "::1") if ipv6 else ("127.0.0.1",):
+        conn = RawConn(SimpleNamespace(tcp_host=host, tcp_port=broker.tcp_port))
+        conns.append(conn)
+        conn.send(command(f"SUB {topic} ch"))
+        assert conn.read_frame() == (0, b"OK")
+        ip, port = conn.sock.getsockname()[:2]
+        expected[f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"] = ip
+    for http_host in ("127.0.0.1", "[::1]") if ipv6 else ("127.0.0.1",):
+        status, raw = http_request(f"{http_host}:{broker.http_port}", "GET",
+                                   f"/stats?format=json&topic={topic}")
+        assert status == 200
+        clients = json.loads(raw)["topics"][0]["channels"][0]["clients"]
+        assert {c["remote_address"]: c["client_id"] for c in clients} == expected
+    for conn in conns:
+        conn.close()

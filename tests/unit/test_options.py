@@ -8,7 +8,14 @@ from twisted.internet.testing import MemoryReactor
 from twisted.python import usage
 
 from mqd.nsqd.tap import Options
-from mqd.options import MQD_OPTIONS, ConfigError, parse_duration, resolve, to_endpoint
+from mqd.options import (
+    MQD_OPTIONS,
+    ConfigError,
+    parse_duration,
+    resolve,
+    to_endpoint,
+    wildcard_port,
+)
 
 
 def write(tmp_path, text: str, name="mqd.yaml") -> str:
@@ -203,6 +210,16 @@ def test_to_endpoint(address, endpoint):
 def test_to_endpoint_rejects(address):
     with pytest.raises(ValueError):
         to_endpoint(address)
+
+
+@pytest.mark.parametrize("address, port", [
+    (":4150", 4150), ("0.0.0.0:4151", 4151), ("0.0.0.0:0", 0), ("[::]:4152", 4152),
+    ("127.0.0.1:4150", None), ("[::1]:4150", None),
+    ("tcp:4150", None), ("/tmp/x.sock", None),
+])
+def test_every_interface_forms_of_nsqd(address, port):
+    """The addresses that nsqd listens on with one IPv6 socket taking IPv4 too."""
+    assert wildcard_port(address) == port
 
 
 def test_endpoints_parse_in_twisted():

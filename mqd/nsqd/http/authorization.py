@@ -42,6 +42,7 @@ from twisted.web.server import Request
 
 from mqd.http.response import ApiError
 from mqd.logs import get_logger
+from mqd.peers import peer_host
 
 if TYPE_CHECKING:
     from mqd.nsqd.auth import AuthClient, AuthState
@@ -77,7 +78,8 @@ def bearer_secret(request: Request) -> str:
 
 def _remote_ip(request: Request) -> str:
     """The client's IP as AUTH reports it; "" for a unix socket peer."""
-    return getattr(request.getClientAddress(), "host", None) or ""
+    address = request.getClientAddress()
+    return peer_host(address) if hasattr(address, "host") else ""
 
 
 def _common_name(request: Request) -> str:

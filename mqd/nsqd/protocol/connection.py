@@ -17,6 +17,7 @@ from mqd.logs import get_logger
 from mqd.nsqd.protocol.identify import Negotiated
 from mqd.nsqd.protocol.params import MAX_LINE
 from mqd.nsqd.protocol.publish import mpub_limit
+from mqd.peers import peer_host, remote_address
 
 __all__ = ["ConnectionState", "STATE_INIT", "STATE_SUBSCRIBED", "STATE_CLOSING"]
 
@@ -142,10 +143,9 @@ class ConnectionState:
         if hasattr(self.transport, "setTcpNoDelay"):
             self.transport.setTcpNoDelay(True)
         peer = self.transport.getPeer()
-        host = getattr(peer, "host", None) or str(getattr(peer, "name", "") or "")
-        port = getattr(peer, "port", None)
-        self.remote_address = f"{host}:{port}" if port is not None else host
-        if port is not None:
+        host = peer_host(peer)
+        self.remote_address = remote_address(peer)
+        if hasattr(peer, "port"):
             self._remote_ip = host
         self.client_id = self.hostname = host
         self.connect_ts = int(self.clock.seconds())
