@@ -126,7 +126,6 @@ def test_bad_flag_stops_start_up_with_one_line(tmp_path):
 
 
 def test_port_in_use_stops_start_up_with_one_line(tmp_path):
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
