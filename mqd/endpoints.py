@@ -1,4 +1,4 @@
-"""Client endpoints for `host:port` addresses, shared by the broker and the NSQ client.
+"""`host:port` addresses, shared by every daemon and the NSQ client: client endpoints, and Go's JoinHostPort.
 
 Here rather than with either of them so that the client (which Spark
 executors and the tools load) does not import the broker to dial one.
@@ -9,9 +9,16 @@ from __future__ import annotations
 from twisted.internet import endpoints
 from twisted.internet.abstract import isIPAddress
 
-__all__ = ["DIAL_TIMEOUT", "client_endpoint"]
+__all__ = ["DIAL_TIMEOUT", "client_endpoint", "join_host_port"]
 
 DIAL_TIMEOUT = 1.0  # nsqd's dial timeout to lookupds
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """`host:port`, an IPv6 host in brackets (Go's net.JoinHostPort)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 def client_endpoint(reactor, address: str, timeout: float = DIAL_TIMEOUT, bind_address=None):

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["host_port", "peer_host", "remote_address"]
+from mqd.endpoints import join_host_port
+
+__all__ = ["peer_host", "remote_address"]
 
 _MAPPED = "::ffff:"
 
@@ -32,13 +34,8 @@ def peer_host(address) -> str:
     return host
 
 
-def host_port(host: str, port: int) -> str:
-    """`host:port`, with an IPv6 host in brackets, as Go's net.JoinHostPort."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def remote_address(address) -> str:
     """Go's `net.Addr` String() for a peer: `ip:port`, `[ip]:port`, or a UNIX socket's path."""
     host = peer_host(address)
     port = getattr(address, "port", None)
-    return host if port is None else host_port(host, port)
+    return host if port is None else join_host_port(host, port)

@@ -16,6 +16,7 @@ from twisted.internet.posixbase import PosixReactorBase
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from mqd.endpoints import join_host_port
 from mqd.logs import get_logger
 from mqd.options import ConfigError, to_endpoint, wildcard_port
 
@@ -139,7 +140,7 @@ class ListeningService(service.Service):
         self.port = port
         host = port.getHost()
         if hasattr(host, "port"):
-            address = f"[{host.host}]:{host.port}" if ":" in host.host else f"{host.host}:{host.port}"
+            address = join_host_port(host.host, host.port)
             self.ports[self.label] = host.port
         else:
             address = str(getattr(host, "name", host))

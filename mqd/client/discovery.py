@@ -41,10 +41,11 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from mqd.client.errors import ClientConfigError
+from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 
-__all__ = ["LookupdPoller", "lookup_url", "producer_addresses", "join_host_port", "ACCEPT"]
+__all__ = ["LookupdPoller", "lookup_url", "producer_addresses", "ACCEPT"]
 
 log = get_logger("mqd.client")
 
@@ -58,13 +59,6 @@ MAX_RESPONSE_SIZE = 16 * 1024 * 1024
 
 class LookupdError(Exception):
     """A lookupd answered something other than a usable `/lookup` document."""
-
-
-def join_host_port(host: str, port: int | str) -> str:
-    """`host:port`, an IPv6 host in brackets (Go's net.JoinHostPort)."""
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
 
 
 def lookup_url(address: str, topic: str) -> str:

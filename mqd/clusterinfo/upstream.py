@@ -40,6 +40,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.options import ConfigError
@@ -95,9 +96,7 @@ class UpstreamError(Exception):
         if reason == "connection refused":
             parts = urlsplit(self.url)
             port = parts.port or (443 if parts.scheme == "https" else 80)
-            host = parts.hostname or ""
-            host = f"[{host}]" if ":" in host else host
-            reason = go_refused(f"{host}:{port}")
+            reason = go_refused(join_host_port(parts.hostname or "", port))
         return f'{self.method.capitalize()} "{self.url}": {reason}'
 
 

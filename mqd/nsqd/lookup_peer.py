@@ -46,7 +46,7 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
 from mqd import NSQ_VERSION
-from mqd.endpoints import client_endpoint
+from mqd.endpoints import client_endpoint, join_host_port
 from mqd.logs import get_logger
 from mqd.names import is_valid_name
 from mqd.wire.errors import GoStruct
@@ -279,7 +279,7 @@ class LookupPeer:
         host, port = info.get("broadcast_address"), info.get("http_port")
         if not host or not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             return None
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return join_host_port(host, port)
 
 
 def channels_answer(body: bytes) -> list[str]:

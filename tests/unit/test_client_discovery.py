@@ -20,11 +20,11 @@ from mqd.client.discovery import (
     ACCEPT,
     MAX_RESPONSE_SIZE,
     LookupdPoller,
-    join_host_port,
     lookup_url,
     producer_addresses,
 )
 from mqd.client.errors import ClientConfigError
+from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 
 

@@ -8,10 +8,11 @@ import pytest
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.testing import StringTransport
 
+from mqd.endpoints import join_host_port
 from mqd.lookup.protocol import LookupdFactory
 from mqd.lookup.registry import RegistrationDB
 from mqd.nsqd.protocol.v2 import V2Factory
-from mqd.peers import host_port, peer_host, remote_address
+from mqd.peers import peer_host, remote_address
 from tests.support.v2_frames import MAGIC
 
 
@@ -33,9 +34,9 @@ def test_hosts_and_addresses_as_go_writes_them(address, host, remote):
 
 
 def test_host_port_brackets_ipv6_only():
-    assert host_port("127.0.0.1", 1) == "127.0.0.1:1"
-    assert host_port("example.com", 2) == "example.com:2"
-    assert host_port("2001:db8::1", 3) == "[2001:db8::1]:3"
+    assert join_host_port("127.0.0.1", 1) == "127.0.0.1:1"
+    assert join_host_port("example.com", 2) == "example.com:2"
+    assert join_host_port("2001:db8::1", 3) == "[2001:db8::1]:3"
 
 
 def test_broker_connection_of_a_mapped_ipv4_client(broker):
