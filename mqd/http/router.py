@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import io
 import posixpath
+import re
 from collections.abc import Mapping
 from urllib.parse import unquote_to_bytes
 
@@ -26,7 +27,7 @@ from mqd.http.response import respond_v1
 from mqd.logs import get_logger
 from mqd.peers import remote_address
 
-__all__ = ["ApiSite", "CappedBody", "Router", "client_of"]
+__all__ = ["ApiSite", "CappedBody", "Router", "client_of", "origin_path"]
 
 log = get_logger(__name__)
 
@@ -75,7 +76,7 @@ class Router(resource.Resource):
     # -- twisted.web ----------------------------------------------------------------
 
     def render(self, request: server.Request) -> bytes | int:
-        raw_path = request.path
+        raw_path = origin_path(request.path)
         if BAD_ESCAPE.search(raw_path):
             # Go's server refuses a request line it cannot decode before any handler runs.
             request.setResponseCode(400)
@@ -99,6 +100,22 @@ class Router(resource.Resource):
                 return b""
             return respond_v1(request, 405, "METHOD_NOT_ALLOWED")
         return respond_v1(request, 404, "NOT_FOUND")
+
+
+_ABSOLUTE_FORM = re.compile(rb"^[A-Za-z][A-Za-z0-9+.-]*://[^/]*")
+
+
+def origin_path(raw_path: bytes) -> bytes:
+    """The path of a request target, also when it is in absolute form.
+
+    HTTP/1.1 lets a client send `GET http://host:4151/stats` (as through a
+    proxy); Go's server routes it by its path, as every server must, where
+    twisted.web leaves the scheme and authority in `request.path`.
+    """
+    absolute = _ABSOLUTE_FORM.match(raw_path)
+    if absolute is None:
+        return raw_path
+    return raw_path[absolute.end():] or b"/"
 
 
 def _clean_path(path: str) -> str:

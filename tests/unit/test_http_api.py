@@ -6,6 +6,7 @@ import pytest
 
 from mqd.http.args import Query, go_parse_bool, parse_query
 from mqd.http.response import ApiError
+from mqd.http.router import origin_path
 from mqd.nsqd.http import status as status_module
 from tests.support.http_client import HTTPClient, error
 
@@ -100,6 +101,25 @@ def test_options_lists_the_methods(http):
 def test_near_miss_paths_redirect_as_httprouter(http, method, path, code, location):
     r = http.request(method, path, b"x" if method == "POST" else None)
     assert (r.status, r.header("Location")) == (code, location)
+
+
+def test_absolute_form_target_is_routed_by_its_path(http, broker):
+    """HTTP/1.1's absolute form (a proxy's request line) reaches the same route as Go's server sends it."""
+    assert http.get("http://127.0.0.1:4151/ping").body == b"OK"
+    assert (http.post("HTTP://anything/pub?topic=abs", b"m").status, broker.topics["abs"].message_count) == (200, 1)
+    assert http.get("http://127.0.0.1:4151/PING").header("Location") == "/ping"
+    assert error(http.get("http://127.0.0.1:4151")) == (404, "NOT_FOUND")
+
+
+@pytest.mark.parametrize(("target", "path"), [
+    (b"/stats", b"/stats"),
+    (b"http://h:4151/stats", b"/stats"),
+    (b"https://h/a/b", b"/a/b"),
+    (b"http://h", b"/"),
+    (b"/http://h/x", b"/http://h/x"),
+])
+def test_origin_path_of_every_target_form(target, path):
+    assert origin_path(target) == path
 
 
 def test_no_redirect_to_a_route_without_the_method(http):
