@@ -13,7 +13,8 @@ from mqd.options import MQD_OPTIONS, Settings, resolve
 from mqd.wire.errors import ProtocolError
 
 # A connection's settings before any IDENTIFY (nsqd's defaults).
-CURRENT = {"heartbeat_interval": 30.0, "output_buffer_size": 16 * 1024, "output_buffer_timeout": 0.25}
+CURRENT = {"heartbeat_interval": 30.0, "output_buffer_size": 16 * 1024, "output_buffer_timeout": 0.25,
+           "msg_timeout": 60.0}
 
 
 def options(**flags: Any) -> Settings:
@@ -57,8 +58,9 @@ def test_an_empty_request_keeps_the_connection_settings_and_is_answered_ok():
 
 def test_a_zero_keeps_what_an_earlier_identify_set():
     got = negotiate(options(), request(), heartbeat_interval=5.0, output_buffer_size=100,
-                    output_buffer_timeout=1.0, tls_available=False, auth_required=False)
+                    output_buffer_timeout=1.0, msg_timeout=2.0, tls_available=False, auth_required=False)
     assert (got.heartbeat_interval, got.output_buffer_size, got.output_buffer_timeout) == (5.0, 100, 1.0)
+    assert got.msg_timeout == 2.0
 
 
 def test_the_client_names_are_taken_as_sent():
@@ -180,9 +182,21 @@ def test_deflate_level_defaults_to_6_and_is_capped_by_the_broker(asked, level):
     assert settle(feature_negotiation=True, deflate=True, deflate_level=asked).deflate_level == level
 
 
+@pytest.mark.parametrize(("max_level", "answered"), [(6, 6), (4, 4)])
+def test_a_level_without_deflate_is_answered_as_the_default(max_level, answered):
+    got = settle(opts=options(max_deflate_level=max_level), feature_negotiation=True, deflate_level=2)
+    assert (got.deflate, got.response["deflate_level"]) == (False, answered)
+
+
 def test_both_compressions_are_refused_after_the_settings_are_taken():
     got = settle(feature_negotiation=True, snappy=True, deflate=True, heartbeat_interval=-1)
     assert got.refused is not None and got.refused.fatal
     assert got.refused.payload == b"E_IDENTIFY_FAILED cannot enable both deflate and snappy compression"
     assert got.heartbeat_interval == 0.0
     assert got.deflate_level is None
+
+
+def test_without_feature_negotiation_both_compressions_are_not_refused():
+    got = settle(snappy=True, deflate=True)
+    assert got.refused is None and not got.upgrades
+    assert got.answer() == b"OK"

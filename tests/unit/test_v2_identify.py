@@ -82,7 +82,7 @@ def test_negotiated_client_values(connect):
         "sample_rate": 10,
         "output_buffer_size": 1024,
         "output_buffer_timeout": 100,
-        "deflate_level": 3,
+        "deflate_level": 6,  # a level counts only when deflate is on
     }
     p = c.proto
     assert (p.msg_timeout, p.sample_rate, p.heartbeat_interval) == (5.0, 10, 10.0)
@@ -152,6 +152,13 @@ def test_second_identify_in_init_is_accepted(connect):
     assert c.request(identify(client_id="a")) == [ok()]
     assert c.request(identify(client_id="b")) == [ok()]
     assert c.proto.client_id == "b"
+
+
+def test_second_identify_keeps_the_timeouts_the_first_one_set(connect):
+    c = connect()
+    negotiate(c, msg_timeout=1000, heartbeat_interval=2000)
+    got = negotiate(c, client_id="again")
+    assert (got["msg_timeout"], c.proto.msg_timeout, c.proto.heartbeat_interval) == (1000, 1.0, 2.0)
 
 
 @pytest.mark.parametrize(

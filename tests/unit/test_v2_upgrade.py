@@ -32,13 +32,19 @@ def compressed_start(c: Client) -> bytes:
     return c.raw()
 
 
-@pytest.mark.parametrize("fields", [{"feature_negotiation": True}, {}], ids=["negotiated", "plain"])
-def test_both_compressions_fail(connect, fields):
+def test_both_compressions_fail(connect):
     c = connect()
-    assert c.request(identify(**fields, snappy=True, deflate=True)) == [
+    assert c.request(identify(feature_negotiation=True, snappy=True, deflate=True)) == [
         err("E_IDENTIFY_FAILED cannot enable both deflate and snappy compression")
     ]
     assert c.closed
+
+
+def test_both_compressions_without_feature_negotiation_are_ok_and_upgrade_nothing(connect):
+    c = connect()
+    assert c.request(identify(snappy=True, deflate=True)) == [ok()]
+    assert c.request(cmd("NOP")) == []
+    assert not c.closed and not c.proto.snappy and not c.proto.deflate
 
 
 def test_no_upgrade_without_feature_negotiation(connect):

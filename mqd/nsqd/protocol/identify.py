@@ -89,6 +89,7 @@ def negotiate(
     heartbeat_interval: float,
     output_buffer_size: int,
     output_buffer_timeout: float,
+    msg_timeout: float,
     tls_available: bool,
     auth_required: bool,
 ) -> Negotiated:
@@ -134,13 +135,13 @@ def negotiate(
     if not 0 <= sample_rate <= 99:
         raise fatal("E_BAD_BODY", f"IDENTIFY sample rate ({sample_rate}) is invalid")
 
-    msg_timeout = request["msg_timeout"]
-    if msg_timeout == 0:
-        client_msg_timeout = options.msg_timeout
-    elif 1000 <= msg_timeout <= options.max_msg_timeout * 1000:
-        client_msg_timeout = msg_timeout / 1000
+    asked_timeout = request["msg_timeout"]
+    if asked_timeout == 0:
+        pass
+    elif 1000 <= asked_timeout <= options.max_msg_timeout * 1000:
+        msg_timeout = asked_timeout / 1000
     else:
-        raise fatal("E_BAD_BODY", f"IDENTIFY msg timeout ({msg_timeout}) is invalid")
+        raise fatal("E_BAD_BODY", f"IDENTIFY msg timeout ({asked_timeout}) is invalid")
 
     settings = {
         "client_id": request["client_id"],
@@ -152,25 +153,28 @@ def negotiate(
         "output_buffer_size": output_buffer_size,
         "output_buffer_timeout": output_buffer_timeout,
         "sample_rate": sample_rate,
-        "msg_timeout": client_msg_timeout,
+        "msg_timeout": msg_timeout,
     }
 
+    if not request["feature_negotiation"]:
+        # As nsqd: without feature negotiation nothing is upgraded, so
+        # nothing is checked either (snappy and deflate together is OK).
+        return Negotiated(**settings)
     tls_v1 = tls_available and request["tls_v1"]
     deflate = options.deflate and request["deflate"]
     snappy = options.snappy and request["snappy"]
     if deflate and snappy:
         return Negotiated(**settings, refused=fatal(
             "E_IDENTIFY_FAILED", "cannot enable both deflate and snappy compression"))
-    if not request["feature_negotiation"]:
-        # As nsqd: without feature negotiation nothing is upgraded.
-        return Negotiated(**settings)
-    deflate_level = request["deflate_level"] if request["deflate_level"] > 0 else 6
+    # A level asked for counts only with deflate on; the answer says 6
+    # (capped) otherwise, as nsqd's does.
+    deflate_level = request["deflate_level"] if deflate and request["deflate_level"] > 0 else 6
     deflate_level = min(deflate_level, options.max_deflate_level)
     response = {
         "max_rdy_count": options.max_rdy_count,
         "version": NSQ_VERSION,
         "max_msg_timeout": int(options.max_msg_timeout * 1000),
-        "msg_timeout": int(client_msg_timeout * 1000),
+        "msg_timeout": int(msg_timeout * 1000),
         "tls_v1": tls_v1,
         "deflate": deflate,
         "deflate_level": deflate_level,
