@@ -26,7 +26,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from twisted.internet.interfaces import IPushProducer
+from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from zope.interface import implementer
 
@@ -81,7 +81,7 @@ def _peer_fields(body: bytes) -> dict[str, Any]:
     return fields
 
 
-@implementer(IPushProducer)
+@implementer(IHalfCloseableProtocol, IPushProducer)
 class LookupdProtocol(Protocol):
     """One broker's connection: magic, commands, and its registrations' lifetime."""
 
@@ -150,6 +150,27 @@ class LookupdProtocol(Protocol):
                 response = self._execute(params)
                 if response is not None:
                     self._send(response)
+
+    def readConnectionLost(self) -> None:
+        """IHalfCloseableProtocol: the peer sent its last byte; answer what it sent, then close.
+
+        Every whole command is answered by now (Twisted would otherwise
+        drop the connection before those answers are written). An IDENTIFY
+        cut short gets nsqlookupd's error for it; a partial command line is
+        dropped without one, as nsqlookupd's line reader drops it.
+        """
+        if self._closing:
+            return
+        if self._identifying:
+            what = "body size" if len(self._buf) < 4 else "body"
+            error = _Fatal("E_BAD_BODY", f"IDENTIFY failed to read {what}")
+            log.error("[{peer}] - {error}", peer=self.peer_id, error=str(error))
+            self._close_with(str(error).encode())
+        else:
+            self._lose()
+
+    def writeConnectionLost(self) -> None:
+        """IHalfCloseableProtocol: mqlookupd never half-closes its side; nothing to do."""
 
     def _execute(self, params: list[str]) -> bytes | None:
         command = params[0]

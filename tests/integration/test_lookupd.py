@@ -64,6 +64,15 @@ def test_register_then_query_over_http(lookupd):
     assert lookupd.get("/lookup?topic=nope") == (404, {"message": "TOPIC_NOT_FOUND"})
 
 
+def test_commands_before_a_half_close_are_answered(lookupd):
+    with socket.create_connection((lookupd.tcp_host, lookupd.tcp_port), timeout=5) as sock:
+        sock.sendall(b"  V1PING\nPING\nIDENTIFY\n\x00\x00")
+        sock.shutdown(socket.SHUT_WR)
+        assert [_read_frame(sock) for _ in range(3)] == [
+            b"OK", b"OK", b"E_BAD_BODY IDENTIFY failed to read body size"]
+        assert sock.recv(1) == b""
+
+
 def test_restart_forgets_and_stops_cleanly(lookupd):
     assert lookupd.post("/topic/create?topic=t") == 200
     assert lookupd.get("/topics") == (200, {"topics": ["t"]})

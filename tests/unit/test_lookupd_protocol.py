@@ -73,6 +73,22 @@ def test_identify_in_pieces(connect):
     assert out.endswith(frame(b"OK")) and out.startswith(b"\x00\x00\x00")
 
 
+def test_a_half_close_after_whole_commands_closes_quietly(connect):
+    conn = connect()
+    assert conn.send(b"PING\n") == frame(b"OK")
+    conn.proto.readConnectionLost()
+    assert conn.closed and conn.transport.value() == b""
+
+
+@pytest.mark.parametrize(("cut", "what"), [(b"\x00\x00", b"body size"), (sized(b'{"tcp_port"')[:9], b"body")])
+def test_an_identify_cut_short_by_a_half_close_is_a_bad_body(connect, cut, what):
+    conn = connect()
+    assert conn.send(b"IDENTIFY\n" + cut) == b""
+    conn.proto.readConnectionLost()
+    assert conn.transport.value() == frame(b"E_BAD_BODY IDENTIFY failed to read " + what)
+    assert conn.closed
+
+
 def test_identify_twice_is_fatal(connect):
     conn = connect()
     conn.identify()

@@ -389,6 +389,40 @@ def test_disconnected_consumer_messages_requeued_at_once(connect, broker):
     assert scan(broker) == 0
 
 
+# -- half-close ----------------------------------------------------------------------
+
+
+def test_a_half_closed_client_is_answered_then_closed(connect, broker):
+    c = connect()
+    c.send(pub("t", b"x") + cmd("NOP"))
+    assert not c.closed
+    c.proto.readConnectionLost()
+    assert c.read() == [ok()]
+    assert c.closed
+    assert broker.topics["t"].message_count == 1
+
+
+def test_a_half_close_during_a_big_mpub_closes_once_it_is_answered(connect, broker, clock):
+    bodies = [b"%06d" % i for i in range(5000)]
+    c = connect()
+    c.send(mpub("t", bodies) + pub("t", b"tail"))
+    c.proto.readConnectionLost()
+    assert not c.closed  # published a chunk per reactor turn: the half-close waits
+    clock.advance(0)
+    assert c.read() == [ok(), ok()]
+    assert c.closed
+    assert broker.topics["t"].message_count == 5001
+
+
+def test_a_half_closed_consumer_is_sent_nothing_more(connect, broker):
+    a = connect()
+    a.sub(rdy=5)
+    a.proto.readConnectionLost()
+    assert a.closed
+    assert connect().request(pub("t", b"x")) == [ok()]
+    assert a.read() == []
+
+
 def test_state_numbers(connect):
     c = connect()
     assert c.proto.state == STATE_INIT

@@ -123,6 +123,9 @@ class ConnectionState:
         self._output_blocked = False
         self._auth_waiting = False
         self._producing = False
+        # The client half-closed (readConnectionLost): close once what it
+        # sent is answered.
+        self._input_ended = False
         # Input a paused parse may keep: the biggest command (line, size, body);
         # an MPUB's body is bounded by mpub_limit, not by its declared size.
         max_mpub = mpub_limit(options.max_body_size, (options.max_body_size - 4) // 5)
@@ -157,6 +160,33 @@ class ConnectionState:
         # started, takes the registration over and passes the calls through.
         self.transport.registerProducer(self, True)
         self._producing = True
+
+    def readConnectionLost(self) -> None:
+        """IHalfCloseableProtocol: the client sent its last byte (`nc -N`, a shutdown(SHUT_WR)).
+
+        nsqd answers every command it read before it closes, so a script
+        that writes its PUBs and half-closes still reads their OKs. Twisted
+        would otherwise drop the connection, and the answers not written
+        yet with it. What the client sent is parsed by now unless something
+        holds the input (see _update_reading, which closes once it is let go).
+        """
+        self._input_ended = True
+        self._update_reading()
+
+    def writeConnectionLost(self) -> None:
+        """IHalfCloseableProtocol: mqd never half-closes its side; nothing to do."""
+
+    def _input_done(self) -> None:
+        """Close after the half-close, once every answer is written (a durable OK once synced)."""
+        if self._closed:
+            return
+        self.flush_output()
+        self._pending = []
+        if self._held is None:
+            self.lose_connection()
+        else:
+            self._closed = True
+            self._close_after_release = True
 
     def connectionLost(self, reason=None) -> None:
         self._closed = True

@@ -96,11 +96,17 @@ class OutputMixin:
         resume reading that another still holds. Output backed up during a
         TLS handshake is the TLS layer holding our OK until the handshake is
         done, which takes reading: that one does not stop it, nor does a
-        compression waiting for that handshake.
+        compression waiting for that handshake. After a half-close the
+        first call that finds the input let go closes the connection.
         """
         codec = self._codec
-        paused = (self._publishing or self._auth_waiting
-                  or (codec is not None and codec.has_more)
+        holding = (self._publishing or self._auth_waiting
+                   or (codec is not None and codec.has_more))
+        if self._input_ended and not (holding or self._codec_pending is not None):
+            # The client half-closed and everything it sent is handled.
+            self._input_done()
+            return
+        paused = (holding
                   or (self._codec_pending is not None and not (self.tls and not self.tls_version))
                   or (self._output_blocked and not (self.tls and not self.tls_version)))
         if paused == self._reading_paused or self._closed:

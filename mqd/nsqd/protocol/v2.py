@@ -23,7 +23,7 @@ every lookup on the hot path stays a plain `self.x` on one instance:
 
 from __future__ import annotations
 
-from twisted.internet.interfaces import IHandshakeListener, IPushProducer
+from twisted.internet.interfaces import IHalfCloseableProtocol, IHandshakeListener, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.protocols.policies import TimeoutMixin
 from zope.interface import implementer
@@ -73,7 +73,7 @@ _FOREVER = float("inf")
 log = get_logger(__name__)
 
 
-@implementer(IConsumer, IHandshakeListener, IPushProducer)
+@implementer(IConsumer, IHalfCloseableProtocol, IHandshakeListener, IPushProducer)
 class V2Protocol(FastPathMixin, PublishMixin, AuthorizeMixin, UpgradesMixin, OutputMixin,
                  ConnectionState, Protocol, TimeoutMixin):
     """One client connection speaking V2."""
@@ -292,6 +292,7 @@ class V2Protocol(FastPathMixin, PublishMixin, AuthorizeMixin, UpgradesMixin, Out
             heartbeat_interval=self.heartbeat_interval,
             output_buffer_size=self.output_buffer_size,
             output_buffer_timeout=self.output_buffer_timeout,
+            msg_timeout=self.msg_timeout,
             tls_available=self._tls_config is not None,
             auth_required=self._auth_on,
         )
