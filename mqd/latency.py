@@ -186,5 +186,10 @@ def merged_result(percentiles: Sequence[float], windows: Iterable[LatencyWindow]
     total = sum(weight for _, weight in samples)
     return {
         "count": count,
-        "percentiles": [{"quantile": q, "value": _query(samples, total, q)} for q in percentiles],
+        "percentiles": [{"quantile": _go_float(q), "value": _query(samples, total, q)} for q in percentiles],
     }
+
+
+def _go_float(q: float) -> float | int:
+    """A quantile as Go's JSON writes a float64: 1.0 as `1`, not Python's `1.0`."""
+    return int(q) if q.is_integer() else q

@@ -7,6 +7,7 @@ import random
 import pytest
 from twisted.internet.task import Clock
 
+from mqd.http.response import dumps
 from mqd.latency import RESERVOIR_SIZE, LatencyWindow, merged_result, parse_percentiles
 from mqd.nsqd.stats import stats_json, stats_text
 from mqd.options import MQD_OPTIONS, ConfigError, resolve
@@ -121,6 +122,8 @@ def test_known_latencies(e2e_broker, clock):
         assert [p["value"] for p in result["percentiles"]] == [
             approx_ns(10e9), approx_ns(9e9), approx_ns(5e9)]
     assert "e2e%: 10.0s, 9.0s, 5.0s\n" in stats_text(e2e_broker, include_mem=False)
+    # Go writes the float64 quantile 1.0 as 1.
+    assert b'"percentiles":[{"quantile":1,"value":' in dumps(s["topics"][0]["e2e_processing_latency"])
 
 
 def test_requeue_and_timeout_record_nothing(make_broker, clock):
