@@ -23,6 +23,7 @@ from twisted.internet import defer
 from twisted.internet.protocol import DatagramProtocol
 from twisted.internet.task import LoopingCall
 
+from mqd.endpoints import join_host_port
 from mqd.logs import get_logger
 from mqd.names import EPHEMERAL_SUFFIX
 from mqd.nsqd.stats import memory_stats, stats_json
@@ -43,8 +44,7 @@ def statsd_prefix(template: str, broadcast_address: str, http_port: int) -> str:
     """
     if not template:
         return ""
-    host = f"[{broadcast_address}]" if ":" in broadcast_address else broadcast_address
-    key = f"{host}:{http_port}".replace(".", "_").replace(":", "_")
+    key = join_host_port(broadcast_address, http_port).replace(".", "_").replace(":", "_")
     prefix = template.replace("%s", key)
     return prefix if prefix.endswith(".") else prefix + "."
 

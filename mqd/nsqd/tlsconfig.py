@@ -103,6 +103,17 @@ def _prefer_like_go(ctx) -> None:
         ctx.set_tls13_ciphersuites(":".join(go_cipher_order(tls13)).encode())
 
 
+def tls_required_of(settings) -> str:
+    """`--tls-required` as the broker applies it: a client-auth policy makes it `true`.
+
+    nsqd: a client-auth policy makes no sense over plaintext, so it
+    requires TLS whatever `--tls-required` says (and /config shows that).
+    """
+    if settings.tls_client_auth_policy and settings.tls_required == "false":
+        return "true"
+    return settings.tls_required
+
+
 def server_tls(settings) -> ServerTLS | None:
     """The broker's TLS, or None when --tls-cert/--tls-key are not both set.
 
@@ -110,11 +121,8 @@ def server_tls(settings) -> ServerTLS | None:
     without a certificate, unreadable or mismatched cert/key, a bad CA file.
     """
     cert, key = settings.tls_cert, settings.tls_key
-    required = settings.tls_required
+    required = tls_required_of(settings)
     policy = settings.tls_client_auth_policy
-    if policy and required == "false":
-        # nsqd: a client-auth policy makes no sense over plaintext.
-        required = "true"
     if not (cert and key):
         if required != "false":
             raise ConfigError("cannot require TLS client connections without TLS key and cert")

@@ -47,9 +47,27 @@ def value(http, name):
     ("queue_scan_dirty_percent", 0.25),
     ("backend", "memory"),
     ("statsd_address", ""),
+    ("broadcast_tcp_port", 4150),
+    ("broadcast_http_port", 4151),
+    ("statsd_prefix", "nsq.test-host_4151."),
+    ("tls_required", 0),
+    ("tls_min_version", 769),
 ])
 def test_get_values_as_nsqd_serialises_them(http, name, expected):
     assert value(http, name) == expected
+
+
+@pytest.mark.parametrize(("flags", "name", "expected"), [
+    ({"broadcast_tcp_port": 5150}, "broadcast_tcp_port", 5150),
+    ({"broadcast_http_port": 5151, "statsd_prefix": "app.%s.nsqd"}, "statsd_prefix", "app.test-host_5151.nsqd."),
+    ({"statsd_prefix": ""}, "statsd_prefix", ""),
+    ({"tls_required": "tcp-https"}, "tls_required", 1),
+    ({"tls_required": "true"}, "tls_required", 2),
+    ({"tls_client_auth_policy": "require"}, "tls_required", 2),
+    ({"tls_min_version": "tls1.3"}, "tls_min_version", 772),
+])
+def test_options_nsqd_resolves_at_start_up_are_shown_resolved(make_broker, flags, name, expected):
+    assert value(HTTPClient(make_broker(**flags)), name) == expected
 
 
 def test_every_option_can_be_read_by_its_config_name(http):

@@ -9,6 +9,13 @@ nanoseconds, lists as arrays, the log level as nsqd's number (1 debug ..
 string result unquoted, so `GET /config/broadcast_address` is `host`, not
 `"host"`).
 
+A few options nsqd resolves at start-up, and its /config shows resolved:
+`broadcast_tcp_port` and `broadcast_http_port` left at 0 are the bound
+ports, `statsd_prefix` has its `%s` filled in (and a trailing `.`),
+`tls_required` is Go's number (0 not required, 1 all but HTTPS, 2 all;
+a client-auth policy makes it 2) and `tls_min_version` Go's constant
+(769 for TLS 1.0 .. 772 for TLS 1.3).
+
 Only `nsqlookupd_tcp_addresses` (a JSON array) and `log_level` (a level
 name as plain text) can be changed; the change goes through
 `Broker.update_options`, the one place run-time changes are made.
@@ -24,15 +31,27 @@ from twisted.web.server import Request
 from mqd.http.endpoint import Endpoint, read_body
 from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
 from mqd.http.response import ApiError
+from mqd.nsqd.statsd import statsd_prefix
+from mqd.nsqd.tlsconfig import tls_required_of
 from mqd.options import MQD_OPTIONS
 
 __all__ = ["Config"]
 
 _BY_CONFIG_NAME = {config_name(opt): opt for opt in MQD_OPTIONS}
 
+# Go's tls.VersionTLS10 .. VersionTLS13, and nsqd's TLSNotRequired,
+# TLSRequiredExceptHTTP, TLSRequired.
+_TLS_VERSIONS = {"tls1.0": 0x0301, "tls1.1": 0x0302, "tls1.2": 0x0303, "tls1.3": 0x0304}
+_TLS_REQUIRED = {"false": 0, "tcp-https": 1, "true": 2}
+
 
 class Config(Endpoint):
     """`/config/:opt`; unknown names answer `400 INVALID_OPTION`."""
+
+    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+        super().__init__(broker)
+        # Bound ports, filled in once the listeners are up (port 0 picks one).
+        self.ports = ports
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> Any:
         return self.value(params["opt"])
@@ -61,4 +80,16 @@ class Config(Endpoint):
         opt = _BY_CONFIG_NAME.get(name)
         if opt is None:
             raise ApiError(400, "INVALID_OPTION")
-        return option_value(opt, self.broker.options)
+        options = self.broker.options
+        if name == "broadcast_tcp_port":
+            return options.broadcast_tcp_port or self.ports.get("TCP", 0)
+        if name == "broadcast_http_port":
+            return options.broadcast_http_port or self.ports.get("HTTP", 0)
+        if name == "statsd_prefix":
+            port = options.broadcast_http_port or self.ports.get("HTTP", 0)
+            return statsd_prefix(options.statsd_prefix, options.broadcast_address, port)
+        if name == "tls_required":
+            return _TLS_REQUIRED[tls_required_of(options)]
+        if name == "tls_min_version":
+            return _TLS_VERSIONS[options.tls_min_version]
+        return option_value(opt, options)

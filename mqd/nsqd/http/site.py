@@ -63,7 +63,7 @@ class NsqdAPI(Router):
             "/topic/peek": TopicPeek(broker),
             "/snapshot": Snapshot(broker),
         })
-        self.config = Config(broker)
+        self.config = Config(broker, ports)
 
     def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
         found = super().match(path)
