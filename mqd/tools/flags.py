@@ -11,6 +11,7 @@ Go, exit 1: `fatal()` here.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
@@ -364,5 +365,10 @@ def run(main: Callable[..., Any], *args: Any, log_level: str = "info") -> NoRetu
 
         return d.addErrback(failed)
 
+    # Go's signal.Notify takes back a SIGINT the shell left ignored (a
+    # script's `mq-tail ... &`); Python keeps it ignored, and Twisted puts
+    # its handler only over Python's default one.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     task.react(_main)
     raise SystemExit(0)  # pragma: no cover - react exits

@@ -16,7 +16,9 @@ is logged and dialed again when lookupd lists it at the next poll.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
@@ -61,6 +63,19 @@ def check_args(args: Any) -> None:
         args.max_in_flight = args.n
 
 
+def die_of_sigpipe() -> None:
+    """End as a Go program ends when its stdout is a closed pipe (`mq-tail | head -1`): killed by SIGPIPE.
+
+    Python ignores SIGPIPE, so the write raised instead; Go's runtime lets
+    the signal kill the process for a write to stdout, with no message
+    (the shell sees status 141). Messages in flight go back to the channel
+    when the broker sees the connection drop.
+    """
+    sys.stderr.flush()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+
+
 class Printer:
     """The handler of every topic's consumer: print, count, and say when `total` is reached.
 
@@ -70,8 +85,10 @@ class Printer:
     """
 
     def __init__(self, out: BinaryIO, total: int = 0, print_topic: bool = False,
-                 on_done: Any = None, on_error: Any = None) -> None:
+                 on_done: Any = None, on_error: Any = None,
+                 on_broken_pipe: Any = die_of_sigpipe) -> None:
         self.out = out
+        self.on_broken_pipe = on_broken_pipe
         self.total = total
         self.print_topic = print_topic
         self.on_done = on_done
@@ -88,7 +105,10 @@ class Printer:
             try:
                 self.out.write(prefix + message.body + b"\n")
                 self.out.flush()
-            except OSError as e:  # stdout closed (| head): nothing more to do, as nsq_tail
+            except BrokenPipeError:  # stdout closed (| head)
+                self.on_broken_pipe()
+                raise
+            except OSError as e:  # stdout failing otherwise: nsq_tail's log.Fatalf
                 error = ToolError(f"ERROR: failed to write to stdout - {e}")
                 if self.on_error is not None:
                     self.on_error(error)

@@ -403,7 +403,10 @@ def build_parser() -> ToolParser:
 
 
 def check_args(args: Any) -> FileOptions:
-    """nsq_to_file's checks of its flags, with its messages."""
+    """nsq_to_file's checks of its flags, in its order, with its messages."""
+    args.log_level = args.log_level.lower()  # lg.ParseLogLevel ignores case
+    if args.log_level not in LEVELS:
+        raise ToolError("--log-level is invalid")
     if not args.channel:
         raise ToolError("--channel is required")
     if args.http_client_connect_timeout <= 0:
@@ -411,18 +414,15 @@ def check_args(args: Any) -> FileOptions:
     if args.http_client_request_timeout <= 0:
         raise ToolError("--http-client-request-timeout should be positive")
     if not args.nsqd_tcp_address and not args.lookupd_http_address:
-        raise ToolError("--nsqd-tcp-address or --lookupd-http-address required")
+        raise ToolError("--nsqd-tcp-address or --lookupd-http-address required.")
     if args.nsqd_tcp_address and args.lookupd_http_address:
         raise ToolError("use --nsqd-tcp-address or --lookupd-http-address not both")
-    if not args.topic and not args.lookupd_http_address:
-        raise ToolError(
-            "use --topic to list at least one topic to subscribe to or specify at least one "
-            "--lookupd-http-address to subscribe to all its topics"
-        )
     if not 1 <= args.gzip_level <= 9:
         raise ToolError(f"invalid --gzip-level value ({args.gzip_level}), should be 1-9")
-    if args.log_level not in LEVELS:
-        raise ToolError(f"invalid log level {args.log_level!r}: debug, info, warn, error, or fatal")
+    if not args.topic and not args.topic_pattern:
+        raise ToolError("--topic or --topic-pattern required")
+    if not args.topic and not args.lookupd_http_address:
+        raise ToolError("--lookupd-http-address must be specified when no --topic specified")
     if args.sync_interval <= 0:
         raise ToolError("--sync-interval should be positive")
     if args.topic_pattern:
@@ -561,6 +561,8 @@ class TopicDiscoverer:
             return
         for topic in await lookupd_topics(self.args.lookupd_http_address, self.args):
             self.add(topic)
+        if self.args.topic_refresh <= 0:
+            return  # as Go's time.Tick(0): no refresh at all
         self._refresh = task.LoopingCall(self.refresh)
         self._refresh.clock = self.reactor
         self._refresh.start(self.args.topic_refresh, now=False)

@@ -171,6 +171,32 @@ def test_version(broker):
         assert out == f"{prog} v{__version__}\n".encode()
 
 
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_tail_started_with_sigint_ignored_still_stops_on_sigint(broker, name):
+    """A script's `mq-tail ... &` inherits SIGINT ignored; Go's tools take it back, and so does mq-tail."""
+    topic = name()
+    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}",
+                 preexec_fn=_sigint_ignored)
+    wait_for(lambda: has_channel(broker, topic), TIMEOUT, "mq-tail subscribed")
+    proc.send_signal(signal.SIGINT)
+    finish(proc)
+
+
+def test_tail_into_a_closed_pipe_dies_of_sigpipe_as_nsq_tail(broker, name):
+    topic = name()
+    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}")
+    pub(broker, topic, [b"first"])
+    assert proc.stdout.readline() == b"first\n"
+    proc.stdout.close()  # `| head -1` exits
+    pub(broker, topic, [b"second"])
+    assert proc.wait(timeout=TIMEOUT) == -signal.SIGPIPE
+    err = proc.stderr.read()
+    assert b"Traceback" not in err and b"Broken pipe" not in err, err.decode()
+
+
 # -- mq-to-file ------------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ import random
 import time
 
 import pytest
-from twisted.internet import task
+from twisted.internet import defer, task
 
 from mqd.tools import to_file
 from mqd.tools.flags import ToolError
@@ -450,7 +450,11 @@ def test_flags_in_go_forms():
         (["--topic=t"], "--nsqd-tcp-address or --lookupd-http-address required"),
         (["--topic=t", "--nsqd-tcp-address=a:1", "--lookupd-http-address=b:2"],
          "use --nsqd-tcp-address or --lookupd-http-address not both"),
-        (["--nsqd-tcp-address=a:1"], "use --topic to list at least one topic"),
+        (["--nsqd-tcp-address=a:1"], "--topic or --topic-pattern required"),
+        (["--lookupd-http-address=b:2"], "--topic or --topic-pattern required"),
+        (["--nsqd-tcp-address=a:1", "--topic-pattern=x"],
+         "--lookupd-http-address must be specified when no --topic specified"),
+        (["--topic=t", "--nsqd-tcp-address=a:1", "--log-level=loud"], "--log-level is invalid"),
         (["--topic=t", "--nsqd-tcp-address=a:1", "--gzip-level=10"],
          r"invalid --gzip-level value \(10\), should be 1-9"),
         (["--topic=t", "--nsqd-tcp-address=a:1", "--channel="], "--channel is required"),
@@ -462,3 +466,29 @@ def test_flags_in_go_forms():
 def test_flag_errors_in_nsq_to_files_words(argv, message):
     with pytest.raises(ToolError, match=message):
         parse(*argv)
+
+
+def test_log_level_is_read_whatever_its_case():
+    args = build_parser().parse_args(["--topic=t", "--nsqd-tcp-address=a:1", "--log-level=WARN"])
+    check_args(args)
+    assert args.log_level == "warn"
+
+
+@pytest.mark.parametrize(("refresh", "lookups"), [("0", 1), ("1m", 2)])
+def test_a_topic_refresh_of_zero_never_refreshes(monkeypatch, refresh, lookups):
+    """Go's time.Tick(0) is nil: nsq_to_file never asks lookupd again, where a LoopingCall(0) would spin."""
+    asked = []
+
+    async def topics(addresses, args):
+        asked.append(addresses)
+        return []
+
+    monkeypatch.setattr(to_file, "lookupd_topics", topics)
+    clock = task.Clock()
+    args = build_parser().parse_args(["--lookupd-http-address=b:2", "--topic-pattern=x",
+                                      f"--topic-refresh={refresh}"])
+    discoverer = to_file.TopicDiscoverer(clock, args, check_args(args), config=None)
+    defer.ensureDeferred(discoverer.start())  # the lookups answer at once; the clock drives the refresh
+    clock.advance(60)
+    assert len(asked) == lookups
+    discoverer.stop()

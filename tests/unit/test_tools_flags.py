@@ -358,19 +358,32 @@ def test_printer_prints_counts_over_topics_and_requeues_beyond_n():
     assert extra.requeued == (0, False)
 
 
-def test_printer_closed_stdout_is_fatal():
-    class Closed:
-        def write(self, data):
-            raise BrokenPipeError(32, "Broken pipe")
+class FailingOut:
+    def __init__(self, error: OSError) -> None:
+        self.error = error
 
-        def flush(self):
-            pass
+    def write(self, data):
+        raise self.error
 
+    def flush(self):
+        pass
+
+
+def test_printer_failing_stdout_is_fatal():
     errors = []
-    handle = Printer(Closed(), on_error=errors.append).handler("t")
+    handle = Printer(FailingOut(OSError(28, "No space left on device")), on_error=errors.append).handler("t")
     with pytest.raises(ToolError, match="failed to write to stdout"):
         handle(FakeMessage(b"x"))
     assert len(errors) == 1 and isinstance(errors[0], ToolError)
+
+
+def test_printer_closed_stdout_ends_as_go_does_by_sigpipe():
+    errors, broken = [], []
+    handle = Printer(FailingOut(BrokenPipeError(32, "Broken pipe")), on_error=errors.append,
+                     on_broken_pipe=lambda: broken.append(True)).handler("t")
+    with pytest.raises(BrokenPipeError):
+        handle(FakeMessage(b"x"))
+    assert (broken, errors) == ([True], [])
 
 
 @pytest.mark.parametrize("module", ["tail", "pub", "to_file"])
