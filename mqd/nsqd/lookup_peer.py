@@ -35,7 +35,7 @@ import json
 import socket
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application import service
@@ -52,7 +52,8 @@ from mqd.names import is_valid_name
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
 
-__all__ = ["LookupPeer", "LookupPeerProtocol", "LookupService", "MAGIC_V1", "registrations"]
+__all__ = ["LookupPeer", "LookupPeerProtocol", "LookupService", "MAGIC_V1", "broadcast_port",
+           "registrations"]
 
 log = get_logger(__name__)
 
@@ -85,6 +86,17 @@ def registrations(broker) -> list[tuple[str, ...]]:
     return args
 
 
+def broadcast_port(options, ports: Mapping[str, int], listener: str) -> int:
+    """The port the broker is known by for `listener` ("TCP" or "HTTP").
+
+    `--broadcast-tcp-port` / `--broadcast-http-port`, else the bound one:
+    what lookupd is told, what the statsd prefix names and what /config
+    shows, as nsqd settles it at start-up.
+    """
+    announced = options.broadcast_tcp_port if listener == "TCP" else options.broadcast_http_port
+    return announced or ports.get(listener, 0)
+
+
 def identify_body(broker, ports: dict) -> bytes:
     """IDENTIFY's JSON: the *broadcast* ports (the bound ones unless overridden).
 
@@ -93,8 +105,8 @@ def identify_body(broker, ports: dict) -> bytes:
     opts = broker.options
     info = {
         "version": NSQ_VERSION,
-        "tcp_port": opts.broadcast_tcp_port or ports.get("TCP", 0),
-        "http_port": opts.broadcast_http_port or ports.get("HTTP", 0),
+        "tcp_port": broadcast_port(opts, ports, "TCP"),
+        "http_port": broadcast_port(opts, ports, "HTTP"),
         "hostname": socket.gethostname(),
         "broadcast_address": opts.broadcast_address,
         # No --topology-* options: nsqd's defaults.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from twisted.application import service
@@ -26,12 +26,13 @@ from twisted.internet.task import LoopingCall
 from mqd.endpoints import join_host_port
 from mqd.logs import get_logger
 from mqd.names import EPHEMERAL_SUFFIX
+from mqd.nsqd.lookup_peer import broadcast_port
 from mqd.nsqd.stats import memory_stats, stats_json
 
 if TYPE_CHECKING:
     from mqd.nsqd.broker import Broker
 
-__all__ = ["StatsdService", "pack_lines", "statsd_prefix"]
+__all__ = ["StatsdService", "pack_lines", "prefix_of", "statsd_prefix"]
 
 log = get_logger(__name__)
 
@@ -47,6 +48,12 @@ def statsd_prefix(template: str, broadcast_address: str, http_port: int) -> str:
     key = join_host_port(broadcast_address, http_port).replace(".", "_").replace(":", "_")
     prefix = template.replace("%s", key)
     return prefix if prefix.endswith(".") else prefix + "."
+
+
+def prefix_of(options, ports: Mapping[str, int]) -> str:
+    """The broker's prefix: its template filled with its broadcast address and HTTP port."""
+    port = broadcast_port(options, ports, "HTTP")
+    return statsd_prefix(options.statsd_prefix, options.broadcast_address, port)
 
 
 def pack_lines(lines: Iterable[str], size: int) -> list[bytes]:
@@ -142,9 +149,7 @@ class StatsdService(service.Service):
     # -- what is sent ------------------------------------------------------------------
 
     def prefix(self) -> str:
-        opts = self.broker.options
-        port = opts.broadcast_http_port or self.ports.get("HTTP", 0)
-        return statsd_prefix(opts.statsd_prefix, opts.broadcast_address, port)
+        return prefix_of(self.broker.options, self.ports)
 
     def collect(self) -> list[str]:
         """This push's lines, nsqd's names in nsqd's order; counters relative to the last push."""

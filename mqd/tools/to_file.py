@@ -16,8 +16,9 @@ to the last sync, which `gunzip` reads whole.
 
 Without `--topic`, the topics are lookupd's (`GET /topics` on every
 `--lookupd-http-address`), filtered by `--topic-pattern` (a regular
-expression searched in the name) and looked up again every
-`--topic-refresh`; each topic gets its own consumer and files.
+expression searched in the name, required then) and looked up again
+every `--topic-refresh` (never when it is 0); each topic gets its own
+consumer and files.
 
 An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret ends
 the tool with exit status 1 and go-nsq's message, as mq-tail does

@@ -31,7 +31,8 @@ from twisted.web.server import Request
 from mqd.http.endpoint import Endpoint, read_body
 from mqd.http.option_values import addresses_of, config_name, log_level_of, option_value
 from mqd.http.response import ApiError
-from mqd.nsqd.statsd import statsd_prefix
+from mqd.nsqd.lookup_peer import broadcast_port
+from mqd.nsqd.statsd import prefix_of
 from mqd.nsqd.tlsconfig import tls_required_of
 from mqd.options import MQD_OPTIONS
 
@@ -82,12 +83,11 @@ class Config(Endpoint):
             raise ApiError(400, "INVALID_OPTION")
         options = self.broker.options
         if name == "broadcast_tcp_port":
-            return options.broadcast_tcp_port or self.ports.get("TCP", 0)
+            return broadcast_port(options, self.ports, "TCP")
         if name == "broadcast_http_port":
-            return options.broadcast_http_port or self.ports.get("HTTP", 0)
+            return broadcast_port(options, self.ports, "HTTP")
         if name == "statsd_prefix":
-            port = options.broadcast_http_port or self.ports.get("HTTP", 0)
-            return statsd_prefix(options.statsd_prefix, options.broadcast_address, port)
+            return prefix_of(options, self.ports)
         if name == "tls_required":
             return _TLS_REQUIRED[tls_required_of(options)]
         if name == "tls_min_version":
