@@ -33,6 +33,34 @@ def _go_char(c: str) -> str:
     return "'" + json.dumps(c)[1:-1] + "'"
 
 
+_LITERALS = {"n": "null", "t": "true", "f": "false"}
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _value_error(text: str, pos: int) -> str | None:
+    """Go's scanner error for a value that starts like a literal or a number and goes wrong, or None.
+
+    Python's decoder names the value's first character; Go's scanner reads
+    on and names the first character that cannot continue it (`not` is
+    `invalid character 'o' in literal null (expecting 'u')`), or says
+    `unexpected EOF` when the input ends inside it.
+    """
+    first = text[pos]
+    literal = _LITERALS.get(first)
+    if literal is not None:
+        for expected, got in zip(literal, text[pos:], strict=False):  # the text may end early
+            if got != expected:
+                return f"invalid character {_go_char(got)} in literal {literal} (expecting {_go_char(expected)})"
+        return "unexpected EOF" if len(text) - pos < len(literal) else None
+    if first == "-":
+        after = text[pos + 1:pos + 2]
+        if not after:
+            return "unexpected EOF"
+        if not after.isdigit():
+            return f"invalid character {_go_char(after)} in numeric literal"
+    return None
+
+
 def go_kind(value: Any) -> str:
     """What Go's encoding/json calls a decoded JSON value's kind in its errors (null aside)."""
     if isinstance(value, bool):
@@ -68,8 +96,21 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
     except json.JSONDecodeError as e:
         if e.pos >= len(text) or e.msg.startswith("Unterminated"):
             raise GoJSONError("unexpected EOF") from None
+        if e.msg.startswith("Expecting value"):
+            go_error = _value_error(text, e.pos)
+            if go_error is not None:
+                raise GoJSONError(go_error) from None
+        pos = e.pos
+        if e.msg.startswith("Invalid \\escape") and pos + 1 < len(text):
+            pos += 1  # Go names the character after the backslash
+        if e.msg.startswith("Invalid \\uXXXX"):
+            # Go names the first character of the four that is not hex.
+            bad = next((c for c in text[pos + 1:pos + 5] if c not in _HEX), None)
+            if bad is None:
+                raise GoJSONError("unexpected EOF") from None
+            raise GoJSONError(f"invalid character {_go_char(bad)} in \\u hexadecimal character escape") from None
         context = next((c for m, c in _CONTEXTS.items() if e.msg.startswith(m)), _CONTEXTS["Expecting value"])
-        raise GoJSONError(f"invalid character {_go_char(text[e.pos])} {context}") from None
+        raise GoJSONError(f"invalid character {_go_char(text[pos])} {context}") from None
     out = dict.fromkeys(fields, "")
     if value is None:
         return out

@@ -98,6 +98,27 @@ def test_create_body_read_as_go_reads_it():
         decode_go_object(b'{"Topic": true}', ("topic",))
 
 
+# What nsqadmin 1.3.0 answered to each body (POST /api/topics), measured.
+@pytest.mark.parametrize(("body", "message"), [
+    (b"not json", "invalid character 'o' in literal null (expecting 'u')"),
+    (b"nul", "unexpected EOF"),
+    (b"tru", "unexpected EOF"),
+    (b"-", "unexpected EOF"),
+    (b"-x", "invalid character 'x' in numeric literal"),
+    (b'{"a":nulx}', "invalid character 'x' in literal null (expecting 'l')"),
+    (b"falsy", "invalid character 'y' in literal false (expecting 'e')"),
+    (b'{"action":"\\x"}', "invalid character 'x' in string escape code"),
+    (b'{"action":"\\u00zz"}', "invalid character 'z' in \\u hexadecimal character escape"),
+    (b'{"action":"\\u0"}', "invalid character '\"' in \\u hexadecimal character escape"),
+    (b"x", "invalid character 'x' looking for beginning of value"),
+    (b'{"a" 1}', "invalid character '1' after object key"),
+])
+def test_malformed_bodies_get_gos_scanner_errors(body, message):
+    with pytest.raises(ValueError) as caught:
+        decode_go_object(body, ("topic", "channel"))
+    assert str(caught.value) == message
+
+
 def test_served_by_the_admin_site_under_its_base_path(clock):
     from mqd.admin.web import AdminSite
 
