@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import string
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +35,6 @@ def _go_char(c: str) -> str:
 
 
 _LITERALS = {"n": "null", "t": "true", "f": "false"}
-_HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def _value_error(text: str, pos: int) -> str | None:
@@ -59,6 +59,27 @@ def _value_error(text: str, pos: int) -> str | None:
         if not after.isdigit():
             return f"invalid character {_go_char(after)} in numeric literal"
     return None
+
+
+def _scan_error(text: str, error: json.JSONDecodeError) -> str:
+    """Go's json error text for what Python's decoder refused in `text`."""
+    pos = error.pos
+    if pos >= len(text) or error.msg.startswith("Unterminated"):
+        return "unexpected EOF"
+    if error.msg.startswith("Expecting value"):
+        go_error = _value_error(text, pos)
+        if go_error is not None:
+            return go_error
+    if error.msg.startswith("Invalid \\uXXXX"):
+        # Go names the first character of the four that is not hex.
+        bad = next((c for c in text[pos + 1:pos + 5] if c not in string.hexdigits), None)
+        if bad is None:
+            return "unexpected EOF"
+        return f"invalid character {_go_char(bad)} in \\u hexadecimal character escape"
+    if error.msg.startswith("Invalid \\escape") and pos + 1 < len(text):
+        pos += 1  # Go names the character after the backslash
+    context = next((c for m, c in _CONTEXTS.items() if error.msg.startswith(m)), _CONTEXTS["Expecting value"])
+    return f"invalid character {_go_char(text[pos])} {context}"
 
 
 def go_kind(value: Any) -> str:
@@ -94,23 +115,7 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
     try:
         value, _ = decoder.raw_decode(text)
     except json.JSONDecodeError as e:
-        if e.pos >= len(text) or e.msg.startswith("Unterminated"):
-            raise GoJSONError("unexpected EOF") from None
-        if e.msg.startswith("Expecting value"):
-            go_error = _value_error(text, e.pos)
-            if go_error is not None:
-                raise GoJSONError(go_error) from None
-        pos = e.pos
-        if e.msg.startswith("Invalid \\escape") and pos + 1 < len(text):
-            pos += 1  # Go names the character after the backslash
-        if e.msg.startswith("Invalid \\uXXXX"):
-            # Go names the first character of the four that is not hex.
-            bad = next((c for c in text[pos + 1:pos + 5] if c not in _HEX), None)
-            if bad is None:
-                raise GoJSONError("unexpected EOF") from None
-            raise GoJSONError(f"invalid character {_go_char(bad)} in \\u hexadecimal character escape") from None
-        context = next((c for m, c in _CONTEXTS.items() if e.msg.startswith(m)), _CONTEXTS["Expecting value"])
-        raise GoJSONError(f"invalid character {_go_char(text[pos])} {context}") from None
+        raise GoJSONError(_scan_error(text, e)) from None
     out = dict.fromkeys(fields, "")
     if value is None:
         return out
