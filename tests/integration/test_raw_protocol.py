@@ -140,14 +140,19 @@ def test_second_sub_and_unknown_command_are_fatal(broker, name):
 
 @pytest.mark.parametrize("flags", [(), ("--durable",)], ids=["lmdb", "durable"])
 def test_every_command_before_a_half_close_is_answered(start_broker, name, flags):
-    """A script's client (`nc -N`) writes its publishes and half-closes: it still reads every OK."""
+    """A script's client (`nc -N`) writes its publishes and half-closes: it still reads every OK.
+
+    A last command whose body the input ended inside gets nsqd's error for it, after the OKs.
+    """
     broker = start_broker(*flags)
     topic = name()
     with RawConn(broker) as conn:
         conn.send(command(f"PUB {topic}", b"one") + command(f"MPUB {topic}", mpub_body([b"two", b"three"]))
-                  + command("NOP") + command(f"DPUB {topic} 0", b"four"))
+                  + command("NOP") + command(f"DPUB {topic} 0", b"four")
+                  + command(f"PUB {topic}", b"cut short")[:-3])
         conn.sock.shutdown(socket.SHUT_WR)
-        assert [conn.read_frame() for _ in range(3)] == [(0, b"OK")] * 3
+        assert [conn.read_frame() for _ in range(4)] == [(0, b"OK")] * 3 + [
+            (1, b"E_BAD_MESSAGE PUB failed to read message body")]
         conn.expect_closed()
     _, stats = broker.get(f"/stats?format=json&topic={topic}")
     assert stats["topics"][0]["message_count"] == 4

@@ -16,12 +16,14 @@ from tests.support.v2_frames import (
     MAGIC,
     Msg,
     cmd,
+    dpub,
     err,
     identify,
     mpub,
     ok,
     parse_frames,
     pub,
+    sized,
 )
 
 # -- magic -------------------------------------------------------------------------
@@ -412,6 +414,60 @@ def test_a_half_close_during_a_big_mpub_closes_once_it_is_answered(connect, brok
     assert c.read() == [ok(), ok()]
     assert c.closed
     assert broker.topics["t"].message_count == 5001
+
+
+# What nsqd 1.3.0 answers when the input ends inside a command's body,
+# measured from its binary: its reader's error, then the close.
+_CUT_SHORT = [
+    (cmd("PUB", "t"), "E_BAD_MESSAGE PUB failed to read message body size"),
+    (cmd("PUB", "t") + b"\x00\x00", "E_BAD_MESSAGE PUB failed to read message body size"),
+    (pub("t", b"0123456789")[:-7], "E_BAD_MESSAGE PUB failed to read message body"),
+    (b"PUB t\r\n" + sized(b"abc")[:-1], "E_BAD_MESSAGE PUB failed to read message body"),
+    (cmd("DPUB", "t", 100), "E_BAD_MESSAGE DPUB failed to read message body size"),
+    (dpub("t", 100, b"0123456789")[:-1], "E_BAD_MESSAGE DPUB failed to read message body"),
+    (cmd("IDENTIFY"), "E_BAD_BODY IDENTIFY failed to read body size"),
+    (identify(client_id="x")[:-2], "E_BAD_BODY IDENTIFY failed to read body"),
+    (cmd("AUTH") + b"\x00", "E_BAD_BODY AUTH failed to read body size"),
+    (cmd("AUTH") + sized(b"secret")[:-1], "E_BAD_BODY AUTH failed to read body"),
+    (cmd("MPUB", "t") + b"\x00", "E_BAD_BODY MPUB failed to read body size"),
+    (cmd("MPUB", "t") + sized(b"x" * 20)[:6], "E_BAD_BODY MPUB failed to read message count"),
+    (mpub("t", [b"abc", b"de"])[:17], "E_BAD_MESSAGE MPUB failed to read message(0) body size"),
+    (mpub("t", [b"abc", b"de"])[:20], "E_BAD_MESSAGE MPUB failed to read message body"),
+    (mpub("t", [b"abc", b"de"])[:24], "E_BAD_MESSAGE MPUB failed to read message(1) body size"),
+    (mpub("t", [b"abc", b"de"])[:-1], "E_BAD_MESSAGE MPUB failed to read message body"),
+    (mpub("t", [b"%05d" % i for i in range(3000)])[:-9], "E_BAD_MESSAGE MPUB failed to read message(2999) body size"),
+]
+
+
+@pytest.mark.parametrize(("sent", "error"), _CUT_SHORT)
+def test_a_body_cut_short_by_a_half_close_gets_nsqds_error(connect, broker, sent, error):
+    """`nc -N` with a truncated command: the client learns why nothing was published."""
+    c = connect()
+    c.send(pub("t", b"before") + sent)
+    c.proto.readConnectionLost()
+    assert c.read() == [ok(), err(error)]
+    assert c.closed
+    assert broker.topics["t"].message_count == 1
+
+
+def test_a_body_cut_short_over_several_reads_gets_nsqds_error(connect, broker):
+    data = mpub("t", [b"abc", b"de"])[:-1]
+    c = connect()
+    for i in range(len(data)):
+        c.send(data[i:i + 1])
+    c.proto.readConnectionLost()
+    assert c.read() == [err("E_BAD_MESSAGE MPUB failed to read message body")]
+    assert c.closed
+    assert broker.topics["t"].message_count == 0
+
+
+@pytest.mark.parametrize("sent", [b"SUB t c", cmd("NOP") + b"PUB", b"  V"])
+def test_a_command_line_cut_short_by_a_half_close_is_closed_without_a_word(connect, sent):
+    c = connect(magic=False)
+    c.send(MAGIC + sent if sent != b"  V" else sent)
+    c.proto.readConnectionLost()
+    assert c.raw() == b""
+    assert c.closed
 
 
 def test_a_half_closed_consumer_is_sent_nothing_more(connect, broker):

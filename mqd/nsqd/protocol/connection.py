@@ -17,6 +17,7 @@ from mqd.logs import get_logger
 from mqd.nsqd.protocol.identify import Negotiated
 from mqd.nsqd.protocol.params import MAX_LINE
 from mqd.nsqd.protocol.publish import mpub_limit
+from mqd.nsqd.protocol.truncated import cut_short
 from mqd.peers import peer_host, remote_address
 
 __all__ = ["ConnectionState", "STATE_INIT", "STATE_SUBSCRIBED", "STATE_CLOSING"]
@@ -177,9 +178,18 @@ class ConnectionState:
         """IHalfCloseableProtocol: mqd never half-closes its side; nothing to do."""
 
     def _input_done(self) -> None:
-        """Close after the half-close, once every answer is written (a durable OK once synced)."""
+        """Close after the half-close, once every answer is written (a durable OK once synced).
+
+        A command whose body the input ended inside is answered with the
+        error nsqd's reader gives it (mqd.nsqd.protocol.truncated).
+        """
         if self._closed:
             return
+        if self._pending and self._magic_ok:
+            error = cut_short(b"".join(self._pending), self._mpub_walk)
+            if error is not None:
+                self._fail(error)
+                return
         self.flush_output()
         self._pending = []
         if self._held is None:
