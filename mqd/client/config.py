@@ -14,7 +14,6 @@ it was written with a message naming it, not later on the wire.
 
 from __future__ import annotations
 
-import json
 import re
 import socket
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from typing import Any
 from mqd import __version__
 from mqd.client.errors import ClientConfigError
 from mqd.options import parse_duration as _parse_go_duration
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["Config", "OPTIONS", "parse_duration", "format_duration"]
 
@@ -269,7 +269,7 @@ class Config:
             "deflate_level": self.deflate_level,
             "sample_rate": self.sample_rate,
         }
-        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return encode_json(body, sort_keys=True)
 
     def tls_creator(self, host: str):
         """The TLS client options for an upgrade to `host` (a Twisted connection creator).

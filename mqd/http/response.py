@@ -22,10 +22,11 @@ the response tells them not to unwrap.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from twisted.web.server import Request
+
+from mqd.wire.json_encoding import encode_json
 
 __all__ = [
     "ApiError",
@@ -53,8 +54,8 @@ class ApiError(Exception):
 
 
 def dumps(value: Any) -> bytes:
-    """Compact JSON, as Go's encoding/json writes it (no spaces)."""
-    return json.dumps(value, separators=(",", ":")).encode()
+    """Compact JSON, as Go's encoding/json writes it (no spaces, Go's escapes)."""
+    return encode_json(value)
 
 
 def respond_v1(request: Request, code: int, data: Any = None) -> bytes:

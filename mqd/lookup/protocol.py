@@ -20,7 +20,6 @@ and stops reading while its unsent answers fill the transport's buffer.
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 from collections.abc import Mapping
@@ -36,6 +35,7 @@ from mqd.names import EPHEMERAL_SUFFIX, is_valid_name
 from mqd.peers import remote_address
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["LOOKUPD_VERSION", "LookupdFactory", "LookupdProtocol", "MAGIC_V1", "frame"]
 
@@ -207,13 +207,13 @@ class LookupdProtocol(Protocol):
             self._logged("REGISTER", _CLIENT)
         factory = self.factory
         # Go marshals a map: keys sorted.
-        return json.dumps({
+        return encode_json({
             "broadcast_address": factory.broadcast_address,
             "hostname": factory.hostname,
             "http_port": factory.ports.get("HTTP", 0),
             "tcp_port": factory.ports.get("TCP", 0),
             "version": LOOKUPD_VERSION,
-        }, separators=(",", ":")).encode()
+        }, sort_keys=True)
 
     def _ping(self) -> bytes:
         # Allowed before IDENTIFY; then there is no one to mark as alive.

@@ -40,6 +40,7 @@ from mqd.nsqd.overflow import OverflowQueue
 from mqd.nsqd.snapshot_space import SnapshotSpace
 from mqd.nsqd.topic import Topic
 from mqd.options import MQD_OPTIONS, ConfigError, Settings
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["Broker", "METADATA_FILE"]
 
@@ -428,7 +429,7 @@ class Broker:
         return {"topics": topics or None, "version": NSQ_VERSION}
 
     def _metadata_bytes(self) -> bytes:
-        return json.dumps(self.metadata(), separators=(",", ":")).encode()
+        return encode_json(self.metadata())
 
     def persist_metadata(self) -> None:
         """Write nsqd.dat now, on this thread (start-up, shutdown): it waits for a write in progress."""

@@ -51,6 +51,7 @@ from mqd.logs import get_logger
 from mqd.names import is_valid_name
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["LookupPeer", "LookupPeerProtocol", "LookupService", "MAGIC_V1", "broadcast_port",
            "registrations"]
@@ -113,7 +114,7 @@ def identify_body(broker, ports: dict) -> bytes:
         "topology_zone": "",
         "topology_region": "",
     }
-    return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
+    return encode_json(info, sort_keys=True)
 
 
 class LookupPeerProtocol(Protocol):

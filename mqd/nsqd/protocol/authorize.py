@@ -11,12 +11,11 @@ A mixin of V2Protocol: it uses the connection's state set up there.
 
 from __future__ import annotations
 
-import json
-
 from mqd.logs import get_logger
 from mqd.nsqd.protocol.params import PAUSED
 from mqd.wire.errors import fatal
 from mqd.wire.framing import FRAME_TYPE_RESPONSE, frame
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["AuthorizeMixin"]
 
@@ -83,5 +82,5 @@ class AuthorizeMixin:
         self.authorized = True
         body = {"identity": state.identity, "identity_url": state.identity_url,
                 "permission_count": state.permission_count}
-        self._write_frame(frame(FRAME_TYPE_RESPONSE, json.dumps(body, separators=(",", ":")).encode()))
+        self._write_frame(frame(FRAME_TYPE_RESPONSE, encode_json(body)))
         self._resume()

@@ -9,7 +9,6 @@ the upgrades it names (mqd.nsqd.protocol.upgrades).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from mqd import NSQ_VERSION
 from mqd.options import Settings
 from mqd.wire.errors import GoStruct, ProtocolError, fatal
+from mqd.wire.json_encoding import encode_json
 
 __all__ = ["IDENTIFY_DATA", "Negotiated", "negotiate", "parse_request"]
 
@@ -79,7 +79,7 @@ class Negotiated:
         """The response frame's body: the JSON (compact, as nsqd marshals it), or OK."""
         if self.response is None:
             return b"OK"
-        return json.dumps(self.response, separators=(",", ":")).encode()
+        return encode_json(self.response)
 
 
 def negotiate(
