@@ -13,9 +13,10 @@ numbers come from `aggregate`, the queries from `cluster`.
 
 Where nsqadmin answers oddly this answers plainly: a topic declared on
 the lookupds that no broker has yet is a page of zeros (nsqadmin: 502
-"failed to query any nsqd: "), a channel of a known topic that nobody has
-`404 CHANNEL_NOT_FOUND` (nsqadmin: `{"message": ""}`), and a lookupd's 404
-for a topic another lookupd knows is "no producer there", not a warning.
+"failed to query any nsqd: "), so is a channel the lookupds list that no
+producing broker has, a channel nobody lists is `404 CHANNEL_NOT_FOUND`
+(nsqadmin: `{"message": ""}`), and a lookupd's 404 for a topic another
+lookupd knows is "no producer there", not a warning.
 """
 
 from __future__ import annotations

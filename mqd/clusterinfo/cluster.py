@@ -128,14 +128,20 @@ class Cluster:
 
     @defer.inlineCallbacks
     def _nsqd_producer(self, address: str, topic: str | None = None):
-        """A configured broker's producer row (None when `topic` is given and it has no such topic)."""
+        """A configured broker's producer row (None when `topic` is given and it has no such topic).
+
+        Asked in nsqadmin's order, so a broker down is quoted at the same
+        path: /info first for the list of nodes, /stats first for a topic's.
+        """
         base = base_url(address)
+        info = None if topic is not None else (yield self._nsqd(base, "/info"))
         stats = yield self._nsqd(base, "/stats", format="json", topic=topic, include_clients="false",
                                  include_mem="false")
         names = [t.get("topic_name", "") for t in stats.get("topics") or ()]
         if topic is not None and topic not in names:
             return None
-        info = yield self._nsqd(base, "/info")
+        if info is None:
+            info = yield self._nsqd(base, "/info")
         row = nsqd_producer(info, names, address.split("://", 1)[-1].rstrip("/"))
         self._urls[node_id(row)] = base
         return row
@@ -146,9 +152,9 @@ class Cluster:
         if self.lookupds:
             answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/lookup", topic=topic), _LOOKUPD)
             good, errors = _split(answers)
-            if good or any(e.code != 404 for e in errors):
-                # A lookupd that never heard of the topic has no producer of it; only when every
-                # lookupd says so (or fails) is the topic unknown, as nsqadmin reports it.
+            if good:
+                # A lookupd that never heard of the topic has no producer of it; when no lookupd
+                # knows it, every answer is quoted, the 404s too, as nsqadmin reports it.
                 errors = [e for e in errors if e.code != 404]
             rows: dict[str, dict[str, Any]] = {}
             for _, doc in good:
@@ -200,13 +206,17 @@ class Cluster:
 
     @defer.inlineCallbacks
     def inactive_topics(self):
-        """`/api/topics?inactive=true`: `{topic: [channels]}` for topics no broker produces (lookupds only)."""
-        if not self.lookupds:
-            return {}, []
+        """`/api/topics?inactive=true`: `{topic: [channels]}` for topics no broker produces (lookupds only).
+
+        The topics are asked for first in either mode, as nsqadmin asks: a
+        broker or lookupd down is its warning (or the 502) here too.
+        """
         names, errors = yield self.topics()
         if names is None:
             return None, errors
         found: dict[str, list[str]] = {}
+        if not self.lookupds:
+            return found, errors
         for name in names:
             # As nsqadmin: failures of these per-topic queries are not reported.
             producers, _ = yield self.topic_producers(name)

@@ -68,6 +68,11 @@ def _status_line(code: int) -> str:
         return f"{code} status code {code}"
 
 
+# Go's http.Client past its Timeout with no answer from a server that took
+# the connection (one stopped, or overloaded), as nsqadmin quotes it.
+_GO_HEADER_TIMEOUT = "net/http: timeout awaiting response headers (Client.Timeout exceeded while awaiting headers)"
+
+
 class UpstreamError(Exception):
     """A request to a lookupd or broker that did not give a usable answer.
 
@@ -93,10 +98,13 @@ class UpstreamError(Exception):
         if self.code is not None and self.code != 200:
             return f"got response {_status_line(self.code)} {go_quote(self.body)}"
         reason = self.reason
-        if reason == "connection refused":
+        if reason in ("connection refused", "connect timed out"):
             parts = urlsplit(self.url)
             port = parts.port or (443 if parts.scheme == "https" else 80)
-            reason = go_refused(join_host_port(parts.hostname or "", port))
+            address = join_host_port(parts.hostname or "", port)
+            reason = go_refused(address) if reason == "connection refused" else f"dial tcp {address}: i/o timeout"
+        elif reason == "request timed out":
+            reason = _GO_HEADER_TIMEOUT
         return f'{self.method.capitalize()} "{self.url}": {reason}'
 
 

@@ -227,6 +227,16 @@ def test_topics_without_lookupd_from_the_brokers_stats(make):
     assert ok(http.get("/api/topics?inactive=true")) == {"topics": {}, "message": ""}
 
 
+def test_inactive_topics_without_lookupd_warn_of_a_broker_down(make):
+    """nsqadmin asks the brokers for their topics even then: a broker down is its warning, all down its 502."""
+    stats = "/stats?format=json&include_clients=false&include_mem=false"
+    body = ok(make(lookupds=(), nsqds=(A, B), down={B}).get("/api/topics?inactive=true"))
+    assert body == {"topics": {}, "message": "WARNING: " + refused(f"http://{B}{stats}")}
+    assert error(make(lookupds=(), nsqds=(A, B), down={A, B}).get("/api/topics?inactive=true")) == (
+        502, "UPSTREAM_ERROR: failed to query any nsqd: " + refused(f"http://{A}{stats}") + "\n"
+             + refused(f"http://{B}{stats}"))
+
+
 # -- /api/topics/:topic -------------------------------------------------------------------------
 
 
@@ -278,6 +288,13 @@ def test_topic_unknown_everywhere_is_nsqadmins_502(http):
 
 def test_topic_unknown_to_one_lookupd_is_no_warning(http):
     assert ok(http.get("/api/topics/events"))["message"] == ""
+
+
+def test_topic_unknown_to_the_lookupd_that_answered_quotes_every_lookupd(make):
+    """One lookupd down, the other never heard of the topic: nsqadmin's 502 quotes both."""
+    assert error(make(down={LK1}).get("/api/topics/ghost")) == (
+        502, "UPSTREAM_ERROR: failed to query any nsqlookupd: " + refused("http://lk1:4161/lookup?topic=ghost")
+             + f"\n{LOOKUP_404}")
 
 
 def test_topic_unknown_without_lookupd_is_nsqadmins_502(make):
@@ -366,6 +383,12 @@ def test_nodes_without_lookupd_from_info(make):
         ("host-a", "1.3.0", None), ("host-b", "1.2.1", None)]
     assert body["nodes"][1]["topics"] == [{"topic": "events", "tombstoned": False},
                                           {"topic": "orders", "tombstoned": False}]
+
+
+def test_nodes_without_lookupd_a_broker_down_is_quoted_at_info_as_nsqadmin_asks_it(make):
+    body = ok(make(lookupds=(), nsqds=(A, B), down={B}).get("/api/nodes"))
+    assert [n["hostname"] for n in body["nodes"]] == ["host-a"]
+    assert body["message"] == "WARNING: " + refused(f"http://{B}/info")
 
 
 def test_node_its_topics_and_totals(http):
@@ -697,5 +720,5 @@ def test_health_without_lookupd_a_configured_broker_down(make):
     a, b = body["nodes"]
     assert (a["node"], a["up"], a["registered"], a["durable"]) == (A, True, True, True)
     assert (b["node"], b["address"], b["up"], b["registered"]) == (B, f"http://{B}", False, False)
-    assert body["message"].startswith(f'WARNING: Get "http://{B}/stats?')
+    assert body["message"].startswith("WARNING: " + refused(f"http://{B}/info") + "\n")
     assert body["message"].endswith("\n" + refused(f"http://{B}/ping"))

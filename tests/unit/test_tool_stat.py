@@ -259,7 +259,11 @@ def test_loop_with_nsqd_addresses_queries_them_where_given():
     ({("lk:4161", "/lookup"): [lookup(4151)],
       ("127.0.0.1:4151", "/stats"): [UpstreamError("http://127.0.0.1:4151/stats", "request timed out")]},
      'ERROR: failed to get nsqd stats - failed to query any nsqd: Get "http://127.0.0.1:4151/stats":'
-     " request timed out"),
+     " net/http: timeout awaiting response headers (Client.Timeout exceeded while awaiting headers)"),
+    ({("lk:4161", "/lookup"): [lookup(4151)],
+      ("127.0.0.1:4151", "/stats"): [UpstreamError("http://127.0.0.1:4151/stats", "connect timed out")]},
+     'ERROR: failed to get nsqd stats - failed to query any nsqd: Get "http://127.0.0.1:4151/stats":'
+     " dial tcp 127.0.0.1:4151: i/o timeout"),
     ({("lk:4161", "/lookup"): [lookup(4151)], ("127.0.0.1:4151", "/stats"): [stats_doc(("t", []))]},
      "ERROR: failed to find channel(c) in stats metadata for topic(t)"),
     # No producer: nsq's GetNSQDStats queried none, and says so with nothing after the colon.
