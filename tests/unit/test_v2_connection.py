@@ -261,14 +261,17 @@ def test_publishers_get_heartbeats_too(connect, clock):
     assert c.read() == [HEARTBEAT]
 
 
-def test_silent_client_disconnected_after_two_intervals(connect, clock):
+def test_silent_client_gets_a_second_heartbeat_then_a_graceful_close(connect, clock):
+    """As nsqd: the heartbeat due with the read deadline is written, then a FIN, not a reset."""
     c = connect()
     clock.advance(30)
     assert c.read() == [HEARTBEAT]
     clock.advance(29.9)
     assert not c.closed
     clock.advance(0.1)
+    assert c.read() == [HEARTBEAT]
     assert c.closed
+    assert not c.transport.disconnected  # loseConnection, not abortConnection
 
 
 def test_nop_resets_read_timeout(connect, clock):
@@ -284,6 +287,7 @@ def test_nop_resets_read_timeout(connect, clock):
     assert c.read() == [HEARTBEAT] * 5
     clock.advance(0.1)
     assert c.closed
+    assert c.raw() == b""  # the next heartbeat was 10 s away: none written at the close
 
 
 def test_partial_data_also_resets_read_timeout(connect, clock):
@@ -361,9 +365,8 @@ def test_timed_out_consumer_messages_go_to_another_subscriber(connect, broker, c
     clock.pump([10] * 5)  # a has been silent for 60 s
     assert set(a.read()) <= {HEARTBEAT}
     assert a.closed
-    assert a.transport.disconnected  # aborted, not a graceful close
     assert not b.closed
-    a.lose()  # the reactor's connectionLost after the abort
+    a.lose()  # the reactor's connectionLost after the close
     got = [f for f in b.read() if f != HEARTBEAT]
     assert got == [Msg(m.timestamp, 2, m.id, b"m")]
     channel = broker.topics["t"].channels["c"]

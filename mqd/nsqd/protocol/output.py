@@ -65,9 +65,20 @@ class OutputMixin:
         self._write_frame(HEARTBEAT)
 
     def timeoutConnection(self) -> None:
+        """Two heartbeat intervals without a word: close, as nsqd's read deadline does.
+
+        nsqd's heartbeat falls due with that deadline when the client has
+        been silent since the heartbeats started, and is written first; then
+        the connection closes as any other (the output flushed, a FIN), so
+        the client reads an end of stream, not a reset.
+        """
         log.info("client {remote} missed two heartbeats; closing", remote=self.remote_address)
-        self._closed = True
-        self.transport.abortConnection()
+        heartbeat = self._heartbeat
+        if heartbeat is not None and heartbeat.call is not None:
+            if heartbeat.call.getTime() - self.clock.seconds() <= heartbeat.interval / 100:
+                self._send_heartbeat()
+        self._stop_heartbeats()
+        self.lose_connection()
 
     # -- delivery ------------------------------------------------------------------
 
