@@ -158,6 +158,8 @@ class Producer(service.Service, ConnectionDelegate):
         self._stopped = False
         self._closed_for_good = False
         self._stop_waiters: list[defer.Deferred] = []
+        # ping()s waiting for the next connection attempt's outcome.
+        self._pings: list[defer.Deferred] = []
         # Topic names seen valid, so the regex runs once per topic.
         self._valid_topics: set[str] = set()
 
@@ -225,6 +227,30 @@ class Producer(service.Service, ConnectionDelegate):
         prefix = "E_BAD_TOPIC " if verb == "MPUB" else ""  # nsqd's MPUB repeats the code
         text = f"E_BAD_TOPIC {prefix}{verb} topic name {go_quote(topic.encode())} is not valid"
         return error_from_frame(text.encode())
+
+    def ping(self) -> defer.Deferred:
+        """Fires once a connection is ready (at once if one is), or fails with why the attempt failed.
+
+        go-nsq's Ping: a way to find a broker that cannot be reached, or
+        refuses the handshake, before publishing anything. The failure is
+        the dial's error (`ConnectionRefusedError`, ...) or the handshake's
+        (an NSQError such as `E_AUTH_FAILED`). The producer must be started.
+        """
+        if self._stopping:
+            return defer.fail(StoppedError(f"producer for {self.address} is stopped"))
+        if self._conn is not None:
+            return defer.succeed(None)
+        d = defer.Deferred()
+        self._pings.append(d)
+        return d
+
+    def _answer_pings(self, error: Exception | None) -> None:
+        pings, self._pings = self._pings, []
+        for d in pings:
+            if error is None:
+                d.callback(None)
+            else:
+                d.errback(error)
 
     def _send(self, write: Callable[..., defer.Deferred], args: tuple) -> defer.Deferred:
         """Straight to the wire when there is room, else wait (bounded), else ProducerFullError."""
@@ -295,6 +321,7 @@ class Producer(service.Service, ConnectionDelegate):
             log.warn("producer {address}: connecting failed: {error}", address=self.address,
                      error=str(failure.value) or type(failure.value).__name__)
             self._fail_waiting(failure.value)
+            self._answer_pings(failure.value)
         if self._stopping:
             self._check_drained()
         return failure  # ClientService schedules the next attempt
@@ -306,6 +333,7 @@ class Producer(service.Service, ConnectionDelegate):
             return
         log.info("producer {address}: connected", address=self.address)
         self._conn = conn
+        self._answer_pings(None)
         self._flush(conn)
         if self._stopping:
             self._check_drained()
@@ -317,6 +345,7 @@ class Producer(service.Service, ConnectionDelegate):
             log.warn("producer {address}: handshake failed: {error}", address=self.address,
                      error=str(failure.value))
             self._fail_waiting(failure.value)
+            self._answer_pings(failure.value)
         if self._stopping:
             self._check_drained()
 
@@ -367,6 +396,7 @@ class Producer(service.Service, ConnectionDelegate):
         if not self._stopping:
             self._stopping = True
             log.info("producer {address}: stopping", address=self.address)
+            self._answer_pings(StoppedError(f"producer for {self.address} is stopped"))
             self._check_drained()
         return d
 

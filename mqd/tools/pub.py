@@ -83,12 +83,17 @@ class Publisher:
     """Lines → every producer, with the token bucket, flow control and completion.
 
     `done` fires once EOF was seen and every publish acknowledged, or
-    fails with a ToolError at the first failed publish.
+    fails with a ToolError at the first failed publish. With `connect`,
+    the first line waits for it (every broker connected): a broker that
+    cannot be reached fails the run before any line reaches the others,
+    as to_nsq's first publish does, so a retried input is not published
+    twice to the brokers that were up.
     """
 
     def __init__(self, topic: str, producers: Sequence[Any], rate: int = 0, clock: Any = None,
                  pause: Callable[[], None] | None = None,
-                 resume: Callable[[], None] | None = None) -> None:
+                 resume: Callable[[], None] | None = None,
+                 connect: Callable[[], Any] | None = None) -> None:
         from twisted.internet import defer, task
 
         self.topic = topic
@@ -103,6 +108,9 @@ class Publisher:
         self.eof = False
         self.paused = False
         self._line_acks: dict[int, int] = {}
+        self._connect = connect
+        # Lines read while `connect` is under way; None once it succeeded.
+        self._held: list[bytes] | None = [] if connect is not None else None
         self._balance = 1
         self._ticker = None
         if rate > 0:
@@ -117,6 +125,13 @@ class Publisher:
     def line(self, line: bytes) -> None:
         if self.done.called:
             return
+        if self._held is not None:
+            self._held.append(line)
+            connect, self._connect = self._connect, None
+            if connect is not None:
+                self.pause()
+                connect().addCallbacks(self._connected, self._not_connected)
+            return
         if self._ticker is None:
             self._publish(line)
             return
@@ -130,6 +145,19 @@ class Publisher:
     def end(self) -> None:
         self.eof = True
         self._check_done()
+
+    def _connected(self, _: Any) -> None:
+        held, self._held = self._held or [], None
+        for line in held:
+            self.line(line)
+        if not self.paused:
+            self.resume()
+        self._check_done()
+
+    def _not_connected(self, failure: Any) -> None:
+        if not self.done.called:
+            self.stop_ticker()
+            self.done.errback(failure)
 
     # -- throttle --------------------------------------------------------------------------
 
@@ -173,7 +201,8 @@ class Publisher:
             self.resume()
 
     def _check_done(self) -> None:
-        if self.eof and not self.unacked and not self.waiting and not self.done.called:
+        if (self.eof and not self.unacked and not self.waiting and not self._held
+                and not self.done.called):
             self.stop_ticker()
             self.done.callback(self.published // max(1, len(self.producers)))
 
@@ -225,7 +254,17 @@ async def _main(reactor: Any, args: Any) -> None:
     for producer in producers:
         producer.startService()
 
-    publisher = Publisher(args.topic, producers, args.rate, clock=reactor)
+    def connect_all() -> defer.Deferred:
+        """Every broker connected, or a ToolError with to_nsq's text for the first that is not."""
+
+        def check(results) -> None:
+            for producer, (ok, result) in zip(producers, results, strict=True):
+                if not ok:
+                    raise ToolError(go_nsq_text(result, producer.address))
+
+        return defer.DeferredList([p.ping() for p in producers], consumeErrors=True).addCallback(check)
+
+    publisher = Publisher(args.topic, producers, args.rate, clock=reactor, connect=connect_all)
     splitter = LineSplitter(args.delimiter.encode(), publisher.line, publisher.end)
     io = stdio.StandardIO(splitter, reactor=reactor)
     publisher.pause = io.pauseProducing

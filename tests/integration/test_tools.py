@@ -123,14 +123,19 @@ def test_pub_failed_publish_exits_1_with_the_error(broker):
     assert "E_BAD_TOPIC" in proc.stderr.decode()
 
 
-def test_pub_to_nowhere_exits_1(broker, name):
+def test_pub_with_a_broker_down_exits_1_having_published_nowhere(broker, name):
+    """As to_nsq: the broker that is up gets none of the lines, so running the input again adds no duplicate."""
+    topic = name()
     proc = subprocess.run(
-        tool("pub", f"--topic={name()}", "--nsqd-tcp-address=127.0.0.1:1"),
-        input=b"x\n", capture_output=True, timeout=TIMEOUT,
+        tool("pub", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}",
+             "--nsqd-tcp-address=127.0.0.1:1"),
+        input=b"".join(b"%d\n" % i for i in range(2000)), capture_output=True, timeout=TIMEOUT,
     )
     assert proc.returncode == 1
     # to_nsq's line: Go's dial error and nothing else.
     assert "dial tcp 127.0.0.1:1: connect: connection refused\n" in proc.stderr.decode()
+    _, stats = broker.get(f"/stats?format=json&topic={topic}")
+    assert [t["message_count"] for t in stats["topics"] or [] if t["topic_name"] == topic] in ([], [0])
 
 
 def test_pub_rate_paces_the_messages(broker, name):

@@ -316,6 +316,39 @@ def test_failed_connection_attempt_fails_the_waiting_with_the_reason(make_produc
     assert later.result() == b"OK"
 
 
+def test_ping_fires_once_the_handshake_is_done_and_at_once_when_connected(make_producer, endpoint):
+    p = make_producer()
+    first = Outcome(p.ping())
+    server = endpoint.accept(handshake=False)
+    assert not first.fired  # TCP is up, IDENTIFY not answered yet
+    server.take()
+    server.send(frame(FRAME_TYPE_RESPONSE, IDENTIFY_ANSWER))
+    assert first.result() is None
+    assert Outcome(p.ping()).result() is None
+    assert server.take() == b""  # a ping sends nothing
+
+
+def test_ping_fails_with_why_the_connection_attempt_failed(make_producer, endpoint, clock):
+    p = make_producer()
+    refused = Outcome(p.ping())
+    endpoint.refuse(ConnectionRefusedError("nobody there"))
+    assert isinstance(refused.error(), ConnectionRefusedError)
+    handshake = Outcome(p.ping())
+    clock.advance(0.2)  # the service's next attempt: TCP up, IDENTIFY refused
+    server = endpoint.accept(handshake=False)
+    server.take()
+    server.send(error("E_BAD_BODY IDENTIFY failed to decode JSON body"))
+    assert isinstance(handshake.error(), BadBodyError)
+
+
+def test_ping_of_a_stopping_producer_fails_with_stopped(make_producer, endpoint):
+    p = make_producer()
+    waiting = Outcome(p.ping())
+    p.stop()
+    assert isinstance(waiting.error(), StoppedError)
+    assert isinstance(Outcome(p.ping()).error(), StoppedError)
+
+
 def test_failed_handshake_fails_the_waiting_and_counts_towards_the_backoff(make_producer, endpoint, clock):
     p = make_producer()
     waiting = Outcome(p.publish("t", b"m"))

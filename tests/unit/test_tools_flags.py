@@ -332,6 +332,44 @@ def test_publisher_pauses_stdin_while_too_many_publishes_wait():
     assert events == ["pause", "resume"]
 
 
+def test_publisher_sends_nothing_until_every_broker_is_connected():
+    events = []
+    producers = [FakeProducer("a:1"), FakeProducer("b:2")]
+    connecting = defer.Deferred()
+    publisher = Publisher("t", producers, pause=lambda: events.append("pause"),
+                          resume=lambda: events.append("resume"), connect=lambda: connecting)
+    publisher.line(b"x")
+    publisher.line(b"y")  # read in the same chunk as x, after the pause
+    publisher.end()
+    assert [p.sent for p in producers] == [[], []] and events == ["pause"]
+    connecting.callback(None)
+    assert [[b for _, b, _ in p.sent] for p in producers] == [[b"x", b"y"]] * 2
+    assert events == ["pause", "resume"]
+    for p in producers:
+        p.ack_all()
+    assert publisher.done.result == 2
+
+
+def test_publisher_whose_broker_cannot_be_reached_publishes_nowhere():
+    producers = [FakeProducer("a:1"), FakeProducer("b:2")]
+    connecting = defer.Deferred()
+    publisher = Publisher("t", producers, connect=lambda: connecting)
+    publisher.line(b"x")
+    connecting.errback(ToolError("dial tcp b:2: connect: connection refused"))
+    failures = []
+    publisher.done.addErrback(failures.append)
+    assert str(failures[0].value) == "dial tcp b:2: connect: connection refused"
+    publisher.line(b"y")
+    assert [p.sent for p in producers] == [[], []]
+
+
+def test_publisher_of_no_line_never_connects():
+    connects = []
+    publisher = Publisher("t", [FakeProducer()], connect=lambda: connects.append(1) or defer.Deferred())
+    publisher.end()
+    assert publisher.done.result == 0 and connects == []
+
+
 class FakeMessage:
     def __init__(self, body):
         self.body = body
