@@ -249,16 +249,17 @@ def stat_loop(reactor: Any, options: SimpleNamespace, out: IO[str] | None = None
         upstream = Upstream(reactor, options)
     cluster = Cluster(upstream, options.lookupd_http_addresses, options.nsqd_http_addresses)
     table = StatTable(options.interval)
-    try:
-        while True:
-            totals = yield poll(cluster, options.topic, options.channel)
-            out.write(table.add(totals))
-            out.flush()
-            if options.count is not None and table.polls > options.count:
-                return
-            yield task.deferLater(reactor, options.interval, lambda: None)
-    finally:
-        yield upstream.close()
+    # Closed as the reactor stops, however the loop ends: at --count, on an
+    # error, or on SIGINT/SIGTERM, when the loop is left suspended (a
+    # `finally` that waited there would run in a generator being discarded).
+    reactor.addSystemEventTrigger("before", "shutdown", upstream.close)
+    while True:
+        totals = yield poll(cluster, options.topic, options.channel)
+        out.write(table.add(totals))
+        out.flush()
+        if options.count is not None and table.polls > options.count:
+            return
+        yield task.deferLater(reactor, options.interval, lambda: None)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -190,6 +190,19 @@ def test_tail_started_with_sigint_ignored_still_stops_on_sigint(broker, name):
     finish(proc)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stat_stopped_by_a_signal_exits_0_with_nothing_on_stderr(broker, name, sig):
+    """As nsq_stat: the table so far on stdout, and no traceback."""
+    topic = name()
+    assert broker.post(f"/topic/create?topic={topic}") == 200
+    assert broker.post(f"/channel/create?topic={topic}&channel=c") == 200
+    proc = start("stat", f"--topic={topic}", "--channel=c", f"--nsqd-http-address={broker.http_address}")
+    assert proc.stdout.readline().startswith(b"------rate------+")
+    proc.send_signal(sig)
+    _, err = finish(proc)
+    assert err == ""
+
+
 def test_tail_into_a_closed_pipe_dies_of_sigpipe_as_nsq_tail(broker, name):
     topic = name()
     proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}")

@@ -8,7 +8,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from twisted.internet import defer
-from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 
 from mqd import __version__
 from mqd.clusterinfo.upstream import UpstreamError
@@ -204,6 +204,14 @@ def options(**changes):
     return SimpleNamespace(**base)
 
 
+def shut_down(reactor: MemoryReactorClock) -> bool:
+    """What the reactor does as it stops: its "before shutdown" triggers (those the loop added)."""
+    triggers = reactor.triggers.get("before", {}).get("shutdown", [])
+    for f, args, kw in triggers:
+        f(*args, **kw)
+    return bool(triggers)
+
+
 def test_loop_polls_every_interval_prints_count_rows_then_stops():
     one = [stats_doc(("t", [channel_doc("c", depth=d, message_count=m, in_flight_count=1, client_count=1)]))
            for d, m in ((5, 10), (9, 30), (0, 30))]
@@ -214,7 +222,7 @@ def test_loop_polls_every_interval_prints_count_rows_then_stops():
         ("127.0.0.1:4151", "/stats"): one,
         ("127.0.0.1:4251", "/stats"): two,
     })
-    clock, out = Clock(), io.StringIO()
+    clock, out = MemoryReactorClock(), io.StringIO()
     d = stat_loop(clock, options(), out, upstream)
     assert out.getvalue() == HEADER
     clock.advance(1.99)
@@ -228,7 +236,7 @@ def test_loop_polls_every_interval_prints_count_rows_then_stops():
     row2 = "      0       5 |       0       0       0     1     0 |       2       0           38       2\n"
     assert out.getvalue() == HEADER + row1 + row2
     assert d.called and d.result is None
-    assert upstream.closed
+    assert shut_down(clock) and upstream.closed
     assert clock.getDelayedCalls() == []
     stats_queries = [parse_qs(urlsplit(u).query) for u in upstream.urls if "/stats" in u]
     assert len(stats_queries) == 6
@@ -242,7 +250,7 @@ def test_loop_with_nsqd_addresses_queries_them_where_given():
     info = {"version": "1.3.0", "broadcast_address": "unresolvable.example", "hostname": "h",
             "tcp_port": 4150, "http_port": 4151}
     upstream = FakeUpstream({("10.0.0.1:4151", "/stats"): [doc], ("10.0.0.1:4151", "/info"): [info]})
-    clock, out = Clock(), io.StringIO()
+    clock, out = MemoryReactorClock(), io.StringIO()
     d = stat_loop(clock, options(lookupd_http_addresses=[], nsqd_http_addresses=["10.0.0.1:4151"], count=1),
                   out, upstream)
     clock.advance(2)
@@ -271,19 +279,20 @@ def test_loop_with_nsqd_addresses_queries_them_where_given():
 ])
 def test_any_failure_ends_the_loop_with_nsq_stats_error(routes, message):
     upstream = FakeUpstream(routes)
-    d = stat_loop(Clock(), options(), io.StringIO(), upstream)
+    reactor = MemoryReactorClock()
+    d = stat_loop(reactor, options(), io.StringIO(), upstream)
     failure = d.result
     d.addErrback(lambda f: None)
     assert failure.check(ToolError)
     assert str(failure.value) == message
-    assert upstream.closed
+    assert shut_down(reactor) and upstream.closed
 
 
 def test_a_broker_failing_later_ends_the_loop_after_the_rows_so_far():
     doc = stats_doc(("t", [channel_doc("c", depth=1, message_count=1)]))
     upstream = FakeUpstream({("lk:4161", "/lookup"): [lookup(4151)],
                              ("127.0.0.1:4151", "/stats"): [doc, doc, UpstreamError("u", "connection refused")]})
-    clock, out = Clock(), io.StringIO()
+    clock, out = MemoryReactorClock(), io.StringIO()
     d = stat_loop(clock, options(count=None), out, upstream)
     clock.advance(2)
     clock.advance(2)

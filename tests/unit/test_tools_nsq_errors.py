@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 from twisted.internet import defer, error
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 
 from mqd.client.errors import error_from_frame
@@ -138,7 +139,7 @@ def cluster_answer(url: str):
 def test_stat_failures_as_nsq_stat(case_name):
     case = CASES[("nsq_stat", case_name)]
     options = stat.parse_args(case["args"])
-    d = stat.stat_loop(Clock(), options, io.StringIO(), Answers(cluster_answer))
+    d = stat.stat_loop(MemoryReactorClock(), options, io.StringIO(), Answers(cluster_answer))
     failures: list[Failure] = []
     d.addErrback(failures.append)
     assert failures[0].check(ToolError)
