@@ -560,8 +560,9 @@ class TopicDiscoverer:
             for topic in self.args.topic:
                 self.add(topic, required=True)
             return
-        for topic in await lookupd_topics(self.args.lookupd_http_address, self.args):
-            self.add(topic)
+        # Lookupds that cannot be reached yet are logged, not fatal: the
+        # next refresh asks again, as nsq_to_file's discoverer keeps running.
+        await self.refresh()
         if self.args.topic_refresh <= 0:
             return  # as Go's time.Tick(0): no refresh at all
         self._refresh = task.LoopingCall(self.refresh)
@@ -604,7 +605,8 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
 
     import treq
 
-    from mqd.client.discovery import ACCEPT
+    from mqd.client.discovery import ACCEPT, MAX_RESPONSE_SIZE
+    from mqd.http_body import read_bounded
 
     topics: set[str] = set()
     errors: list[str] = []
@@ -615,7 +617,7 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
             response = await treq.get(
                 url, headers={b"Accept": [ACCEPT]}, timeout=args.http_client_request_timeout
             )
-            body = await response.content()
+            body = await read_bounded(response, MAX_RESPONSE_SIZE, ValueError)
             if response.code != 200:
                 raise ValueError(f"HTTP {response.code}")
             doc = json.loads(body)

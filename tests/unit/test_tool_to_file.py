@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import pytest_twisted
 from twisted.internet import defer, task
 
 from mqd.tools import to_file
@@ -492,3 +493,55 @@ def test_a_topic_refresh_of_zero_never_refreshes(monkeypatch, refresh, lookups):
     clock.advance(60)
     assert len(asked) == lookups
     discoverer.stop()
+
+
+def test_every_lookupd_down_at_start_is_logged_and_asked_again_at_the_next_refresh(monkeypatch):
+    """As nsq_to_file: started before its lookupds (a boot order), it keeps running and finds topics later."""
+    answers = [ToolError("could not retrieve topic list: http://b:2/topics: connection refused"), ["xa"]]
+    added = []
+
+    async def topics(addresses, args):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(to_file, "lookupd_topics", topics)
+    clock = task.Clock()
+    args = build_parser().parse_args(["--lookupd-http-address=b:2", "--topic-pattern=x"])
+    discoverer = to_file.TopicDiscoverer(clock, args, check_args(args), config=None)
+    monkeypatch.setattr(discoverer, "add", added.append)
+    started = defer.ensureDeferred(discoverer.start())
+    assert started.called and started.result is None
+    assert added == []
+    clock.advance(60)
+    assert added == ["xa"]
+    discoverer.stop()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_lookupd_answer_over_the_bound_is_an_error_not_a_memory_cost(monkeypatch):
+    from twisted.internet import reactor
+    from twisted.web import resource, server
+
+    from mqd.client import discovery
+
+    monkeypatch.setattr(discovery, "MAX_RESPONSE_SIZE", 1000)
+
+    class Topics(resource.Resource):
+        isLeaf = True
+
+        def render_GET(self, request):
+            return b'{"topics":["' + b"x" * 5000 + b'"]}'
+
+    root = resource.Resource()
+    root.putChild(b"topics", Topics())
+    port = reactor.listenTCP(0, server.Site(root), interface="127.0.0.1")
+    address = f"127.0.0.1:{port.getHost().port}"
+    args = build_parser().parse_args([f"--lookupd-http-address={address}", "--topic-pattern=x"])
+    check_args(args)
+    try:
+        with pytest.raises(ToolError, match=f"http://{address}/topics: answer of 5015 bytes is over 1000"):
+            yield defer.ensureDeferred(to_file.lookupd_topics([address], args))
+    finally:
+        yield port.stopListening()
