@@ -68,6 +68,11 @@ def _status_line(code: int) -> str:
         return f"{code} status code {code}"
 
 
+# The most of any broker's or lookupd's answer that is read (a /stats of
+# tens of thousands of clients is a few tens of MiB): one answering without
+# end costs this much memory, not all of it.
+UPSTREAM_ANSWER_MAX = 64 * 1024 * 1024
+
 # Go's http.Client past its Timeout with no answer from a server that took
 # the connection (one stopped, or overloaded), as nsqadmin quotes it.
 _GO_HEADER_TIMEOUT = "net/http: timeout awaiting response headers (Client.Timeout exceeded while awaiting headers)"
@@ -285,7 +290,8 @@ class Upstream:
         """The JSON document of a 200 answer; anything else is an UpstreamError.
 
         `headers` are sent besides mqadmin's own (a browser's Authorization,
-        passed on); an answer of more than `max_bytes` is not read further.
+        passed on); an answer of more than `max_bytes` (UPSTREAM_ANSWER_MAX
+        unless given) is not read further.
         """
         code, body = yield self._request(b"GET", url, b"", headers=headers, max_bytes=max_bytes)
         if code != 200:
@@ -342,10 +348,8 @@ class Upstream:
         client = self.post_client if method == b"POST" else self.client
         response = yield client.request(method.decode(), url, headers=headers,
                                         data=body if method == b"POST" else None, allow_redirects=False)
-        if max_bytes is None:
-            answer = yield response.content()
-        else:
-            answer = yield read_bounded(response, max_bytes, lambda why: UpstreamError(url, why))
+        limit = UPSTREAM_ANSWER_MAX if max_bytes is None else max_bytes
+        answer = yield read_bounded(response, limit, lambda why: UpstreamError(url, why))
         return response.code, answer
 
     @staticmethod

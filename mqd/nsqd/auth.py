@@ -20,9 +20,10 @@ from urllib.parse import urlencode
 
 import re2
 from twisted.internet.defer import Deferred, inlineCallbacks
-from twisted.web.client import Agent, FileBodyProducer, readBody
+from twisted.web.client import Agent, FileBodyProducer
 from twisted.web.http_headers import Headers
 
+from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.wire.errors import go_string
 
@@ -31,6 +32,10 @@ __all__ = ["AuthError", "AuthState", "AuthClient", "auth_urls", "compile_grant",
 log = get_logger(__name__)
 
 ACCEPT = b"application/vnd.nsq; version=1.0"
+# The most of an auth server's answer that is read: its grants are a few
+# hundred bytes a channel, and a server answering without end must not
+# fill the broker's memory.
+AUTH_ANSWER_MAX = 16 * 1024 * 1024
 
 # RE2 is Go's regexp engine: linear-time matching (a grant like
 # `^([a-z0-9]+[-_.]?)+$` cannot stall the reactor as backtracking `re` did on
@@ -241,7 +246,7 @@ class AuthClient:
             d = self._agent.request(b"GET", full.encode(), headers)
         d.addTimeout(self.request_timeout, reactor)
         response = yield d
-        body_d = readBody(response)
+        body_d = read_bounded(response, AUTH_ANSWER_MAX, AuthError)
         body_d.addTimeout(self.request_timeout, reactor)
         body = yield body_d
         if response.code != 200:
