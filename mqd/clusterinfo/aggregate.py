@@ -354,7 +354,8 @@ def counter_stats(per_node: Iterable[NodeStats], now: float) -> dict[str, dict[s
             row = rows.setdefault(key, {"node": node["node"], "topic_name": channel["topic_name"],
                                         "channel_name": channel["channel_name"], "message_count": 0})
             row["message_count"] += node["message_count"]
-    return rows
+    # nsqadmin marshals a Go map: its keys come out in byte order.
+    return dict(sorted(rows.items()))
 
 
 # -- producers ------------------------------------------------------------------------------

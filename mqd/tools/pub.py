@@ -51,8 +51,8 @@ def check_args(args: Any) -> None:
         raise ToolError("--delimiter must be a single byte")
     if not args.nsqd_tcp_address:
         raise ToolError("--nsqd-tcp-address required")
-    if args.rate < 0:
-        raise ToolError("--rate must not be negative")
+    # A negative rate is to_nsq's "no throttle", as 0 (its test is `> 0`).
+    args.rate = max(args.rate, 0)
 
 
 class LineSplitter(protocol.Protocol):

@@ -56,8 +56,8 @@ def check_args(args: Any) -> None:
         raise ToolError("use --nsqd-tcp-address or --lookupd-http-address not both")
     if not args.topic:
         raise ToolError("--topic required")
-    if args.n < 0:
-        raise ToolError("-n must not be negative")
+    # Go's int flag takes a negative count, which nsq_tail's `> 0` tests read as no limit.
+    args.n = max(args.n, 0)
     # Don't ask for more messages than we want.
     if 0 < args.n < args.max_in_flight:
         args.max_in_flight = args.n

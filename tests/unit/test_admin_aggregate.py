@@ -8,6 +8,7 @@ expected figure below is worked out by hand from the two documents.
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 
@@ -173,6 +174,15 @@ def test_all_channels_keyed_topic_colon_channel(nodes):
 
 def test_counter_rows_per_topic_channel_node(nodes):
     assert counter_stats(nodes, NOW) == COUNTER_ROWS
+
+
+def test_counter_rows_in_the_byte_order_of_a_go_maps_keys():
+    """nsqadmin writes `alpha:eph#ephemeral:...` before `alpha:eph:...` ('#' is below ':')."""
+    channel = copy.deepcopy(fixture("stats_a.json")["topics"][0]["channels"][0])
+    channels = [dict(channel, channel_name=name) for name in ("eph", "eph#ephemeral", "a")]
+    doc = {"topics": [{"topic_name": "alpha", "channels": channels}]}
+    keys = list(counter_stats([NodeStats(A, "host-a", doc)], NOW))
+    assert keys == [f"alpha:a:{A}", f"alpha:eph#ephemeral:{A}", f"alpha:eph:{A}"]
 
 
 def test_node_topics_totals(nodes):

@@ -13,6 +13,7 @@ from mqd.tools.flags import (
     apply_config_opts,
     fatal,
     make_config,
+    parse_checked,
     split_config_opt,
 )
 from mqd.tools.pub import LineSplitter, Publisher
@@ -54,6 +55,17 @@ def test_defaults():
     assert args.consumer_opt == []
     assert (args.n, args.max_in_flight, args.sync_interval) == (0, 200, 30.0)
     assert args.print_topic is False and args.channel == ""
+
+
+def test_a_negative_count_or_rate_is_no_limit_as_in_nsqs_tools():
+    from mqd.tools import pub, tail
+
+    args, _ = parse_checked(tail.build_parser(), tail.check_args,
+                            ["--topic=t", "--nsqd-tcp-address=a:1", "-n", "-1"])
+    assert (args.n, args.max_in_flight) == (0, 200)
+    args, _ = parse_checked(pub.build_parser(), pub.check_args,
+                            ["--topic=t", "--nsqd-tcp-address=a:1", "--rate=-5"])
+    assert args.rate == 0
 
 
 def test_repeatable_flags_keep_every_value_in_order():
