@@ -61,11 +61,62 @@ def _value_error(text: str, pos: int) -> str | None:
     return None
 
 
+_DIGITS = "0123456789"
+
+
+def _number_tail_error(text: str, pos: int) -> str | None:
+    """Go's error for a number whose `.` or exponent at `pos` is not followed by digits, or None.
+
+    Python's decoder ends the number before such a tail (`1.` is 1, then a
+    stray `.`); Go's scanner reads into it: `1.` is `unexpected EOF`, `1.x`
+    `invalid character 'x' after decimal point in numeric literal`, `1e+x`
+    `... in exponent of numeric literal`.
+    """
+    if pos == 0 or text[pos - 1] not in _DIGITS or pos >= len(text):
+        return None
+    if text[pos] == ".":
+        nxt, where = text[pos + 1:pos + 2], "after decimal point in"
+    elif text[pos] in "eE":
+        i = pos + 2 if text[pos + 1:pos + 2] in ("+", "-") else pos + 1
+        nxt, where = text[i:i + 1], "in exponent of"
+    else:
+        return None
+    if not nxt:
+        return "unexpected EOF"
+    if nxt not in _DIGITS:
+        return f"invalid character {_go_char(nxt)} {where} numeric literal"
+    return None
+
+
+def _innermost(text: str, pos: int) -> str | None:
+    """The kind of container (`[` or `{`) open at `pos` in `text`, strings skipped."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for c in text[:pos]:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "[{":
+            stack.append(c)
+        elif c in "]}" and stack:
+            stack.pop()
+    return stack[-1] if stack else None
+
+
 def _scan_error(text: str, error: json.JSONDecodeError) -> str:
     """Go's json error text for what Python's decoder refused in `text`."""
     pos = error.pos
     if pos >= len(text) or error.msg.startswith("Unterminated"):
         return "unexpected EOF"
+    tail = _number_tail_error(text, pos)
+    if tail is not None:
+        return tail
     if error.msg.startswith("Expecting value"):
         go_error = _value_error(text, pos)
         if go_error is not None:
@@ -79,6 +130,8 @@ def _scan_error(text: str, error: json.JSONDecodeError) -> str:
     if error.msg.startswith("Invalid \\escape") and pos + 1 < len(text):
         pos += 1  # Go names the character after the backslash
     context = next((c for m, c in _CONTEXTS.items() if error.msg.startswith(m)), _CONTEXTS["Expecting value"])
+    if error.msg.startswith("Expecting ',' delimiter") and _innermost(text, pos) == "[":
+        context = "after array element"
     return f"invalid character {_go_char(text[pos])} {context}"
 
 
@@ -113,9 +166,13 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
         raise GoJSONError("EOF")
     decoder = json.JSONDecoder(parse_constant=_reject_constant)
     try:
-        value, _ = decoder.raw_decode(text)
+        value, end = decoder.raw_decode(text)
     except json.JSONDecodeError as e:
         raise GoJSONError(_scan_error(text, e)) from None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        tail = _number_tail_error(text, end)  # Go reads a top-level number to its real end
+        if tail is not None:
+            raise GoJSONError(tail)
     out = dict.fromkeys(fields, "")
     if value is None:
         return out

@@ -112,6 +112,22 @@ def test_create_body_read_as_go_reads_it():
     (b'{"action":"\\u0"}', "invalid character '\"' in \\u hexadecimal character escape"),
     (b"x", "invalid character 'x' looking for beginning of value"),
     (b'{"a" 1}', "invalid character '1' after object key"),
+    # Numbers Go's scanner reads on into: a fraction or exponent without digits.
+    (b"1.", "unexpected EOF"),
+    (b"-1.", "unexpected EOF"),
+    (b"1e+", "unexpected EOF"),
+    (b"1.x", "invalid character 'x' after decimal point in numeric literal"),
+    (b"1.e5", "invalid character 'e' after decimal point in numeric literal"),
+    (b"1e+x", "invalid character 'x' in exponent of numeric literal"),
+    (b'{"topic":1.}', "invalid character '}' after decimal point in numeric literal"),
+    (b"[1e-]", "invalid character ']' in exponent of numeric literal"),
+    (b'{"topic":1e5x}', "invalid character 'x' after object key:value pair"),
+    # Inside an array the context is the array's, strings and nesting skipped.
+    (b"[1 x]", "invalid character 'x' after array element"),
+    (b'{"a":["x]" 1]}', "invalid character '1' after array element"),
+    (b'{"a":{"b":1} x}', "invalid character 'x' after object key:value pair"),
+    (b"[1,]", "invalid character ']' looking for beginning of value"),
+    (b'{"a":1,}', "invalid character '}' looking for beginning of object key string"),
 ])
 def test_malformed_bodies_get_gos_scanner_errors(body, message):
     with pytest.raises(ValueError) as caught:
