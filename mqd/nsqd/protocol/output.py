@@ -70,9 +70,18 @@ class OutputMixin:
         nsqd's heartbeat falls due with that deadline when the client has
         been silent since the heartbeats started, and is written first; then
         the connection closes as any other (the output flushed, a FIN), so
-        the client reads an end of stream, not a reset.
+        the client reads an end of stream, not a reset. A client that does
+        not read its output either is dropped at once.
         """
         log.info("client {remote} missed two heartbeats; closing", remote=self.remote_address)
+        if self._output_blocked or self._unsent:
+            # It does not read either: its output would never drain, so the
+            # connection is dropped now, as nsqd's close drops what its
+            # buffer still held for it.
+            self._stop_heartbeats()
+            self._closed = True
+            self.transport.abortConnection()
+            return
         heartbeat = self._heartbeat
         if heartbeat is not None and heartbeat.call is not None:
             if heartbeat.call.getTime() - self.clock.seconds() <= heartbeat.interval / 100:
