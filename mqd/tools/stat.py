@@ -26,6 +26,7 @@ lookupds' producers) is mqadmin's `Cluster` over `Upstream`.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -262,10 +263,16 @@ def stat_loop(reactor: Any, options: SimpleNamespace, out: IO[str] | None = None
         yield task.deferLater(reactor, options.interval, lambda: None)
 
 
+def _stat_until_a_signal(reactor: Any, options: SimpleNamespace) -> defer.Deferred:
+    """The loop, stopped with exit status 0 by SIGHUP as by SIGINT and SIGTERM, as nsq_stat is."""
+    signal.signal(signal.SIGHUP, lambda *_: reactor.callFromThread(reactor.stop))
+    return stat_loop(reactor, options)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     options = parse_args(argv)
     # Warnings only: nsq_stat's stderr carries nothing but its fatal errors.
-    run(stat_loop, options, log_level="warn")
+    run(_stat_until_a_signal, options, log_level="warn")
 
 
 if __name__ == "__main__":

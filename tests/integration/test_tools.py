@@ -190,9 +190,9 @@ def test_tail_started_with_sigint_ignored_still_stops_on_sigint(broker, name):
     finish(proc)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_stat_stopped_by_a_signal_exits_0_with_nothing_on_stderr(broker, name, sig):
-    """As nsq_stat: the table so far on stdout, and no traceback."""
+    """As nsq_stat, which ends on each of the three: the table so far on stdout, and no traceback."""
     topic = name()
     assert broker.post(f"/topic/create?topic={topic}") == 200
     assert broker.post(f"/channel/create?topic={topic}&channel=c") == 200
