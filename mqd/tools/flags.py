@@ -192,6 +192,14 @@ class ToolParser(argparse.ArgumentParser):
         sys.stderr.flush()
         raise SystemExit(2)
 
+    def print_help(self, file: Any = None) -> None:
+        """`-h` / `--help` as Go's flag package answers it: `Usage of <tool>:` and the listing, on stderr.
+
+        argparse exits with status 0 after it, as Go's tools do.
+        """
+        sys.stderr.write(f"Usage of {self.prog}:\n{self.go_usage()}")
+        sys.stderr.flush()
+
     def go_usage(self) -> str:
         """The flags listed as Go's flag.PrintDefaults lists them."""
         lines = []

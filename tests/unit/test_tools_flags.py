@@ -436,13 +436,18 @@ def test_printer_closed_stdout_ends_as_go_does_by_sigpipe():
     assert (broken, errors) == ([True], [])
 
 
-@pytest.mark.parametrize("module", ["tail", "pub", "to_file"])
-def test_every_tools_help_renders(module, capsys):
+@pytest.mark.parametrize("module", ["tail", "pub", "to_file", "stat"])
+@pytest.mark.parametrize("flag", ["-help", "--help", "-h"])
+def test_every_tools_help_is_gos_flag_listing_on_stderr(module, flag, capsys):
+    """As nsq's tools answer -help: `Usage of <tool>:`, each flag as flag.PrintDefaults writes it, exit 0."""
     import importlib
 
-    parser = importlib.import_module(f"mqd.tools.{module}").build_parser()
+    tool = importlib.import_module(f"mqd.tools.{module}")
+    parser = tool.build_parser()
     with pytest.raises(SystemExit) as exc:
-        parser.parse_args(["-help"])
+        parser.parse_args([flag])
     assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--nsqd-tcp-address" in out and "--version" in out
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"Usage of {parser.prog}:\n  -")
+    assert "\n  -version\n    \tprint version string\n" in err
