@@ -109,7 +109,7 @@ class Publisher:
         self.paused = False
         self._line_acks: dict[int, int] = {}
         self._connect = connect
-        # Lines read while `connect` is under way; None once it succeeded.
+        # Lines read until `connect` succeeded (it is called at the first); None after.
         self._held: list[bytes] | None = [] if connect is not None else None
         self._balance = 1
         self._ticker = None
@@ -127,10 +127,9 @@ class Publisher:
             return
         if self._held is not None:
             self._held.append(line)
-            connect, self._connect = self._connect, None
-            if connect is not None:
+            if len(self._held) == 1:
                 self.pause()
-                connect().addCallbacks(self._connected, self._not_connected)
+                self._connect().addCallbacks(self._connected, self._not_connected)
             return
         if self._ticker is None:
             self._publish(line)
@@ -147,7 +146,7 @@ class Publisher:
         self._check_done()
 
     def _connected(self, _: Any) -> None:
-        held, self._held = self._held or [], None
+        held, self._held = self._held, None
         for line in held:
             self.line(line)
         if not self.paused:

@@ -74,20 +74,20 @@ class OutputMixin:
         not read its output either is dropped at once.
         """
         log.info("client {remote} missed two heartbeats; closing", remote=self.remote_address)
-        if self._output_blocked or self._unsent:
-            # It does not read either: its output would never drain, so the
-            # connection is dropped now, as nsqd's close drops what its
-            # buffer still held for it.
-            self._stop_heartbeats()
-            self._closed = True
-            self.transport.abortConnection()
-            return
+        reading = not (self._output_blocked or self._unsent)
         heartbeat = self._heartbeat
-        if heartbeat is not None and heartbeat.call is not None:
+        if reading and heartbeat is not None and heartbeat.call is not None:
             if heartbeat.call.getTime() - self.clock.seconds() <= heartbeat.interval / 100:
                 self._send_heartbeat()
         self._stop_heartbeats()
-        self.lose_connection()
+        if reading:
+            self.lose_connection()
+        else:
+            # It does not read either: its output would never drain, so the
+            # connection is dropped now, as nsqd's close drops what its
+            # buffer still held for it.
+            self._closed = True
+            self.transport.abortConnection()
 
     # -- delivery ------------------------------------------------------------------
 
