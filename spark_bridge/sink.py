@@ -41,7 +41,6 @@ that must not see a message twice need a key in the body to deduplicate on.
 
 from __future__ import annotations
 
-import json
 import threading
 import urllib.error
 import urllib.request
@@ -64,7 +63,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from mqd.client.discovery import ACCEPT, LookupdError, producer_addresses
+from mqd.client.discovery import ACCEPT, LookupdError, lookup_answer
 from mqd.names import is_valid_name
 from spark_bridge import reactor_thread
 from spark_bridge.stream_options import (
@@ -187,10 +186,9 @@ def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT)
         request = urllib.request.Request(url, headers={"Accept": ACCEPT.decode()})
         try:
             with opener.open(request, timeout=timeout) as response:
-                document = json.loads(response.read(16 * 1024 * 1024))
-            found |= producer_addresses(document)
+                found |= lookup_answer(response.read(16 * 1024 * 1024))
             answered = True
-        except (OSError, ValueError, LookupdError) as e:
+        except (OSError, LookupdError) as e:
             errors.append(f"{url}: {getattr(e, 'reason', None) or e}")
     if not answered:
         raise SinkError(f"mqd: no lookupd answered /nodes: {'; '.join(errors)}")

@@ -45,7 +45,6 @@ broker's 401 or 403 back.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
@@ -55,13 +54,13 @@ from twisted.web.server import Request
 
 from mqd.admin.config import AdminConfig
 from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, go_lines, upstream_error
-from mqd.admin.go_json import GoJSONError, decode_go_object
 from mqd.clusterinfo.aggregate import node_id
 from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, reason_of
 from mqd.http.args import count_arg, max_body_arg, query_of, state_arg
 from mqd.http.endpoint import read_body
 from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES, is_valid_name
+from mqd.wire.go_json import GoJSONError, decode_go_object, unmarshal
 
 __all__ = ["ACTIONS", "PEEK_ANSWER_MAX", "SNAPSHOT_TIMEOUT", "routes"]
 
@@ -477,9 +476,9 @@ class SnapshotNode(ActionEndpoint):
         if status != 200:
             raise ApiError(502, f"UPSTREAM_ERROR: {error_text(status, body)}")
         try:
-            data = json.loads(body)
+            data = unmarshal(body)
             answer = {"node": node, "path": data["path"], "manifest": data["manifest"]}
-        except (ValueError, TypeError, KeyError):
+        except (GoJSONError, TypeError, KeyError):
             raise ApiError(502, "UPSTREAM_ERROR: not a snapshot answer") from None
         self.notify(request, "create_snapshot", "", node=node)
         return answer

@@ -45,7 +45,7 @@ from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 
-__all__ = ["LookupdPoller", "lookup_url", "producer_addresses", "ACCEPT"]
+__all__ = ["LookupdPoller", "lookup_answer", "lookup_url", "producer_addresses", "ACCEPT"]
 
 log = get_logger("mqd.client")
 
@@ -81,6 +81,17 @@ def lookup_url(address: str, topic: str) -> str:
     path = parts.path if parts.path not in ("", "/") else "/lookup"
     query = urlencode([*parse_qsl(parts.query, keep_blank_values=True), ("topic", topic)])
     return urlunsplit((parts.scheme, parts.netloc, path, query, ""))
+
+
+def lookup_answer(body: bytes) -> set[str]:
+    """`producer_addresses` of a lookupd's answer as it came (an empty one lists nobody); LookupdError if not JSON."""
+    try:
+        document = json.loads(body or b"{}")
+    except RecursionError:
+        raise LookupdError("invalid JSON: nested too deep") from None
+    except ValueError:
+        raise LookupdError(f"invalid JSON {body[:200]!r}") from None
+    return producer_addresses(document)
 
 
 def producer_addresses(document: Any) -> set[str]:
@@ -289,13 +300,7 @@ class LookupdPoller:
             return set()
         if response.code != 200:
             raise LookupdError(f"got response {response.code} {body[:200]!r}")
-        try:
-            document = json.loads(body or b"{}")
-        except RecursionError:
-            raise LookupdError("invalid JSON: nested too deep") from None
-        except ValueError:
-            raise LookupdError(f"invalid JSON {body[:200]!r}") from None
-        return producer_addresses(document)
+        return lookup_answer(body)
 
     def _report(self, addresses: set[str]) -> None:
         try:

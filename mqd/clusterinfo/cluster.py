@@ -21,7 +21,6 @@ the same.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -35,8 +34,20 @@ from mqd.clusterinfo.aggregate import (
     nsqd_producer,
     producer_row,
 )
+from mqd.clusterinfo.answers import (
+    LOOKUPD_CHANNELS,
+    LOOKUPD_LOOKUP,
+    LOOKUPD_LOOKUP_WITH_CHANNELS,
+    LOOKUPD_NODES,
+    LOOKUPD_TOPICS,
+    NSQD_INFO,
+    NSQD_STATS,
+    NSQD_STATS_TOPICS,
+    NSQD_TOPICS,
+)
 from mqd.clusterinfo.upstream import ErrorLine, UpstreamError, base_url
 from mqd.logs import get_logger
+from mqd.wire.go_json import GoJSONError, GoType, check_go, unmarshal
 
 __all__ = ["Cluster"]
 
@@ -75,6 +86,13 @@ def _none_if_all_failed(result: Any, good: list, errors: list[str]) -> Any:
     return None if errors and not good else result
 
 
+def _shaped(document: Any, url: str, shape: GoType) -> Any:
+    try:
+        return check_go(document, shape)
+    except GoJSONError as e:
+        raise UpstreamError(url, f"unexpected JSON in response: {e}", 200, json_error=str(e)) from None
+
+
 def _query(params: Mapping[str, Any]) -> str:
     # A name from a request's path keeps its undecodable bytes as surrogates: sent back as those bytes.
     return urlencode([(k, v) for k, v in params.items() if v is not None], errors="surrogateescape")
@@ -98,13 +116,21 @@ class Cluster:
         """Base URL of a broker named `broadcast_address:http_port`."""
         return self._urls.get(node) or base_url(node)
 
-    def _lookupd(self, address: str, path: str, **params: Any) -> defer.Deferred:
-        query = _query(params)
-        return self.upstream.get_json(base_url(address) + path + ("?" + query if query else ""))
+    def _lookupd(self, address: str, path: str, shape: GoType, **params: Any) -> defer.Deferred:
+        return self._get(base_url(address) + path, shape, params)
 
-    def _nsqd(self, base: str, path: str, **params: Any) -> defer.Deferred:
+    def _nsqd(self, base: str, path: str, shape: GoType, **params: Any) -> defer.Deferred:
+        return self._get(base + path, shape, params)
+
+    def _get(self, url: str, shape: GoType, params: Mapping[str, Any]) -> defer.Deferred:
+        """The answer at `url` read as nsqadmin reads it into `shape` (clusterinfo.answers).
+
+        One that does not fit is the UpstreamError nsqadmin reports for it,
+        so nothing below reads a document of the wrong shape.
+        """
         query = _query(params)
-        return self.upstream.get_json(base + path + ("?" + query if query else ""))
+        url += "?" + query if query else ""
+        return self.upstream.get_json(url).addCallback(_shaped, url, shape)
 
     def _remember(self, rows: Iterable[dict[str, Any]]) -> None:
         for row in rows:
@@ -116,7 +142,7 @@ class Cluster:
     def producers(self):
         """Every broker (`/api/nodes` rows): from the lookupds' `/nodes`, else each broker's /info + /stats."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/nodes"), _LOOKUPD)
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/nodes", LOOKUPD_NODES), _LOOKUPD)
             good, errors = _split(answers)
             rows = lookupd_producers(good)
         else:
@@ -134,14 +160,14 @@ class Cluster:
         path: /info first for the list of nodes, /stats first for a topic's.
         """
         base = base_url(address)
-        info = None if topic is not None else (yield self._nsqd(base, "/info"))
-        stats = yield self._nsqd(base, "/stats", format="json", topic=topic, include_clients="false",
+        info = None if topic is not None else (yield self._nsqd(base, "/info", NSQD_INFO))
+        stats = yield self._nsqd(base, "/stats", NSQD_STATS_TOPICS, format="json", topic=topic, include_clients="false",
                                  include_mem="false")
         names = [t.get("topic_name", "") for t in stats.get("topics") or ()]
         if topic is not None and topic not in names:
             return None
         if info is None:
-            info = yield self._nsqd(base, "/info")
+            info = yield self._nsqd(base, "/info", NSQD_INFO)
         row = nsqd_producer(info, names, address.split("://", 1)[-1].rstrip("/"))
         self._urls[node_id(row)] = base
         return row
@@ -150,7 +176,8 @@ class Cluster:
     def topic_producers(self, topic: str):
         """The brokers producing `topic`: the union of the lookupds' `/lookup`, else the brokers that have it."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/lookup", topic=topic), _LOOKUPD)
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/lookup", LOOKUPD_LOOKUP, topic=topic),
+                                 _LOOKUPD)
             good, errors = _split(answers)
             if good:
                 # A lookupd that never heard of the topic has no producer of it; when no lookupd
@@ -173,7 +200,7 @@ class Cluster:
     def _lookup(self, address: str, topic: str):
         """A lookupd's `/lookup?topic=`; one that never heard of the topic is no producer, not an error."""
         try:
-            doc = yield self._lookupd(address, "/lookup", topic=topic)
+            doc = yield self._lookupd(address, "/lookup", LOOKUPD_LOOKUP_WITH_CHANNELS, topic=topic)
         except UpstreamError as e:
             if e.code == 404:
                 return {"channels": [], "producers": []}
@@ -186,12 +213,12 @@ class Cluster:
     def topics(self):
         """Every topic name, sorted: the lookupds' `/topics` union, else every broker's /stats."""
         if self.lookupds:
-            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/topics"), _LOOKUPD)
+            answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/topics", LOOKUPD_TOPICS), _LOOKUPD)
             good, errors = _split(answers)
             names = {t for _, doc in good for t in doc.get("topics") or ()}
         else:
             answers = yield _fan(self.nsqds, lambda a: self._nsqd(
-                base_url(a), "/stats", format="json", include_clients="false", include_mem="false"), _NSQD)
+                base_url(a), "/stats", NSQD_TOPICS, format="json", include_clients="false", include_mem="false"), _NSQD)
             good, errors = _split(answers)
             names = {t.get("topic_name", "") for _, doc in good for t in doc.get("topics") or ()}
         return _none_if_all_failed(sorted(names), good, errors), errors
@@ -199,7 +226,8 @@ class Cluster:
     @defer.inlineCallbacks
     def topic_channels(self, topic: str):
         """The channels the lookupds know for `topic` (including ones no broker has), sorted."""
-        answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/channels", topic=topic), _LOOKUPD)
+        answers = yield _fan(self.lookupds, lambda a: self._lookupd(a, "/channels", LOOKUPD_CHANNELS, topic=topic),
+                             _LOOKUPD)
         good, errors = _split(answers)
         names = {c for _, doc in good for c in doc.get("channels") or ()}
         return _none_if_all_failed(sorted(names), good, errors), errors
@@ -247,7 +275,8 @@ class Cluster:
     @defer.inlineCallbacks
     def _one_lookupd(self, address: str):
         topics_doc, nodes_doc = yield defer.gatherResults(
-            [self._lookupd(address, "/topics"), self._lookupd(address, "/nodes")], consumeErrors=True
+            [self._lookupd(address, "/topics", LOOKUPD_TOPICS), self._lookupd(address, "/nodes", LOOKUPD_NODES)],
+            consumeErrors=True,
         ).addErrback(lambda f: f.value.subFailure)
         names = sorted(topics_doc.get("topics") or ())
         lookups = yield defer.gatherResults([self._lookup(address, t) for t in names], consumeErrors=True
@@ -277,7 +306,7 @@ class Cluster:
         @defer.inlineCallbacks
         def one(producer):
             node = node_id(producer)
-            doc = yield self._nsqd(self.node_url(node), "/stats", **params)
+            doc = yield self._nsqd(self.node_url(node), "/stats", NSQD_STATS, **params)
             return NodeStats(node, producer.get("hostname", ""), doc)
 
         answers = yield _fan(producers, one, _NSQD)
@@ -355,6 +384,6 @@ class Cluster:
 
 def _json_or_none(body: bytes) -> Any:
     try:
-        return json.loads(body)
-    except ValueError:
+        return unmarshal(body)
+    except GoJSONError:
         return None

@@ -18,7 +18,6 @@ are verified and which client certificate is shown.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any
@@ -45,6 +44,7 @@ from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.options import ConfigError
 from mqd.wire.errors import go_quote, go_refused
+from mqd.wire.go_json import GoJSONError, unmarshal
 
 __all__ = ["ClientTLS", "ErrorLine", "Upstream", "UpstreamError", "base_url", "error_text", "go_quote", "reason_of"]
 
@@ -89,17 +89,21 @@ class UpstreamError(Exception):
     """
 
     def __init__(self, url: str, reason: str, code: int | None = None, body: bytes = b"",
-                 method: str = "GET") -> None:
+                 method: str = "GET", json_error: str | None = None) -> None:
         super().__init__(f"{url}: {reason}")
         self.url = url
         self.reason = reason
         self.code = code
         self.body = body
         self.method = method
+        self.json_error = json_error
 
     @property
     def go_text(self) -> str:
-        """nsq's http_api wording: `got response 404 Not Found "{...}"`, or Go's `Get "URL": ...` error."""
+        """nsq's http_api wording: `got response 404 Not Found "{...}"`, Go's `Get "URL": ...` error,
+        or, for an answer that is not JSON, Go's json error alone (`unexpected end of JSON input`)."""
+        if self.json_error is not None:
+            return self.json_error
         if self.code is not None and self.code != 200:
             return f"got response {_status_line(self.code)} {go_quote(self.body)}"
         reason = self.reason
@@ -242,8 +246,8 @@ def _https_retry_url(url: str, body: bytes) -> str | None:
     if parts.scheme != "http":
         return None
     try:
-        port = json.loads(body).get("https_port")
-    except (ValueError, AttributeError):
+        port = unmarshal(body).get("https_port")
+    except (GoJSONError, AttributeError):
         return None
     if not isinstance(port, int) or isinstance(port, bool):
         return None
@@ -287,19 +291,21 @@ class Upstream:
 
     @defer.inlineCallbacks
     def get_json(self, url: str, headers: Headers | None = None, max_bytes: int | None = None):
-        """The JSON document of a 200 answer; anything else is an UpstreamError.
+        """The JSON document of a 200 answer, read as Go's json.Unmarshal reads it; else an UpstreamError.
 
         `headers` are sent besides mqadmin's own (a browser's Authorization,
         passed on); an answer of more than `max_bytes` (UPSTREAM_ANSWER_MAX
-        unless given) is not read further.
+        unless given) is not read further. An answer that is not JSON fails
+        with Go's error for it (`json_error`), which nsqadmin quotes.
         """
         code, body = yield self._request(b"GET", url, b"", headers=headers, max_bytes=max_bytes)
         if code != 200:
             raise UpstreamError(url, f"got response {code} {body[:_QUOTE]!r}", code, body)
         try:
-            return json.loads(body)
-        except ValueError:
-            raise UpstreamError(url, f"invalid JSON in response {body[:_QUOTE]!r}", code, body) from None
+            return unmarshal(body)
+        except GoJSONError as e:
+            raise UpstreamError(url, f"invalid JSON in response ({e}): {body[:_QUOTE]!r}", code, body,
+                                json_error=str(e)) from None
 
     @defer.inlineCallbacks
     def post(self, url: str, body: bytes = b"", content_type: bytes = b"application/json",
@@ -372,8 +378,8 @@ def error_text(status: int, body: bytes) -> str:
     """`404 TOPIC_NOT_FOUND`: the status and the V1 error text of a broker's or lookupd's answer."""
     text = body.decode("utf-8", "replace").strip()
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = unmarshal(body)
+    except GoJSONError:
         data = None
     if isinstance(data, dict) and isinstance(data.get("message"), str):
         text = data["message"]

@@ -157,6 +157,38 @@ def test_brokers_are_found_through_lookupd(start_broker, start_lookupd, spark):
     assert message_count(broker, "found") == 1
 
 
+@pytest.mark.parametrize(("body", "why"), [
+    (b'{"producers":' + b"[" * 100_000, "invalid JSON: nested too deep"),
+    (b"<html>", "invalid JSON"),
+    (b'{"producers": "everyone"}', "producers is not a list"),
+])
+def test_a_lookupd_answering_garbage_is_the_sinks_error(body, why):
+    import http.server
+    import threading
+
+    from spark_bridge.sink import SinkError, lookupd_brokers
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SinkError, match="no lookupd answered /nodes") as caught:
+            lookupd_brokers((f"127.0.0.1:{server.server_port}",), timeout=5)
+        assert why in str(caught.value)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_task_that_failed_on_a_down_broker_publishes_when_retried(start_broker, spark):
     tcp, http = free_port(), free_port()
     broker = start_broker(*FAST_SCAN, f"--tcp-address=127.0.0.1:{tcp}",

@@ -17,8 +17,8 @@ import pytest
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 
 from mqd.admin.actions import routes
-from mqd.admin.go_json import decode_go_object
 from mqd.logs import set_log_level
+from mqd.wire.go_json import decode_go_object
 from tests.support.admin_fakes import L1, L2, N1, N2, Cluster, Down, peeked
 from tests.support.http_client import Response, error
 
@@ -128,6 +128,14 @@ def test_create_body_read_as_go_reads_it():
     (b'{"a":{"b":1} x}', "invalid character 'x' after object key:value pair"),
     (b"[1,]", "invalid character ']' looking for beginning of value"),
     (b'{"a":1,}', "invalid character '}' looking for beginning of object key string"),
+    # Go's scanner reads bytes: a character is named by its first byte, as a rune.
+    ("é".encode(), "invalid character 'Ã' looking for beginning of value"),
+    (b"\xff", "invalid character 'ÿ' looking for beginning of value"),
+    (b'{"a":"\x01"}', "invalid character '\\x01' in string literal"),
+    (b"-Infinity", "invalid character 'I' in numeric literal"),
+    # Nesting: Go stops at 10,000 levels, Python's decoder long before.
+    (b"[" * 100_000, "invalid character '[' exceeded max depth"),
+    (b"[" * 5_000, "unexpected EOF"),
 ])
 def test_malformed_bodies_get_gos_scanner_errors(body, message):
     with pytest.raises(ValueError) as caught:

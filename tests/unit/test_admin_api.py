@@ -27,6 +27,7 @@ from mqd.clusterinfo.upstream import UpstreamError, base_url
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.support.admin_fakes import COUNTER_ROWS, CannedUpstream, real_upstream
 from tests.support.http_client import HTTPClient, error
+from tests.support.web_server import serving
 
 FIXTURES = pathlib.Path(__file__).parent / "admin_fixtures"
 NOW = 1_700_001_000
@@ -505,9 +506,7 @@ def test_base_url():
 @pytest.fixture
 def server():
     """A twisted.web server on 127.0.0.1:0 answering like a small nsqd."""
-    from twisted.internet import reactor
     from twisted.web import resource
-    from twisted.web import server as web_server
 
     class Answer(resource.Resource):
         isLeaf = True
@@ -532,10 +531,8 @@ def server():
             return b'{"message":"MISSING_ARG_TOPIC"}'
 
     root = Answer()
-    port = reactor.listenTCP(0, web_server.Site(root), interface="127.0.0.1")
-    root.address = f"127.0.0.1:{port.getHost().port}"
-    yield root
-    port.stopListening()
+    with serving(root) as root.address:
+        yield root
 
 
 @pytest_twisted.inlineCallbacks

@@ -23,10 +23,10 @@ import pytest
 from twisted.internet.task import Clock
 
 from mqd.admin.endpoint import Admin
-from mqd.admin.go_json import go_kind
 from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
 from mqd.options import MQADMIN_OPTIONS, resolve
+from mqd.wire.go_json import go_kind
 from tests.support.admin_fakes import CannedUpstream
 from tests.support.http_client import HTTPClient
 
