@@ -63,7 +63,8 @@ class _Endpoint(AdminEndpoint):
 
 
 class Topics(_Endpoint):
-    """`GET /api/topics`: `{"topics": [names]}`; `?inactive=true`: `{"topics": {topic: [channels]}}` of unproduced topics."""
+    """`GET /api/topics`: `{"topics": [names]}` (null for none); `?inactive=true`: `{"topics": {topic: [channels]}}`
+    of unproduced topics."""
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
@@ -73,7 +74,8 @@ class Topics(_Endpoint):
             found, errors = yield self.cluster.inactive_topics()
             return {"topics": _check(found, errors, messages), "message": warning(messages)}
         names, errors = yield self.cluster.topics()
-        return {"topics": _check(names, errors, messages), "message": warning(messages)}
+        # No topic is null, as nsqadmin's Go slice that nothing was added to.
+        return {"topics": _check(names, errors, messages) or None, "message": warning(messages)}
 
 
 class Topic(_Endpoint):
@@ -137,13 +139,13 @@ def _empty_channel(topic: str, channel: str) -> dict[str, Any]:
 
 
 class Nodes(_Endpoint):
-    """`GET /api/nodes`: `{"nodes": [Producer]}`."""
+    """`GET /api/nodes`: `{"nodes": [Producer]}` (null for none)."""
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
         messages: list[str] = []
         producers, errors = yield self.cluster.producers()
-        return {"nodes": _check(producers, errors, messages), "message": warning(messages)}
+        return {"nodes": _check(producers, errors, messages) or None, "message": warning(messages)}  # none: null
 
 
 class Node(_Endpoint):

@@ -222,6 +222,16 @@ def test_topics_every_lookupd_down_is_502(make):
              + refused("http://lk2:4161/topics"))
 
 
+def test_an_empty_cluster_lists_null_as_nsqadmin_does(make):
+    empty_lookupd = lookupd({}, {"producers": []})
+    http = make(lookupds=(LK1,), upstream_hosts={LK1: empty_lookupd})
+    assert ok(http.get("/api/topics")) == {"topics": None, "message": ""}
+    assert ok(http.get("/api/nodes")) == {"nodes": None, "message": ""}
+    assert ok(http.get("/api/topics?inactive=true")) == {"topics": {}, "message": ""}
+    no_topics = make(lookupds=(), nsqds=(A,), upstream_hosts={A: {**broker_a(), "/stats": {"topics": []}}})
+    assert ok(no_topics.get("/api/topics")) == {"topics": None, "message": ""}
+
+
 def test_topics_without_lookupd_from_the_brokers_stats(make):
     http = make(lookupds=(), nsqds=(A, B))
     assert ok(http.get("/api/topics")) == {"topics": ["events", "orders"], "message": ""}
