@@ -7,7 +7,9 @@ respType.topics of type []string`), and never reaches the code that sums
 the figures. Names and types are nsqadmin's (its clusterinfo package),
 down to the local types its own UnmarshalJSON methods decode into; only
 the fields a broker or lookupd sends are listed, as nsqadmin ignores the
-rest of a document too.
+rest of a document too. Go's field names (the second of each triple) are
+printed only in an unnamed struct's type; in the named ones they are
+there for reading.
 """
 
 from __future__ import annotations

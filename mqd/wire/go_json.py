@@ -445,13 +445,14 @@ def _fill_struct(value: dict[str, Any], t: GoType, struct_name: str, path: tuple
             if field is None:
                 continue
         name, field_type, plain = field
-        if (plain is not None and item.__class__ is plain[0] and name == key
-                and (plain[1] is None or plain[1] <= item < plain[2])):
-            continue  # the common case: a string, bool or int in range where one belongs
-        filled = _fill(item, field_type, struct_name, (*path, name) if nested else path)
-        if filled is not item or name != key:
-            if out is None:
-                out = dict(value)
+        if plain is not None and item.__class__ is plain[0] and (plain[1] is None or plain[1] <= item < plain[2]):
+            filled = item  # the common case: a string, bool or int in range where one belongs
+        else:
+            filled = _fill(item, field_type, struct_name, (*path, name) if nested else path)
+        if out is None and (filled is not item or name != key):
+            out = dict(value)
+        if out is not None:
+            # Kept under the field's JSON name; of two keys for one field, the later wins, as in Go.
             if name != key:
                 del out[key]
             out[name] = filled

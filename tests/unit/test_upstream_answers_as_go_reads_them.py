@@ -156,6 +156,11 @@ def test_nulls_read_as_gos_zero_values():
                     NSQD_STATS) == {"topics": [{}, {"topic_name": "a", "depth": 0, "paused": False, "channels": None}]}
 
 
+def test_two_keys_for_one_field_the_later_wins_as_in_go():
+    assert check_go({"Topics": ["a"], "topics": ["b"]}, LOOKUPD_TOPICS) == {"topics": ["b"]}
+    assert check_go({"topics": ["a"], "TOPICS": ["b"]}, LOOKUPD_TOPICS) == {"topics": ["b"]}
+
+
 def test_a_well_formed_answer_comes_back_as_it_is():
     stats = {"version": "1.3.0", "topics": [{
         "topic_name": "t", "depth": 1, "backend_depth": 0, "message_count": 3, "message_bytes": 9, "paused": False,
