@@ -14,7 +14,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["ProtocolError", "fatal", "nonfatal", "go_quote", "go_refused", "go_string", "GoStruct"]
+__all__ = ["GO_REPLACE", "ProtocolError", "fatal", "nonfatal", "go_fold", "go_int_literal", "go_quote", "go_refused",
+           "go_string", "GoStruct"]
 
 
 class ProtocolError(Exception):
@@ -106,11 +107,19 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _go_int_literal(text: str) -> int | float:
-    # A literal of over 20 characters is beyond int64 (JSON has no leading
-    # zeros), so it need not become an int: that would cost Python's
-    # 4300-digit limit for a value Go only skips when no field takes it.
-    return int(text) if len(text) <= 20 else float("inf")
+def go_fold(key: str) -> str:
+    """A JSON key as Go's decoder compares it with a field's name when no name matches exactly."""
+    return key.translate(_GO_FOLD)
+
+
+def go_int_literal(text: str) -> int | float:
+    """A JSON integer literal: an int, or a float (as Go's float64 takes it) past int64's 20 characters.
+
+    JSON has no leading zeros, so a longer literal fits no Go integer; as an
+    int it would cost Python's 4300-digit limit (a ValueError out of the
+    decoder) for a value Go only skips when no field takes it.
+    """
+    return int(text) if len(text) <= 20 else float(text)
 
 
 def _go_replace(error: UnicodeDecodeError) -> tuple[str, int]:
@@ -118,9 +127,11 @@ def _go_replace(error: UnicodeDecodeError) -> tuple[str, int]:
     return "\ufffd" * (error.end - error.start), error.end
 
 
-codecs.register_error("mqd.go_replace", _go_replace)
+# The error handler to decode JSON bytes with, as Go reads them (`raw.decode("utf-8", GO_REPLACE)`).
+GO_REPLACE = "mqd.go_replace"
+codecs.register_error(GO_REPLACE, _go_replace)
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_Object, parse_int=_go_int_literal,
+_DECODER = json.JSONDecoder(object_pairs_hook=_Object, parse_int=go_int_literal,
                             parse_constant=_reject_constant)
 
 
@@ -140,12 +151,12 @@ class GoStruct:
     __slots__ = ("_by_folded", "_zero")
 
     def __init__(self, fields: Mapping[str, str]) -> None:
-        self._by_folded = {name.translate(_GO_FOLD): (name, kind) for name, kind in fields.items()}
+        self._by_folded = {go_fold(name): (name, kind) for name, kind in fields.items()}
         self._zero = {name: _GO_ZERO[kind] for name, kind in fields.items()}
 
     def unmarshal(self, raw: bytes) -> dict[str, Any]:
         try:
-            decoded = _DECODER.decode(raw.decode("utf-8", "mqd.go_replace"))
+            decoded = _DECODER.decode(raw.decode("utf-8", GO_REPLACE))
         except RecursionError:
             # Go gives up at 10000 levels; Python's limit comes first.
             raise ValueError("JSON nested too deep") from None
@@ -156,7 +167,7 @@ class GoStruct:
             raise ValueError("not a JSON object")
         by_folded = self._by_folded
         for key, value in decoded:
-            field = by_folded.get(key.translate(_GO_FOLD))
+            field = by_folded.get(go_fold(key))
             if field is None or value is None:
                 continue
             name, kind = field

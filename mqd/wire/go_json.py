@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mqd.wire.errors import go_quote
+from mqd.wire.errors import GO_REPLACE, go_fold, go_int_literal, go_quote, go_string
 
 __all__ = ["ANY", "BOOL", "FLOAT64", "INT", "INT32", "INT64", "STRING", "GoJSONError", "GoType", "check_go",
            "decode_go_object", "go_kind", "unmarshal"]
@@ -184,20 +184,32 @@ def _reject_constant(name: str) -> Any:
     raise GoJSONError(f"invalid character {_go_char(name[0])} looking for beginning of value")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+# For a document Python's int conversion refuses (a literal past 4,300 digits): integers as the
+# broker's own Go-struct reader takes them. Not the first choice: a call per integer costs.
+_HUGE_INT_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=go_int_literal)
+# A \uD800-\uDFFF escape: the only way a JSON text holds a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _exact(raw: bytes) -> str:
     """`raw` with its invalid UTF-8 bytes kept (as surrogate escapes), for naming them in an error.
 
-    Values are decoded with those bytes replaced by U+FFFD instead, as Go
-    puts them into strings; the two decodings fail alike.
+    Values are decoded with each such byte replaced by U+FFFD instead
+    (GO_REPLACE), as Go puts them into strings; the two decodings fail alike.
     """
     return raw.decode("utf-8", "surrogateescape")
 
 
 def _decode_first(text: str, start: int = 0) -> tuple[Any, int]:
     """The first JSON value of `text` from `start` and where it ends; GoJSONError with a json.Decoder's text."""
-    decoder = json.JSONDecoder(parse_constant=_reject_constant)
     try:
-        value, end = decoder.raw_decode(text, start)
+        try:
+            value, end = _DECODER.raw_decode(text, start)
+        except json.JSONDecodeError:
+            raise
+        except ValueError:  # an integer literal too long for int()
+            value, end = _HUGE_INT_DECODER.raw_decode(text, start)
     except json.JSONDecodeError as e:
         raise GoJSONError(_scan_error(text, e)) from None
     except RecursionError:
@@ -218,7 +230,7 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
     `invalid character 'x' looking for beginning of value`, `json: cannot
     unmarshal number into Go struct field .topic of type string`) otherwise.
     """
-    text = raw.decode("utf-8", "replace").lstrip(_GO_SPACE)
+    text = raw.decode("utf-8", GO_REPLACE).lstrip(_GO_SPACE)
     if not text:
         raise GoJSONError("EOF")
     try:
@@ -235,7 +247,7 @@ def decode_go_object(raw: bytes, fields: Sequence[str]) -> dict[str, str]:
         raise GoJSONError(f"json: cannot unmarshal {go_kind(value)} into Go value of type struct {{ {struct} }}")
     first_error = None
     for key, item in value.items():
-        name = key if key in out else next((f for f in fields if f.lower() == key.lower()), None)
+        name = key if key in out else next((f for f in fields if go_fold(f) == go_fold(key)), None)
         if name is None or item is None:
             continue
         if not isinstance(item, str):
@@ -281,6 +293,17 @@ def _decode_whole(text: str) -> Any:
     return value
 
 
+def _go_strings(value: Any) -> Any:
+    """`value` with each lone surrogate in its strings and keys as U+FFFD, as Go decodes the escape."""
+    if isinstance(value, str):
+        return go_string(value)
+    if isinstance(value, list):
+        return [_go_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {go_string(key): _go_strings(item) for key, item in value.items()}
+    return value
+
+
 def unmarshal(raw: bytes) -> Any:
     """The JSON document `raw` as Go's json.Unmarshal reads it into an interface{}; GoJSONError otherwise.
 
@@ -293,9 +316,11 @@ def unmarshal(raw: bytes) -> Any:
     Infinity are refused, as Go has no such literals.
     """
     try:
-        return _decode_whole(raw.decode("utf-8", "replace"))
+        value = _decode_whole(raw.decode("utf-8", GO_REPLACE))
     except GoJSONError:
         pass
+    else:
+        return _go_strings(value) if _SURROGATE_ESCAPE.search(raw) else value
     exact = _exact(raw)
     for text in (exact, exact + " "):
         try:
@@ -312,7 +337,6 @@ _INT_RANGES = {"int": 64, "int64": 64, "int32": 32}
 # What a null leaves in a field of each kind: Go's zero value (a struct's as an empty
 # object, to be read like any other); slices, maps and interfaces stay nil (None).
 _ZERO: dict[str, Any] = {"string": "", "bool": False, "float64": 0.0, "int": 0, "int64": 0, "int32": 0}
-_PLAIN = {"string": str, "bool": bool}
 _NUMBERS = frozenset(("float64", "int", "int64", "int32"))
 
 
@@ -339,7 +363,7 @@ class GoType:
         # A struct's fields by JSON name, and by its lower case (the first such field wins, as in
         # Go), each with the one class (and range) of value that needs no further look: _fill_struct.
         by_key = {key: (key, ft, _plain(ft)) for key, _, ft in self.fields}
-        by_folded = {key.lower(): entry for key, entry in reversed(by_key.items())}
+        by_folded = {go_fold(key): entry for key, entry in reversed(by_key.items())}
         object.__setattr__(self, "index", (by_key, by_folded))
 
     def __str__(self) -> str:
@@ -412,7 +436,7 @@ def _fill(value: Any, t: GoType, struct_name: str, path: tuple[str, ...]) -> Any
             elem = t.elem
             filled = {key: _fill(item, elem, struct_name, path) for key, item in value.items()}
             return value if all(filled[key] is item for key, item in value.items()) else filled
-    elif kind == "any" or cls is _PLAIN.get(kind):
+    elif kind == "any" or (kind == "string" and cls is str) or (kind == "bool" and cls is bool):
         return value
     elif (cls is int or cls is float) and kind in _NUMBERS:
         if kind == "float64":
@@ -441,7 +465,7 @@ def _fill_struct(value: dict[str, Any], t: GoType, struct_name: str, path: tuple
     for key, item in value.items():
         field = by_key.get(key)
         if field is None:
-            field = by_folded.get(key.lower())
+            field = by_folded.get(go_fold(key))
             if field is None:
                 continue
         name, field_type, plain = field

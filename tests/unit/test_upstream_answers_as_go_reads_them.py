@@ -156,6 +156,19 @@ def test_nulls_read_as_gos_zero_values():
                     NSQD_STATS) == {"topics": [{}, {"topic_name": "a", "depth": 0, "paused": False, "channels": None}]}
 
 
+def test_a_huge_integer_is_a_number_error_not_a_crash():
+    huge = b"9" * 5_000  # past Python's 4,300-digit int conversion limit
+    assert unmarshal(b'{"x":' + huge + b"}") == {"x": float("inf")}
+    with pytest.raises(GoJSONError, match="cannot unmarshal number .* of type int64"):
+        check_go(unmarshal(b'{"topics":[{"depth":' + huge + b"}]}"), NSQD_STATS)
+
+
+def test_strings_hold_what_go_decodes_into_them():
+    # A lone surrogate escape is U+FFFD in a Go string; each byte that is not UTF-8 is one U+FFFD.
+    assert check_go(unmarshal(b'{"topics":["a\\ud800"]}'), LOOKUPD_TOPICS) == {"topics": ["a\ufffd"]}
+    assert unmarshal(b'["\xe2\x82"]') == ["\ufffd\ufffd"]
+
+
 def test_two_keys_for_one_field_the_later_wins_as_in_go():
     assert check_go({"Topics": ["a"], "topics": ["b"]}, LOOKUPD_TOPICS) == {"topics": ["b"]}
     assert check_go({"topics": ["a"], "TOPICS": ["b"]}, LOOKUPD_TOPICS) == {"topics": ["b"]}
