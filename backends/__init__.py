@@ -7,6 +7,7 @@ backend means adding one entry here, never a branch in the broker.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from backends.dummy import DummyStore
 from backends.interface import BackendError, IBackendQueue, IBackendStore
@@ -38,7 +39,7 @@ def available() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def open_store(name: str, options=None, clock=None) -> IBackendStore:
+def open_store(name: str, options: Any = None, clock: Any = None) -> IBackendStore:
     """Open the store called `name` for a broker configured by `options`.
 
     `clock` is the broker's reactor: a store that commits in groups

@@ -2,9 +2,22 @@
 
 The layout is backends.lmdb_records' (one `messages` database for all
 queues, each a contiguous key range; measured against one named database
-per queue with 10,000 queues, see the storage docs), a queue is
-backends.lmdb_queue's LmdbQueue, and a shutdown on a full disk is
-backends.lmdb_spill's.
+per queue with 10,000 queues, see the storage docs). The store is made of:
+
+- backends.lmdb_env: opening the environment (and refusing one that is
+  not mqd's, or a disk without room to create it);
+- backends.lmdb_replay: writing into LMDB, at start-up, what the publish
+  log holds past the last checkpoint (a crash);
+- backends.lmdb_queue: a queue (LmdbQueue), its read position and what
+  it has staged;
+- backends.lmdb_pending: the pending write set (PendingWrites), where the
+  queues stage what a commit has to write, and the commit's schedule;
+- backends.lmdb_log_writer: the chunks of the durable publish log being
+  written by a thread, and their landing;
+- backends.lmdb_pages: releasing the data file's mapped pages;
+- backends.lmdb_spill: a shutdown on a full disk;
+- this module: the store (LmdbStore), which opens the queues and decides
+  when and how the write set goes into LMDB.
 
 Writes are grouped: everything put, finished or rewritten during one
 reactor turn is committed in one transaction at the start of the next
@@ -21,45 +34,47 @@ Two durability modes:
   A durable queue hands out only committed messages: what was put waits,
   unreadable, until the commit holding it has succeeded (then the queue's
   owner hears of it through `on_stored`). A commit that fails drops the
-  new publishes it held (those staged while `LmdbStore.publishing` was
-  set): their publishers are answered with the error, so an error answer
-  means "not stored", and nobody has seen them. Everything else it held
-  (FINs, rewrites, messages moved from a topic to its channels) is kept
-  and retried, as those were acknowledged long ago.
+  new publishes it held (those put or held with `fresh`): their
+  publishers are answered with the error, so an error answer means "not
+  stored", and nobody has seen them. Everything else it held (FINs,
+  rewrites, messages moved from a topic to its channels) is kept and
+  retried, as those were acknowledged long ago.
 """
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import struct
-import sys
-import threading
-from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 import lmdb
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.interfaces import IDelayedCall, IReactorThreads
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
 from backends.interface import BackendError, IBackendStore, StoreOpenError
-from backends.lmdb_log import LOG_FILE, PublishLog, encode_chunk, parse_chunks
+from backends.lmdb_env import open_environment
+from backends.lmdb_log import LOG_FILE, PublishLog
+from backends.lmdb_log_writer import Flight, LogWriter
+from backends.lmdb_pages import MappedPages
+from backends.lmdb_pending import PendingWrites, Waiter
 from backends.lmdb_queue import LmdbQueue
 from backends.lmdb_records import (
     ENV_DIR,
+    EPOCH,
     FORMAT,
     KEY,
-    OUR_DBS,
+    LOG_EPOCH,
     QID,
     RECORD,
     drop_range,
     encode_record,
 )
-from backends.lmdb_spill import SPILL_FILE, SpillingShutdown, no_room
+from backends.lmdb_replay import replay_publish_log
+from backends.lmdb_spill import SPILL_FILE, SpillingShutdown
 from mqd.logs import get_logger
 from mqd.message import Message
 
@@ -72,14 +87,6 @@ DEFAULT_MAP_SIZE = 1 << 30
 # split into transactions of at most this size (see LmdbStore._write).
 _COMMIT_CHUNK = 2048
 _COMMIT_CHUNK_BYTES = 4 << 20
-# The pages mapped from the data file are unmapped (release_mapped_pages) once
-# they have grown by _UNMAP_ABOVE bytes since the last time: checked every
-# _UNMAP_EVERY seconds, and after a commit once _UNMAP_RECORDS records were
-# read or written. Below that they stay: the pages in use would only be
-# faulted in again.
-_UNMAP_EVERY = 5.0
-_UNMAP_RECORDS = 1 << 14
-_UNMAP_ABOVE = 64 << 20
 # Durable with a publish log: LMDB takes what was logged (a checkpoint) once
 # this many records are pending, or this many seconds after the last one.
 _CHECKPOINT_RECORDS = 4096
@@ -87,25 +94,25 @@ _CHECKPOINT_LOG_BYTES = 16 << 20
 # The publish log's file is preallocated to this size (see backends.lmdb_log).
 _LOG_PREALLOCATE = 2 * _CHECKPOINT_LOG_BYTES
 _CHECKPOINT_EVERY = 0.2
-# The meta key of the last publish-log chunk a checkpoint covers.
-_LOG_EPOCH = b"log-epoch"
-_EPOCH = struct.Struct(">Q")
 # How long a commit that needs a bigger map waits for a running snapshot copy.
 _COPY_WAIT = 0.05
-# Room a new environment needs before LMDB creates its files: LMDB writes
-# its lock file through a memory map, and on a full disk a page fault there
-# is a SIGBUS, which kills the process without a word.
-_ROOM_FOR_NEW_ENV = 1 << 20
 
 
 @implementer(IBackendStore)
 class LmdbStore(SpillingShutdown):
-    """One LMDB environment under data-path, shared by every queue of the broker."""
+    """One LMDB environment under data-path, shared by every queue of the broker.
+
+    The store owns the environment, the queue registry (names to ids),
+    the failure state, the publish log and when LMDB takes what the
+    write set (`PendingWrites`) holds. Its queues stage their changes in
+    that write set and are told through their public methods what became
+    of them.
+    """
 
     # Seconds before a failed commit (or a shutdown write on a full disk) is tried again.
     RETRY_AFTER = 1.0
 
-    def __init__(self, options, clock=None) -> None:
+    def __init__(self, options: Any, clock: Any = None) -> None:
         if clock is None:
             from twisted.internet import reactor as clock
         self.clock = clock
@@ -115,64 +122,38 @@ class LmdbStore(SpillingShutdown):
         self.path = os.path.join(options.data_path or ".", ENV_DIR)
         self.spill_path = os.path.join(options.data_path or ".", SPILL_FILE)
         self.failure: str | None = None
-        # Set by the broker's shutdown: what memory still holds is staged even
-        # after a failed commit, for close() to write what fits and spill the rest.
-        self.closing = False
-        # A commit must write something even with nothing pending: a start-up
-        # write outside the store failed (mark_failed), and only a commit that
-        # succeeds shows there is room again.
-        self._probe = False
+        # Set by the broker's shutdown (begin_close): what memory still holds is staged
+        # even after a failed commit, for close() to write what fits and spill the rest.
+        self._closing = False
         # Messages read back from the spill file, by queue id, until their queue opens.
         self._spilled: dict[int, list[Message]] = {}
         self._spill_loaded = False
-        self.health_listener = None
-        # Set while a publisher's new messages are put (mqd.nsqd.topic.Topic.publish):
-        # durable, what is put meanwhile goes into _fresh, and a failed commit
-        # drops it, as its publishers are answered with the error.
-        self.publishing = False
-        self._fresh: list[tuple[LmdbQueue, list[Message]]] = []
-        self._puts: dict[bytes, Message] = {}
-        self._updates: dict[bytes, Message] = {}
-        self._dels: set[bytes] = set()
-        self._drops: list[tuple[int, int]] = []
-        self._registry_puts: dict[bytes, bytes] = {}
-        self._registry_dels: set[bytes] = set()
-        self._touched: set[LmdbQueue] = set()
-        self._waiters: list = []
-        self._commit_call = None
+        self.health_listener: Callable[[str | None], Any] | None = None
         self._unsynced = 0
-        # Snapshot copies reading the environment from other threads right now.
-        self.copies = 0
+        # Snapshot copies reading the environment from other threads right now
+        # (copy_started / copy_ended): the map is not resized under them.
+        self._copies = 0
         self._queues: dict[str, LmdbQueue] = {}
         self._known: dict[str, int] = {}
         self._next_qid = 1
-        self.env = self._open_env(getattr(options, "lmdb_map_size", DEFAULT_MAP_SIZE))
+        handles = open_environment(self.path, getattr(options, "lmdb_map_size", DEFAULT_MAP_SIZE),
+                                   self.durable)
+        self.env, self.meta_db, self.registry_db, self.data_db = handles
         self._load_registry()
         # The publish log (backends.lmdb_log): durable, on a reactor with
         # threads. Whatever the mode, what a log left by a crash holds is
         # written into LMDB first.
+        epoch = replay_publish_log(handles, self.path, self.durable)
         self._log: PublishLog | None = None
-        self._log_epoch = 0
-        self._replay_log()
+        self._log_writer: LogWriter | None = None
         if self.durable and IReactorThreads.providedBy(clock):
             self._log = PublishLog(os.path.join(self.path, LOG_FILE), _LOG_PREALLOCATE)
-        # What changed since the last chunk was taken (None without a log):
-        # batches of new and of rewritten messages, and deleted keys.
-        self._log_puts: list | None = [] if self._log is not None else None
-        self._log_updates: list = []
-        self._log_dels: list | None = [] if self._log is not None else None
-        # Chunks handed to the writer thread and not landed yet, oldest
-        # first; the queues with messages staged since the last chunk; the
-        # writer's inbox, whether it is running, and the error that broke it.
-        # `_again`: a checkpoint (or a probe) waits for those chunks to land.
-        self._flights: deque[_Flight] = deque()
-        self._staging: set[LmdbQueue] = set()
-        self._outbox: list[_Flight] = []
-        self._outbox_lock = threading.Lock()
-        self._writing = False
-        self._broken: BaseException | None = None
+            self._log_writer = LogWriter(self._log, clock, epoch, landed=self._landed,
+                                     failed=self._log_failed, settled=self._settled)
+        self._writes: PendingWrites[LmdbQueue] = PendingWrites(clock, self.commit, self._log is not None)
+        # A checkpoint (or a probe) waits for the chunks in flight to land.
         self._again = False
-        self._idle_call = None
+        self._idle_call: IDelayedCall | None = None
         self._checkpointed = clock.seconds()
         self._load_spill()
         self._sync_loop = None
@@ -180,138 +161,9 @@ class LmdbStore(SpillingShutdown):
             self._sync_loop = LoopingCall(self._sync_if_dirty)
             self._sync_loop.clock = clock
             self._sync_loop.start(self.sync_timeout, now=False)
-        self._unmap_loop = None
-        # Records read or written since the mapped pages were last looked at,
-        # and the process's file-backed RSS after they were last released.
-        self.io_records = 0
-        self._mapped_base = _file_rss()
-        if _madvise is not None:
-            self._unmap_loop = LoopingCall(self.check_mapped_pages)
-            self._unmap_loop.clock = clock
-            self._unmap_loop.start(_UNMAP_EVERY, now=False)
+        self._pages = MappedPages(os.path.join(self.path, "data.mdb"), clock)
 
-    # -- opening -------------------------------------------------------------------
-
-    def _open_env(self, map_size: int) -> lmdb.Environment:
-        try:
-            os.makedirs(self.path, exist_ok=True)
-            self._check_room()
-            env = lmdb.open(
-                self.path, map_size=map_size, max_dbs=8, subdir=True,
-                sync=self.durable, metasync=self.durable, readahead=False,
-            )
-        except lmdb.Error as e:
-            raise StoreOpenError(f"{self.path}: not a usable LMDB environment ({e})") from None
-        except OSError as e:
-            if no_room(e):
-                raise StoreOpenError(self._no_room_text(e.strerror)) from None
-            raise StoreOpenError(f"{self.path}: {e.strerror}") from None
-        try:
-            with env.begin() as txn:
-                names = {bytes(k) for k, _ in txn.cursor()}
-            foreign = names - OUR_DBS
-            if foreign:
-                raise StoreOpenError(
-                    f"{self.path}: an LMDB environment that is not mqd's (databases {sorted(foreign)!r})"
-                )
-            # The databases and the format mark are created in one
-            # transaction, so a crash cannot leave a half-made environment.
-            with env.begin(write=True) as txn:
-                self.meta_db = env.open_db(b"meta", txn=txn)
-                self.registry_db = env.open_db(b"queues", txn=txn)
-                self.data_db = env.open_db(b"messages", txn=txn)
-                mark = txn.get(b"format", db=self.meta_db)
-                if mark is None:
-                    if names & {b"queues", b"messages"}:
-                        raise StoreOpenError(f"{self.path}: mqd data without a format mark; refusing it")
-                    txn.put(b"format", FORMAT, db=self.meta_db)
-                elif mark != FORMAT:
-                    raise StoreOpenError(f"{self.path}: unknown data format {mark!r} (expected {FORMAT!r})")
-        except lmdb.Error as e:
-            env.close()
-            if no_room(e):
-                raise StoreOpenError(self._no_room_text(str(e))) from None
-            raise StoreOpenError(f"{self.path}: corrupt LMDB environment ({e})") from None
-        except StoreOpenError:
-            env.close()
-            raise
-        return env
-
-    def _check_room(self) -> None:
-        """Before LMDB creates files (a new environment): stop if the disk has no room for them.
-
-        Only creating files needs room; an existing environment opens
-        without writing, so a full disk does not keep it from serving.
-        """
-        if all(os.path.exists(os.path.join(self.path, f)) for f in ("data.mdb", "lock.mdb")):
-            return
-        probe = os.path.join(self.path, ".room-check")
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, _ROOM_FOR_NEW_ENV)
-        except OSError as e:
-            if no_room(e):
-                raise
-            # No fallocate on this filesystem: LMDB's own errors will tell.
-        finally:
-            os.close(fd)
-            os.unlink(probe)
-
-    def _no_room_text(self, error: str) -> str:
-        return (f"{self.path}: cannot create the store: {error}; "
-                f"free space on that filesystem or choose another --data-path")
-
-    def _replay_log(self) -> None:
-        """Write into LMDB what a publish log holds past the last checkpoint (a crash).
-
-        Torn or damaged chunks at the end are what a crash cut short: their
-        publishers were never answered, so they are dropped. A durable store
-        then writes the log over from its start; any other removes it.
-        """
-        with self.env.begin(db=self.meta_db) as txn:
-            mark = txn.get(_LOG_EPOCH)
-        self._log_epoch = done = _EPOCH.unpack(mark)[0] if mark is not None else 0
-        path = os.path.join(self.path, LOG_FILE)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            raise StoreOpenError(f"{path}: cannot read the publish log: {e.strerror}") from None
-        if not raw:
-            return
-        try:
-            with self.env.begin(write=True, db=self.data_db) as txn:
-                epoch = done
-                records = deleted = 0
-                for epoch_, ops in parse_chunks(raw):
-                    if epoch_ <= done:
-                        continue
-                    epoch = epoch_
-                    for key, record in ops:
-                        if record is None:
-                            deleted += txn.delete(key)
-                        else:
-                            txn.put(key, record)
-                            records += 1
-                if epoch != done:
-                    txn.put(_LOG_EPOCH, _EPOCH.pack(epoch), db=self.meta_db)
-            self.env.sync(True)
-        except lmdb.Error as e:
-            raise StoreOpenError(f"{path}: cannot replay the publish log into LMDB ({e})") from None
-        self._log_epoch = epoch
-        if epoch != done:
-            log.info("{path}: {n} records written and {d} deleted from the publish log (chunks "
-                     "{first} to {last})", path=path, n=records, d=deleted, first=done + 1, last=epoch)
-        if not self.durable:
-            # A durable store writes over it (replay skips what LMDB holds);
-            # any other has no use for it.
-            try:
-                os.unlink(path)
-            except OSError as e:
-                log.warn("{path}: cannot remove the publish log ({error}); it is replayed no "
-                         "further than LMDB says", path=path, error=e.strerror)
+    # -- queues ------------------------------------------------------------------------
 
     def _load_registry(self) -> None:
         try:
@@ -336,24 +188,25 @@ class LmdbStore(SpillingShutdown):
             qid = self._next_qid
             self._next_qid += 1
             self._known[name] = qid
-            self._registry_puts[name.encode()] = QID.pack(qid)
-            self._registry_dels.discard(name.encode())
-            self._schedule()
+            self._writes.register(name.encode(), QID.pack(qid))
         else:
             first, nxt, depth = self._scan(qid)
         spilled = self._spilled.pop(qid, None)
         if spilled:
             # Put after everything LMDB holds of the queue (the shutdown wrote
             # each queue's oldest first), so they follow it, in order.
-            spilled.sort(key=lambda m: m.key)
+            # Read back from the spill file, every one has its record's key.
+            spilled.sort(key=lambda m: cast(bytes, m.key))
             if not depth:
-                first = KEY.unpack(spilled[0].key)[1]
-            nxt = max(nxt, KEY.unpack(spilled[-1].key)[1] + 1)
+                first = KEY.unpack(cast(bytes, spilled[0].key))[1]
+            nxt = max(nxt, KEY.unpack(cast(bytes, spilled[-1].key))[1] + 1)
             depth += len(spilled)
-        queue = self._queues[name] = LmdbQueue(self, name, qid, first, nxt, depth)
+        queue = self._queues[name] = LmdbQueue(
+            name, qid, first, nxt, depth, env=self.env, data_db=self.data_db, writes=self._writes,
+            durable=self.durable, check_writable=self._check_writable, read_records=self._pages.read,
+            forget=self._forget_queue, sync=self.sync, restored=spilled or ())
         if spilled:
-            queue._tail.extend(spilled)
-            self._touched.add(queue)
+            self._writes.touch(queue)
         return queue
 
     def _scan(self, qid: int) -> tuple[int, int, int]:
@@ -373,33 +226,45 @@ class LmdbStore(SpillingShutdown):
                     count += 1
         if not count:
             return 0, 0, 0
-        return KEY.unpack(first)[1], KEY.unpack(last)[1] + 1, count
+        # count > 0: both keys were set.
+        return KEY.unpack(cast(bytes, first))[1], KEY.unpack(cast(bytes, last))[1] + 1, count
 
     def _forget_queue(self, queue: LmdbQueue) -> None:
         self._queues.pop(queue.name, None)
         self._known.pop(queue.name, None)
-        name = queue.name.encode()
-        self._registry_puts.pop(name, None)
-        self._registry_dels.add(name)
-        self._touched.discard(queue)
-        self._schedule()
+        self._writes.unregister(queue.name.encode(), queue)
+
+    def begin_close(self) -> None:
+        """Shutdown has begun: take what memory still holds even while failing (see close)."""
+        self._closing = True
+
+    @property
+    def copies(self) -> int:
+        """Snapshot copies reading the environment from other threads right now."""
+        return self._copies
+
+    def copy_started(self) -> None:
+        """A snapshot thread reads the map from now on: it must not be resized meanwhile."""
+        self._copies += 1
+
+    def copy_ended(self) -> None:
+        self._copies -= 1
+
+    def _check_writable(self) -> None:
+        """A queue is given messages: refuse them (BackendError) while the store is failing, unless closing."""
+        if self.failure and not self._closing:
+            raise BackendError(self.failure)
 
     # -- group commit -------------------------------------------------------------------
 
-    def _schedule(self) -> None:
-        if self._commit_call is None:
-            self._commit_call = self.clock.callLater(0, self.commit)
-
-    def when_durable(self, callback) -> None:
+    def when_durable(self, callback: Waiter) -> None:
         if not self.durable:
             callback(None)
             return
-        self._waiters.append(callback)
-        self._schedule()
+        self._writes.wait(callback)
 
     def _pending(self) -> bool:
-        return bool(self._puts or self._updates or self._dels or self._drops
-                    or self._registry_puts or self._registry_dels or self._probe)
+        return self._writes.pending()
 
     def mark_failed(self, error: str) -> None:
         """A write next to the store failed at start-up (nsqd.dat on a full disk).
@@ -409,16 +274,14 @@ class LmdbStore(SpillingShutdown):
         the first that succeeds clears the failure, as when the disk fills
         while running.
         """
-        self._probe = True
+        self._writes.probe()
         if self.failure is None:
             self.failure = error
             if self.health_listener is not None:
                 self.health_listener(error)
-        if self._commit_call is not None and self._commit_call.active():
-            self._commit_call.cancel()
-        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
+        self._writes.retry_in(self.RETRY_AFTER)
 
-    def cut(self) -> lmdb.Transaction:
+    def cut(self) -> lmdb.Transaction[bytes]:
         """Commit what is pending now and open a read transaction on the result.
 
         A snapshot's consistent cut: called on the reactor, so nothing is
@@ -445,123 +308,67 @@ class LmdbStore(SpillingShutdown):
         LMDB takes everything in a checkpoint when one is due. Otherwise,
         one LMDB transaction.
         """
-        if self._log is None:
+        writer = self._log_writer
+        if writer is None:
             self._checkpoint()
             return
-        if self.closing:
+        if self._closing:
             self._land_now()
             self._checkpoint()
             return
-        if self._commit_call is not None and self._commit_call.active():
-            self._commit_call.cancel()
-        self._commit_call = None
+        self._writes.unschedule()
         if self._checkpoint_due() or self.failure:
             # A checkpoint, or a probe while failing, waits for the chunks
             # being written: they land first, in order.
-            if self._flights:
+            if writer.in_flight:
                 self._again = True
             elif self._checkpoint_due():
                 self._checkpoint()
             else:
-                self._take_off()
+                self._take_off(writer)
             return
-        if not (self._waiters or self._log_puts):
+        if not self._writes.chunk_wanted():
             # Nobody waits: no publisher, no message to hand out. Rewrites
             # and FINs go with the next chunk, or LMDB takes them when due.
             if self._unchecked():
                 self._checkpoint_later(_CHECKPOINT_EVERY - (self.clock.seconds() - self._checkpointed))
             return
-        self._take_off()
+        self._take_off(writer)
 
     def _checkpoint_due(self) -> bool:
         """LMDB must take what is pending now: structure changed, a probe, or enough gathered."""
-        if (self._drops or self._registry_puts or self._registry_dels or self._probe
-                or self._spill_loaded):
+        writes = self._writes
+        if writes.structural() or self._spill_loaded:
             return True
-        pending = len(self._puts) + len(self._updates) + len(self._dels)
-        if pending >= _CHECKPOINT_RECORDS or self._log.size >= _CHECKPOINT_LOG_BYTES:
+        if writes.records() >= _CHECKPOINT_RECORDS or (self._log is not None
+                                                         and self._log.size >= _CHECKPOINT_LOG_BYTES):
             return True
         return self._unchecked() and self.clock.seconds() - self._checkpointed >= _CHECKPOINT_EVERY
 
     def _unchecked(self) -> bool:
         """Something LMDB has not taken: pending records, or a log to empty (what FINs cancelled)."""
-        return self._pending() or (self._log is not None and self._log.size > 0)
+        return self._writes.pending() or (self._log is not None and self._log.size > 0)
 
-    def _take_off(self) -> None:
+    # -- the publish log's chunks ------------------------------------------------------------
+
+    def _take_off(self, writer: LogWriter) -> None:
         """Hand what changed since the last chunk to the writer thread, as one chunk of the publish log."""
-        self._log_epoch += 1
-        flight = _Flight(self._log_epoch, self._waiters, self._fresh, self._log_puts,
-                         self._log_updates, self._log_dels)
-        self._waiters, self._fresh = [], []
-        self._log_puts, self._log_updates, self._log_dels = [], [], []
-        staging, self._staging = self._staging, set()
-        for queue in staging:
-            if queue._fly():
-                flight.queues.append(queue)
-        self._flights.append(flight)
-        try:
-            flight.data = encode_chunk(flight.epoch, flight.puts, flight.updates, flight.dels)
-        except Exception:  # a bug, not the disk: fail the chunk as the disk would
-            log.failure("publish log: encoding a chunk failed")
-            flight.data = None
-        with self._outbox_lock:
-            self._outbox.append(flight)
-            if self._writing:
-                return
-            self._writing = True
-        self.clock.callInThread(self._write_out)
-
-    def _write_out(self) -> None:
-        """In a thread: write every chunk handed over, one fdatasync for all, then land them on the reactor.
-
-        After a failed write, every chunk handed over until the reactor has
-        dealt with the failure fails too, unwritten: chunks land in order,
-        and none may be on disk after one that is not.
-        """
-        outbox = self._outbox
-        while True:
-            with self._outbox_lock:
-                if not outbox:
-                    self._writing = False
-                    return
-                batch = list(outbox)
-                outbox.clear()
-            error = self._broken
-            if error is None:
-                try:
-                    if any(flight.data is None for flight in batch):
-                        raise ValueError("a chunk could not be encoded")
-                    self._log.append([piece for flight in batch for piece in flight.data])
-                except BaseException as e:
-                    error = self._broken = e
-            for flight in batch:
-                flight.error = error
-                flight.done.set()
-            self.clock.callFromThread(self._land, batch)
+        chunk = self._writes.take_chunk()
+        writer.take_off(chunk, [queue for queue in chunk.staging if queue.fly()])
 
     def _land_now(self) -> None:
         """Wait for the chunks being written and land them (before a checkpoint or a close)."""
-        flights = list(self._flights)
-        for flight in flights:
-            flight.done.wait()
-        if flights:
-            self._land(flights, go_on=False)
+        if self._log_writer is not None:
+            self._log_writer.land_now()
 
-    def _land(self, batch: list[_Flight], go_on: bool = True) -> None:
-        """On the reactor: chunks are synced (publishes answered, messages readable), or failed."""
-        flights = self._flights
-        for flight in batch:
-            if not flights or flights[0] is not flight:
-                continue  # landed already by _land_now, or failed with an earlier one
-            if flight.error is not None:
-                self._log_failed()
-                return
-            flights.popleft()
-            self._healthy()
-            self._hand_over(flight.waiters,
-                            [(queue, held) for queue in flight.queues if (held := queue._landed()) is not None])
-        if not go_on or flights:
-            return
+    def _landed(self, flight: Flight) -> None:
+        """On the reactor: a chunk is synced: its publishes are answered, its messages readable."""
+        self._healthy()
+        self._hand_over(flight.chunk.waiters,
+                        [(queue, held) for queue in flight.queues if (held := queue.landed()) is not None])
+
+    def _settled(self) -> None:
+        """Every chunk handed over has landed: LMDB takes what was logged now if due, or a little later."""
         if self._again or self._checkpoint_due():
             self._again = False
             self.commit()
@@ -573,7 +380,7 @@ class LmdbStore(SpillingShutdown):
         if self._idle_call is None or not self._idle_call.active():
             self._idle_call = self.clock.callLater(max(delay, 0.0), self.commit)
 
-    def _log_failed(self) -> None:
+    def _log_failed(self, flights: list[Flight]) -> None:
         """A chunk could not be written (a full disk): it and every later one fail, as a failed commit.
 
         Their new publishes are dropped, their publishers answered with the
@@ -581,55 +388,47 @@ class LmdbStore(SpillingShutdown):
         deletions) were acknowledged long ago: they go back, in order, to
         be logged again.
         """
-        flights = list(self._flights)
-        self._flights.clear()
-        for flight in flights:
-            flight.done.wait()  # the writer fails them at once, unwritten
-        self._broken = None
         error = flights[0].error
         text = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
         if not isinstance(error, OSError):
             log.error("publish log: writing a chunk failed: {error!r}", error=error)
         queues = {queue for flight in flights for queue in flight.queues}
         for queue in queues:
-            queue._unfly()
-        self._staging |= queues
-        self._log_puts[:0] = [batch for flight in flights for batch in flight.puts]
-        self._log_updates[:0] = [batch for flight in flights for batch in flight.updates]
-        self._log_dels[:0] = [key for flight in flights for key in flight.dels]
+            queue.unfly()
+        chunks = [flight.chunk for flight in flights]
+        self._writes.put_back(chunks, queues)
         if self.failure is None:
             log.error("publish log write failed, retrying every {s}s: {error}", s=self.RETRY_AFTER,
                       error=text)
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {text}")
         self.failure = f"LMDB write failed: {text}"
-        self._roll_back([fresh for flight in flights for fresh in flight.fresh])
-        for flight in flights:
-            for callback in flight.waiters:
+        self._roll_back([fresh for chunk in chunks for fresh in chunk.fresh])
+        for chunk in chunks:
+            for callback in chunk.waiters:
                 callback(self.failure)
-        if self._commit_call is not None and self._commit_call.active():
-            self._commit_call.cancel()
-        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
+        self._writes.retry_in(self.RETRY_AFTER)
+
+    # -- checkpoints: LMDB takes the write set ----------------------------------------------
 
     def _checkpoint(self) -> None:
         """Write everything gathered since the last checkpoint in one LMDB transaction."""
-        if self._commit_call is not None and self._commit_call.active():
-            self._commit_call.cancel()
-        self._commit_call = None
-        waiters, self._waiters = self._waiters, []
+        writes = self._writes
+        writes.unschedule()
+        waiters = writes.take_waiters()
         if not self._unchecked():
-            self._fresh.clear()  # emptied queues' messages, if any: nothing left to drop
+            writes.forget_fresh()  # emptied queues' messages, if any: nothing left to drop
             for callback in waiters:
                 callback(None)
             return
         try:
             written = self._write()
         except lmdb.MapFullError:
-            self._waiters[:0] = waiters
-            if self.copies:
+            writes.return_waiters(waiters)
+            if self._copies:
                 # A snapshot thread is reading the map: resizing it now could
                 # pull it from under the copy. Try again shortly.
-                self._commit_call = self.clock.callLater(_COPY_WAIT, self.commit)
+                writes.retry_in(_COPY_WAIT)
                 return
             self._grow()
             self._checkpoint()
@@ -647,13 +446,10 @@ class LmdbStore(SpillingShutdown):
         self._healthy()
         if self._spill_loaded:
             self._remove_spill()
-        self._fresh.clear()
+        # LMDB holds everything logged, and the epoch says so: a crash from
+        # now on replays only later chunks.
+        touched = writes.checkpointed()
         if self._log is not None:
-            # LMDB holds everything logged, and the epoch says so: a crash
-            # from now on replays only later chunks.
-            self._log_puts.clear()
-            self._log_updates.clear()
-            self._log_dels.clear()
             self._checkpointed = self.clock.seconds()
             try:
                 self._log.empty()
@@ -661,13 +457,10 @@ class LmdbStore(SpillingShutdown):
                 log.warn("publish log: cannot empty it ({error}); replay skips what LMDB holds",
                          error=e.strerror)
         self._unsynced += written
-        self.io_records += written
-        if self.io_records >= _UNMAP_RECORDS:
-            self.check_mapped_pages()
+        self._pages.written(written)
         if not self.durable and self.sync_every and self._unsynced >= self.sync_every:
             self.sync()
-        touched, self._touched = self._touched, set()
-        self._hand_over(waiters, [(queue, held) for queue in touched if (held := queue._committed()) is not None])
+        self._hand_over(waiters, [(queue, held) for queue in touched if (held := queue.committed()) is not None])
 
     def _healthy(self) -> None:
         """A write succeeded: a failure is over."""
@@ -676,7 +469,7 @@ class LmdbStore(SpillingShutdown):
             if self.health_listener is not None:
                 self.health_listener(None)
 
-    def _hand_over(self, waiters: list, stored: list) -> None:
+    def _hand_over(self, waiters: list[Waiter], stored: list[tuple[LmdbQueue, list[Message]]]) -> None:
         """Durable writes landed: answer their waiters, then tell the queues' owners what became readable.
 
         The owners deliver it, or drain it (a topic's); what they put
@@ -686,7 +479,8 @@ class LmdbStore(SpillingShutdown):
             callback(None)
         for queue, held in stored:
             try:
-                queue.on_stored(held)
+                if queue.on_stored is not None:
+                    queue.on_stored(held)
             except Exception:
                 log.failure("queue {name}: handing over stored messages failed", name=queue.name)
 
@@ -702,17 +496,17 @@ class LmdbStore(SpillingShutdown):
         fails leaves none of them written: what earlier ones wrote was
         acknowledged long ago and stays, the rest is retried.
         """
-        puts, updates = self._puts, self._updates
-        written = len(puts) + len(updates) + len(self._dels)
+        writes = self._writes
+        puts, updates = writes.puts, writes.updates
+        written = writes.records()
         meta = True
         if len(puts) + len(updates) > _COMMIT_CHUNK:
             meta = self._write_early()
         self._write_records(chain(puts.items(), updates.items()) if updates else puts.items(), meta,
                             last=True)
-        puts.clear()
-        updates.clear()
+        writes.records_written()
         if meta:
-            self._meta_written()
+            writes.meta_written()
         return written
 
     def _write_early(self) -> bool:
@@ -722,10 +516,10 @@ class LmdbStore(SpillingShutdown):
         first also writes drops, deletions and the registry). Returns
         whether those are still to be written.
         """
-        fresh = {m.key for _, msgs in self._fresh for m in msgs} if self._fresh else ()
-        early = [item for item in self._puts.items() if item[0] not in fresh]
-        early += self._updates.items()
-        puts, updates = self._puts, self._updates
+        writes = self._writes
+        fresh = writes.fresh_keys()
+        early = [item for item in writes.puts.items() if item[0] not in fresh]
+        early += writes.updates.items()
         meta = True
         chunk: list[tuple[bytes, Message]] = []
         size = 0
@@ -735,53 +529,45 @@ class LmdbStore(SpillingShutdown):
             if len(chunk) >= _COMMIT_CHUNK or size >= _COMMIT_CHUNK_BYTES:
                 self._write_records(chunk, meta)
                 if meta:
-                    self._meta_written()
+                    writes.meta_written()
                     meta = False
-                for key, _ in chunk:
-                    if puts.pop(key, None) is None:
-                        updates.pop(key, None)
+                writes.written(chunk)
                 chunk, size = [], 0
         return meta
 
-    def _write_records(self, records, meta: bool, last: bool = False) -> None:
+    def _write_records(self, records: Iterable[tuple[bytes, Message]], meta: bool, last: bool = False) -> None:
         """One transaction: `records` ((key, message) pairs), after drops, deletions and the registry if `meta`.
 
         The `last` transaction of a checkpoint also records the publish
         log's last chunk, as everything logged is in LMDB once it commits.
         """
+        writes = self._writes
         with self.env.begin(write=True, db=self.data_db) as txn:
-            if last and self._log is not None:
-                txn.put(_LOG_EPOCH, _EPOCH.pack(self._log_epoch), db=self.meta_db)
+            if last and self._log_writer is not None:
+                txn.put(LOG_EPOCH, EPOCH.pack(self._log_writer.epoch), db=self.meta_db)
             if meta:
-                for qid, bound in self._drops:
+                for qid, bound in writes.drops:
                     drop_range(txn, qid, bound)
-                if self._probe:
+                if writes.probing:
                     txn.put(b"format", FORMAT, db=self.meta_db)
                 delete = txn.delete
-                for key in self._dels:
+                for key in writes.dels:
                     delete(key)
                 put = txn.put
-                for name, qid in self._registry_puts.items():
-                    put(name, qid, db=self.registry_db)
-                for name in self._registry_dels:
+                for name, packed in writes.registry_puts.items():
+                    put(name, packed, db=self.registry_db)
+                for name in writes.registry_dels:
                     delete(name, db=self.registry_db)
             # One C loop over the records instead of a put call each; their
             # list is as big as a transaction, bounded by _write.
             txn.cursor().putmulti([(key, encode_record(msg)) for key, msg in records])
-
-    def _meta_written(self) -> None:
-        self._dels.clear()
-        self._drops.clear()
-        self._registry_puts.clear()
-        self._registry_dels.clear()
-        self._probe = False
 
     def _grow(self) -> None:
         size = self.env.info()["map_size"] * 2
         log.info("LMDB map full; growing it to {size} bytes", size=size)
         self.env.set_mapsize(size)
 
-    def _failed(self, error: str, waiters: list) -> None:
+    def _failed(self, error: str, waiters: list[Waiter]) -> None:
         """A commit failed (a full disk): drop its new publishes, keep the rest for the retry, fail the waiters.
 
         The waiters' publishers are answered with the error, so their
@@ -794,37 +580,23 @@ class LmdbStore(SpillingShutdown):
             if self.health_listener is not None:
                 self.health_listener(f"LMDB write failed: {error}")
         self.failure = f"LMDB write failed: {error}"
-        fresh, self._fresh = self._fresh, []
-        self._roll_back(fresh)
+        self._roll_back(self._writes.take_fresh())
         # The retry writes something even if FINs have emptied what was
         # pending by then; otherwise nothing would ever clear the failure.
-        self._probe = True
+        self._writes.probe()
         for callback in waiters:
             callback(self.failure)
-        self._commit_call = self.clock.callLater(self.RETRY_AFTER, self.commit)
+        self._writes.retry_in(self.RETRY_AFTER)
 
-    def _roll_back(self, fresh: list) -> None:
+    def _roll_back(self, fresh: list[tuple[LmdbQueue, Sequence[Message]]]) -> None:
         """Unstage the new publishes of a failed commit: no record, no place in any queue."""
         if not fresh:
             return
-        puts = self._puts
-        queues = set()
-        dropped = 0
-        for queue, messages in fresh:
-            held = queue._held
-            for msg in messages:
-                key = msg.key
-                if key is None:  # its queue was emptied meanwhile
-                    continue
-                msg.key = None
-                puts.pop(key, None)
-                held.discard(key)
-                dropped += 1
-            queues.add(queue)
-        for queue in queues:
-            queue._drop_fresh()
+        dropped = self._writes.drop_fresh(fresh)
+        for queue, keys in dropped.items():
+            queue.roll_back(keys)
         log.warn("LMDB commit failed: {n} newly published messages dropped (their publishers are "
-                 "answered with the error)", n=dropped)
+                 "answered with the error)", n=sum(map(len, dropped.values())))
 
     # -- syncing -----------------------------------------------------------------------
 
@@ -836,40 +608,23 @@ class LmdbStore(SpillingShutdown):
         if self._unsynced:
             self.sync()
 
+    @property
+    def io_records(self) -> int:
+        """Records read or written through the map since its pages were last looked at."""
+        return self._pages.io_records
+
     def check_mapped_pages(self) -> None:
-        """Release the mapped pages (release_mapped_pages) once they have grown by _UNMAP_ABOVE."""
-        self.io_records = 0
-        if _madvise is not None and _file_rss() - self._mapped_base > _UNMAP_ABOVE:
-            self.release_mapped_pages()
+        """Release the mapped pages (release_mapped_pages) once they have grown enough (backends.lmdb_pages)."""
+        self._pages.check()
 
     def release_mapped_pages(self) -> int:
         """Unmap the pages of the data file this process has read through LMDB's map; bytes released.
 
-        Every record read maps its page into the process (RssFile), and it
-        stays mapped: a broker that has moved a few GB through the store
-        shows GBs of RSS that are only the page cache, which a broker
-        reading its files (nsqd) does not count. MADV_DONTNEED drops the
-        mappings, not the data: the map is read-only and shared, so the
-        pages stay in the page cache and the next read maps them again (a
-        minor fault), also for readers in other threads.
+        The data stays in the page cache (backends.lmdb_pages).
         """
-        global _madvise
-        self.io_records = 0
-        if _madvise is None:
-            return 0
-        released = 0
-        try:
-            for start, length in _mapped_ranges(os.path.join(self.path, "data.mdb")):
-                if _madvise(start, length, _MADV_DONTNEED) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                released += length
-        except (OSError, ValueError) as e:
-            log.info("LMDB: mapped pages cannot be released ({error}); not tried again", error=e)
-            _madvise = None
-        self._mapped_base = _file_rss()
-        return released
+        return self._pages.release()
 
-    def close(self) -> Deferred | None:
+    def close(self) -> Deferred[None] | None:
         """Write what is pending and close the environment.
 
         Pending changes go in one transaction, as every commit. If that fails
@@ -882,8 +637,7 @@ class LmdbStore(SpillingShutdown):
         """
         if self._sync_loop is not None and self._sync_loop.running:
             self._sync_loop.stop()
-        if self._unmap_loop is not None and self._unmap_loop.running:
-            self._unmap_loop.stop()
+        self._pages.stop()
         waiting = None
         try:
             self._land_now()
@@ -893,10 +647,10 @@ class LmdbStore(SpillingShutdown):
             else:
                 self.sync()
         finally:
-            for call in (self._commit_call, self._idle_call):
-                if call is not None and call.active():
-                    call.cancel()
-            self._commit_call = self._idle_call = None
+            self._writes.unschedule()
+            if self._idle_call is not None and self._idle_call.active():
+                self._idle_call.cancel()
+            self._idle_call = None
             if waiting is None:
                 self.env.close()
             if self._log is not None:
@@ -905,65 +659,3 @@ class LmdbStore(SpillingShutdown):
 
     def stats(self) -> dict[str, Any]:
         return {"path": self.path, **self.env.info(), **self.env.stat()}
-
-
-class _Flight:
-    """A chunk of the publish log being written, and what waits for it."""
-
-    __slots__ = ("epoch", "waiters", "fresh", "puts", "updates", "dels", "queues", "data", "error",
-                 "done")
-
-    def __init__(self, epoch: int, waiters: list, fresh: list, puts: list, updates: list,
-                 dels: list) -> None:
-        self.epoch = epoch
-        self.waiters = waiters
-        self.fresh = fresh
-        self.puts = puts
-        self.updates = updates
-        self.dels = dels
-        self.queues: list[LmdbQueue] = []
-        # The encoded chunk (header, payload); None if it could not be encoded.
-        self.data: tuple[bytes, bytes] | None = (b"", b"")
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-
-# -- helpers -------------------------------------------------------------------------------------
-
-
-def _mapped_ranges(path: str) -> list[tuple[int, int]]:
-    """(address, length) of this process's mappings of `path`, from /proc/self/maps."""
-    suffix = " " + os.path.realpath(path) + "\n"
-    ranges = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if line.endswith(suffix):
-                low, _, high = line.partition(" ")[0].partition("-")
-                ranges.append((int(low, 16), int(high, 16) - int(low, 16)))
-    return ranges
-
-
-def _file_rss() -> int:
-    """This process's resident file-backed and shared pages in bytes (/proc/self/statm), 0 if unknown."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[2]) * mmap.PAGESIZE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _load_madvise():
-    """libc's madvise(2) (Linux, with /proc/self/maps), or None."""
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
-        return None
-    try:
-        func = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    func.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    func.restype = ctypes.c_int
-    return func
-
-
-_madvise = _load_madvise()
-_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)

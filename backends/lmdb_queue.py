@@ -1,22 +1,29 @@
-"""One queue of the LMDB store: its key range, its read position, what a commit has not written yet."""
+"""One queue of the LMDB store: its key range, its read position, what a commit has not written yet.
+
+A queue is built by the store (backends.lmdb.LmdbStore) with what it
+uses: the environment and its `messages` database to read from, the
+store's pending write set (backends.lmdb_pending) to stage its changes
+in, and the store's callbacks. The store tells it, through `committed`,
+`fly`, `landed`, `unfly` and `roll_back`, what became of what it staged.
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, islice
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from zope.interface import implementer
 
-from backends.interface import BackendError, IBackendQueue, IPiecewisePeek
-from backends.lmdb_records import KEY, QID, RECORD, RECORD_SIZE, decode_record, record_seq
+from backends.interface import IBackendQueue, IPiecewisePeek
+from backends.lmdb_records import KEY, RECORD, RECORD_SIZE, decode_record, record_seq
 from mqd.logs import get_logger
 from mqd.message import Message
 
 if TYPE_CHECKING:
-    from backends.lmdb import LmdbStore
+    from backends.lmdb_pending import PendingWrites
 
 __all__ = ["LmdbQueue", "PEEK_PIECE_BYTES", "PEEK_PIECE_COUNT", "READ_CACHE"]
 
@@ -34,22 +41,43 @@ PEEK_PIECE_BYTES = 256 << 10
 
 @implementer(IBackendQueue, IPiecewisePeek)
 class LmdbQueue:
-    """One queue's key range, its read position, and what a commit has not written yet."""
+    """One queue's key range, its read position, and what a commit has not written yet.
 
-    __slots__ = ("name", "qid", "_store", "_next_seq", "_read_seq", "_depth", "_tail", "_held",
-                 "_staged", "_staged_held", "_flying", "on_stored")
+    Records `first_seq` to `next_seq` of queue `qid` hold `depth`
+    messages (what LMDB holds, then `restored`: messages a shutdown on a
+    full disk spilled). The queue reads `env`'s `data_db`, stages its
+    changes in `writes`, and calls the store's `check_writable` before
+    taking messages (it raises BackendError while the store is failing),
+    `read_records(n)` after reading records, `forget(self)` when deleted
+    and `sync()` for `sync`. `durable`: reads keep records until FIN, and
+    what is put is readable only once committed.
+    """
 
-    def __init__(self, store: LmdbStore, name: str, qid: int, first_seq: int, next_seq: int,
-                 depth: int) -> None:
+    __slots__ = ("name", "qid", "_env", "_data_db", "_writes", "_durable", "_check_writable",
+                 "_read_records", "_forget", "_sync", "_next_seq", "_read_seq", "_depth", "_tail",
+                 "_held", "_staged", "_staged_held", "_flying", "on_stored")
+
+    def __init__(self, name: str, qid: int, first_seq: int, next_seq: int, depth: int, *,
+                 env: Any, data_db: Any, writes: PendingWrites[LmdbQueue], durable: bool,
+                 check_writable: Callable[[], None], read_records: Callable[[int], None],
+                 forget: Callable[[LmdbQueue], None], sync: Callable[[], None],
+                 restored: Sequence[Message] = ()) -> None:
         self.name = name
         self.qid = qid
-        self._store = store
+        self._env = env
+        self._data_db = data_db
+        self._writes = writes
+        self._durable = durable
+        self._check_writable = check_writable
+        self._read_records = read_records
+        self._forget = forget
+        self._sync = sync
         self._next_seq = next_seq
         self._read_seq = first_seq
         self._depth = depth
         # Unread messages this process put, oldest first: default mode, every
         # one not yet committed; durable, up to READ_CACHE committed ones.
-        self._tail: deque[Message] = deque()
+        self._tail: deque[Message] = deque(restored)
         # Durable: messages put (then held) and not committed yet, oldest
         # first. Not readable until their commit succeeds: they count in the
         # depth, and follow the tail.
@@ -62,7 +90,7 @@ class LmdbQueue:
         # Durable: called after a commit made staged messages readable, with
         # the held ones among them (their owner keeps those outside the
         # queue, from then on). Set by the queue's owner (mqd.nsqd.channel, mqd.nsqd.topic).
-        self.on_stored = None
+        self.on_stored: Callable[[list[Message]], Any] | None = None
         # Keys of records stored by `hold` (deferred messages), so past the
         # read position while their messages live outside the queue: in the
         # deferred queue, then in memory or in flight once due or requeued.
@@ -71,56 +99,44 @@ class LmdbQueue:
         self._held: set[bytes] = set()
 
     def _tail_start(self) -> int:
+        # Every message the queue has put (tail, flying, staged) has its record's key.
+        seq: int
         if self._tail:
-            return KEY.unpack(self._tail[0].key)[1]
+            seq = KEY.unpack(cast(bytes, self._tail[0].key))[1]
+            return seq
         for staged, _ in self._flying:
             if staged:
-                return KEY.unpack(staged[0].key)[1]
+                seq = KEY.unpack(cast(bytes, staged[0].key))[1]
+                return seq
         if self._staged:
-            return KEY.unpack(self._staged[0].key)[1]
+            seq = KEY.unpack(cast(bytes, self._staged[0].key))[1]
+            return seq
         return self._next_seq
 
-    def put(self, messages) -> None:
-        self._store_new(messages)
+    def put(self, messages: Sequence[Message], fresh: bool = False) -> None:
+        """Store the messages at the end of the queue; `fresh`: new publishes (IBackendQueue.put).
+
+        Durable, a commit that fails drops the fresh ones, as their
+        publishers are answered with its error.
+        """
+        self._check_writable()
+        durable = self._durable
+        self._next_seq = self._writes.add(self, self.qid, self._next_seq, messages, fresh and durable)
         self._depth += len(messages)
-        store = self._store
-        if store.durable:
+        if durable:
             self._staged.extend(messages)
-            if store.publishing:
-                store._fresh.append((self, messages))
         else:
             self._tail.extend(messages)
 
-    def _store_new(self, messages) -> None:
-        """Give the messages the queue's next keys and stage them for the commit."""
-        store = self._store
-        if store.failure and not store.closing:
-            raise BackendError(store.failure)
-        puts = store._puts
-        qid = self.qid
-        seq = self._next_seq
-        pack = KEY.pack
-        for msg in messages:
-            msg.key = key = pack(qid, seq)
-            puts[key] = msg
-            seq += 1
-        self._next_seq = seq
-        if store._log_puts is not None:
-            store._log_puts.append(messages)
-            store._staging.add(self)
-        store._touched.add(self)
-        store._schedule()
-
-    def hold(self, messages) -> bool:
+    def hold(self, messages: Sequence[Message], fresh: bool = False) -> bool:
         """Durable: store them, and give them back through `on_stored` once committed (True)."""
-        store = self._store
-        if not store.durable:
+        if not self._durable:
             return False
-        self._store_new(messages)
-        self._held.update([m.key for m in messages])
+        self._check_writable()
+        self._next_seq = self._writes.add(self, self.qid, self._next_seq, messages, fresh)
+        # `add` gave every message its record's key.
+        self._held.update(cast("list[bytes]", [m.key for m in messages]))
         self._staged_held.extend(messages)
-        if store.publishing:
-            store._fresh.append((self, messages))
         return True
 
     def read(self, count: int) -> list[Message]:
@@ -132,7 +148,7 @@ class LmdbQueue:
         while tail and len(out) < count:
             out.append(tail.popleft())
         if out:
-            self._read_seq = KEY.unpack(out[-1].key)[1] + 1
+            self._read_seq = KEY.unpack(cast(bytes, out[-1].key))[1] + 1
             depth = self._depth - len(out)
             if depth < 0:
                 # More read than the queue held: a record was read twice. Say
@@ -141,7 +157,7 @@ class LmdbQueue:
                           name=self.name, n=len(out), depth=self._depth)
                 depth = 0
             self._depth = depth
-            if not self._store.durable:
+            if not self._durable:
                 # Without durability a read removes the records (one never
                 # written is just dropped), exactly what a FIN does.
                 self.finish(out)
@@ -157,10 +173,10 @@ class LmdbQueue:
         stop = KEY.pack(self.qid, tail_start)
         held = self._held
         out: list[Message] = []
-        store = self._store
-        dels = store._dels
-        updates = store._updates
-        with store.env.begin(db=store.data_db, buffers=False) as txn:
+        writes = self._writes
+        dels = writes.dels
+        updates = writes.updates
+        with self._env.begin(db=self._data_db, buffers=False) as txn:
             cursor = txn.cursor()
             if not cursor.set_range(start):
                 return out
@@ -179,7 +195,7 @@ class LmdbQueue:
         if not out:
             # Only held or deleted records before the cached tail.
             self._read_seq = tail_start
-        self._store.io_records += len(out)
+        self._read_records(len(out))
         return out
 
     def peek(self, count: int) -> list[Message]:
@@ -241,12 +257,12 @@ class LmdbQueue:
         start_key = KEY.pack(self.qid, start)
         stop_key = KEY.pack(self.qid, stop)
         held = self._held
-        store = self._store
-        dels = store._dels
-        updates = store._updates
+        writes = self._writes
+        dels = writes.dels
+        updates = writes.updates
         out: list[tuple[Message, int]] = []
         last = start - 1
-        with store.env.begin(db=store.data_db, buffers=True) as txn:
+        with self._env.begin(db=self._data_db, buffers=True) as txn:
             cursor = txn.cursor()
             if not cursor.set_range(start_key):
                 return out, last
@@ -268,7 +284,7 @@ class LmdbQueue:
                     out.append((msg, msg.body_size))
         return out, last
 
-    def finish(self, messages) -> None:
+    def finish(self, messages: Sequence[Message]) -> None:
         """The messages are done for good: forget their records, written or not.
 
         A reader FINs every message, so this runs once per run of FINs and
@@ -283,48 +299,20 @@ class LmdbQueue:
                 return
         for msg in messages:
             msg.key = None
-        store = self._store
-        updates = store._updates
-        if updates:
-            for key in keys:
-                updates.pop(key, None)
         if self._held:
             self._held.difference_update(keys)
-        pop = store._puts.pop
-        written = [key for key in keys if pop(key, None) is None]
-        if written:
-            store._dels.update(written)
-        if store._log_dels is not None:
-            store._log_dels += keys
-        store._schedule()
+        self._writes.finish(cast("list[bytes]", keys))  # no None left (filtered above)
 
-    def update(self, messages) -> None:
+    def update(self, messages: Sequence[Message]) -> None:
         """Rewrite the records; a held one stays held (its message is still outside the queue)."""
-        store = self._store
-        puts = store._puts
-        updates = store._updates
-        for msg in messages:
-            key = msg.key
-            if key is None:
-                continue
-            if key not in puts:
-                updates[key] = msg
-        if store._log_puts is not None:
-            store._log_updates.append(messages)
-        store._schedule()
+        self._writes.update(messages)
 
     def depth(self) -> int:
         return self._depth
 
     def empty(self) -> None:
         """Drop every record up to now, and everything not yet written."""
-        store = self._store
-        prefix = QID.pack(self.qid)
-        store._drops.append((self.qid, self._next_seq))
-        for table in (store._puts, store._updates):
-            for key in [k for k in table if k.startswith(prefix)]:
-                table[key].key = None
-                del table[key]
+        self._writes.drop_queue(self.qid, self._next_seq)
         for msg in self._tail:
             msg.key = None
         for msg in chain(self._staged_held, *chain.from_iterable(self._flying)):
@@ -336,19 +324,20 @@ class LmdbQueue:
         self._held.clear()
         self._read_seq = self._next_seq
         self._depth = 0
-        store._schedule()
 
     def delete(self) -> None:
         self.empty()
-        self._store._forget_queue(self)
+        self._forget(self)
 
     def close(self) -> None:
         """The store commits and closes everything at once."""
 
     def sync(self) -> None:
-        self._store.sync()
+        self._sync()
 
-    def _committed(self) -> list[Message] | None:
+    # -- what became of what was staged: told by the store ---------------------------------
+
+    def committed(self) -> list[Message] | None:
         """After a commit: staged messages become readable; the read cache is trimmed.
 
         Returns the held messages just committed when the owner must hear
@@ -362,13 +351,13 @@ class LmdbQueue:
             self._staged = []
         if held:
             self._staged_held = []
-        limit = READ_CACHE if self._store.durable else 0
-        puts = self._store._puts
+        limit = READ_CACHE if self._durable else 0
+        puts = self._writes.puts
         while len(tail) > limit and tail[0].key not in puts:
             tail.popleft()
         return held if (staged or held) and self.on_stored is not None else None
 
-    def _fly(self) -> bool:
+    def fly(self) -> bool:
         """A chunk of the publish log is taken: the staged messages are in it (True if any)."""
         if not (self._staged or self._staged_held):
             return False
@@ -376,22 +365,27 @@ class LmdbQueue:
         self._staged, self._staged_held = [], []
         return True
 
-    def _landed(self) -> list[Message] | None:
-        """The oldest chunk is synced: its messages are readable; the held ones for `on_stored`, as `_committed`."""
+    def landed(self) -> list[Message] | None:
+        """The oldest chunk is synced: its messages are readable; the held ones for `on_stored`, as `committed`."""
         flying, held = self._flying.popleft()
         if flying:
             self._tail.extend(flying)
         return held if (flying or held) and self.on_stored is not None else None
 
-    def _unfly(self) -> None:
+    def unfly(self) -> None:
         """The chunks failed: their messages are staged again, in order, ahead of those staged since."""
         flying = self._flying
         self._staged[:0] = [m for staged, _ in flying for m in staged]
         self._staged_held[:0] = [m for _, held in flying for m in held]
         flying.clear()
 
-    def _drop_fresh(self) -> None:
-        """After a failed commit: forget the staged messages `LmdbStore._roll_back` took the keys of."""
+    def roll_back(self, keys: list[bytes]) -> None:
+        """After a failed commit: forget its new publishes, whose records (`keys`) the write set dropped.
+
+        Their messages have no key any more; held ones are held no longer.
+        """
+        if keys and self._held:
+            self._held.difference_update(keys)
         staged = self._staged
         kept = [m for m in staged if m.key is not None]
         if len(kept) != len(staged):

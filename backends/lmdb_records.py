@@ -11,15 +11,22 @@ read and write through these definitions.
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from mqd.message import Message
 
-__all__ = ["ENV_DIR", "FORMAT", "KEY", "OUR_DBS", "QID", "RECORD", "RECORD_HEAD", "RECORD_SIZE",
-           "decode_record", "drop_range", "encode_record", "record_seq"]
+if TYPE_CHECKING:
+    import lmdb
+
+__all__ = ["ENV_DIR", "EPOCH", "FORMAT", "KEY", "LOG_EPOCH", "OUR_DBS", "QID", "RECORD", "RECORD_HEAD",
+           "RECORD_SIZE", "decode_record", "drop_range", "encode_record", "record_seq"]
 
 ENV_DIR = "mqd.lmdb"
 FORMAT = b"mqd-queues-1"
 OUR_DBS = {b"meta", b"queues", b"messages"}
+# The meta key of the last publish-log chunk (backends.lmdb_log) LMDB holds, as EPOCH.
+LOG_EPOCH = b"log-epoch"
+EPOCH = struct.Struct(">Q")
 
 KEY = struct.Struct(">IQ")
 QID = struct.Struct(">I")
@@ -48,7 +55,7 @@ def record_seq(msg: Message) -> int:
     return KEY.unpack(msg.key)[1] if msg.key is not None else -1
 
 
-def drop_range(txn, qid: int, bound: int) -> None:
+def drop_range(txn: lmdb.Transaction[bytes], qid: int, bound: int) -> None:
     """Delete the queue's records below sequence `bound` (an emptied queue)."""
     cursor = txn.cursor()
     # Keys are fixed-length, so every key in [qid, (qid, bound)) is the queue's.

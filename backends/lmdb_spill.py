@@ -10,11 +10,11 @@ the file once that commit has written them.
 
 from __future__ import annotations
 
-import errno
 import os
 import struct
 import zlib
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 from twisted.internet.defer import Deferred
@@ -23,7 +23,12 @@ from backends.interface import StoreOpenError
 from backends.lmdb_records import KEY, QID, RECORD_SIZE, decode_record, drop_range, encode_record
 from mqd.logs import get_logger
 
-__all__ = ["SPILL_FILE", "SpillingShutdown", "no_room", "parse_spill", "spill_bytes"]
+if TYPE_CHECKING:
+    from backends.lmdb_pending import PendingWrites
+    from backends.lmdb_queue import LmdbQueue
+    from mqd.message import Message
+
+__all__ = ["SPILL_FILE", "SpillingShutdown", "parse_spill", "spill_bytes"]
 
 # The store speaks for its shutdown: one namespace for every LMDB log line.
 log = get_logger("backends.lmdb")
@@ -44,15 +49,28 @@ _CLOSE_CHUNK_BYTES = 4 << 20
 _DROP, _DEL, _REG_DEL, _REG_PUT, _PUT = range(5)
 
 
-def no_room(error: BaseException) -> bool:
-    """A write failed for lack of space (a full disk or quota), not because the data is bad."""
-    if isinstance(error, OSError):
-        return error.errno in (errno.ENOSPC, errno.EDQUOT)
-    return isinstance(error, lmdb.DiskError) or "No space left" in str(error) or "quota" in str(error)
-
-
 class SpillingShutdown:
     """LmdbStore's shutdown and start-up on a full disk (a mixin: it works on the store's state)."""
+
+    # The store's state this works on, set by LmdbStore (see there).
+    RETRY_AFTER: float
+    clock: Any
+    spill_path: str
+    failure: str | None
+    env: lmdb.Environment
+    registry_db: Any  # py-lmdb's database handles (backends.lmdb_env.Environment)
+    data_db: Any
+    _known: dict[str, int]
+    _next_qid: int
+    _writes: PendingWrites[LmdbQueue]
+    _spilled: dict[int, list[Message]]
+    _spill_loaded: bool
+
+    if TYPE_CHECKING:
+        # The store's own, called from here.
+        def _grow(self) -> None: ...
+
+        def sync(self) -> None: ...
 
     def _load_spill(self) -> None:
         """Take back what the last shutdown could not write (see close): it is staged for the next commit.
@@ -81,20 +99,20 @@ class SpillingShutdown:
                     name = key.decode()
                     if name not in self._known:
                         self._known[name] = QID.unpack(value)[0]
-                        self._registry_puts[key] = value
+                        self._writes.register(key, value)
                     continue
                 msg = decode_record(key, value)
                 records += 1
                 if txn.get(key) is not None:
-                    self._updates[key] = msg  # a rewrite of a record LMDB has
+                    self._writes.restore(key, msg, stored=True)  # a rewrite of a record LMDB has
                 else:
-                    self._puts[key] = msg
+                    self._writes.restore(key, msg, stored=False)
                     self._spilled.setdefault(QID.unpack_from(key)[0], []).append(msg)
         self._next_qid = max(self._known.values(), default=0) + 1
         self._spill_loaded = True
         log.warn("{spill}: {n} messages the last shutdown could not write to LMDB are back; "
                  "the file is removed once they are written", spill=self.spill_path, n=records)
-        self._schedule()
+        self._writes.schedule()
 
     # -- a shutdown on a full disk ----------------------------------------------------------
 
@@ -107,15 +125,16 @@ class SpillingShutdown:
         a queue is its head, and last the rewrites of stored records (their
         attempts and deferral), whose messages LMDB already holds.
         """
-        ops: list[tuple[int, Any, Any]] = [(_DROP, qid, bound) for qid, bound in self._drops]
-        ops += [(_DEL, key, None) for key in sorted(self._dels)]
-        ops += [(_REG_DEL, name, None) for name in sorted(self._registry_dels)]
-        ops += [(_REG_PUT, name, qid) for name, qid in sorted(self._registry_puts.items())]
-        ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(self._puts.items())]
-        ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(self._updates.items())]
+        writes = self._writes
+        ops: list[tuple[int, Any, Any]] = [(_DROP, qid, bound) for qid, bound in writes.drops]
+        ops += [(_DEL, key, None) for key in sorted(writes.dels)]
+        ops += [(_REG_DEL, name, None) for name in sorted(writes.registry_dels)]
+        ops += [(_REG_PUT, name, qid) for name, qid in sorted(writes.registry_puts.items())]
+        ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(writes.puts.items())]
+        ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(writes.updates.items())]
         return ops
 
-    def _write_ops(self, ops) -> None:
+    def _write_ops(self, ops: Sequence[tuple[int, Any, Any]]) -> None:
         """Apply write operations in one transaction."""
         with self.env.begin(write=True, db=self.data_db) as txn:
             for op, key, value in ops:
@@ -130,7 +149,7 @@ class SpillingShutdown:
                 else:
                     drop_range(txn, key, value)
 
-    def _write_bounded(self, ops) -> tuple[int, str | None]:
+    def _write_bounded(self, ops: Sequence[tuple[int, Any, Any]]) -> tuple[int, str | None]:
         """Write `ops` in order in bounded transactions; (how many were written, the last error).
 
         A transaction that does not fit is retried at half its size, down to
@@ -157,7 +176,7 @@ class SpillingShutdown:
             done = end
         return done, error
 
-    def _close_bounded(self) -> Deferred | None:
+    def _close_bounded(self) -> Deferred[None] | None:
         """The shutdown's commit failed: keep what fits, spill the rest, say so in one line.
 
         Returns a Deferred when not even the spill file could be written:
@@ -186,7 +205,7 @@ class SpillingShutdown:
                       error=error, spill=self.spill_path, spill_error=e.strerror,
                       path=os.path.abspath(os.path.dirname(self.spill_path) or "."), s=self.RETRY_AFTER,
                       also=also)
-            closed = Deferred()
+            closed: Deferred[None] = Deferred()
             self.clock.callLater(self.RETRY_AFTER, self._retry_close, spill, closed)
             return closed
         self._finish_close(False, False)
@@ -195,7 +214,7 @@ class SpillingShutdown:
                   error=error, spill=self.spill_path, also=also)
         return None
 
-    def _retry_close(self, ops, closed: Deferred) -> None:
+    def _retry_close(self, ops: Sequence[tuple[int, Any, Any]], closed: Deferred[None]) -> None:
         """Waiting at shutdown for room: write into LMDB what fits now, else try the spill file again."""
         try:
             done, _ = self._write_bounded(ops)
@@ -230,7 +249,7 @@ class SpillingShutdown:
         if close_env:
             self.env.close()
 
-    def _write_spill(self, ops) -> None:
+    def _write_spill(self, ops: Sequence[tuple[int, Any, Any]]) -> None:
         """Save registry entries and records atomically (temp file, fsync, rename); raises OSError."""
         entries = [(SPILL_REGISTRY if op == _REG_PUT else SPILL_RECORD, key, value)
                    for op, key, value in ops]
@@ -279,9 +298,9 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def spill_bytes(entries) -> bytes:
+def spill_bytes(entries: Sequence[tuple[int, bytes, bytes]]) -> bytes:
     """The spill file: a magic line, (kind, key, value) entries, then their count and CRC-32."""
-    parts = []
+    parts: list[bytes] = []
     for kind, key, value in entries:
         parts += (SPILL_ENTRY.pack(kind, len(key), len(value)), key, value)
     body = b"".join(parts)

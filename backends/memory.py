@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Sequence
 from itertools import islice
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zope.interface import implementer
 
 from backends.interface import IBackendQueue, IBackendStore
 
+if TYPE_CHECKING:
+    from mqd.message import Message
 
-def take(items: deque, n: int) -> list:
+_T = TypeVar("_T")
+
+
+def take(items: deque[_T], n: int) -> list[_T]:
     """Pop up to `n` items from the left of a deque, as a list.
 
     Here because the memory backend is a deque; the broker's own memory
@@ -30,25 +37,25 @@ class MemoryQueue:
 
     def __init__(self, name: str, store: MemoryStore | None = None) -> None:
         self.name = name
-        self._items: deque = deque()
+        self._items: deque[Message] = deque()
         self._store = store
 
-    def put(self, messages) -> None:
+    def put(self, messages: Sequence[Message], fresh: bool = False) -> None:
         self._items.extend(messages)
 
-    def read(self, count: int) -> list:
+    def read(self, count: int) -> list[Message]:
         return take(self._items, count)
 
-    def peek(self, count: int) -> list:
+    def peek(self, count: int) -> list[Message]:
         return list(islice(self._items, max(count, 0)))
 
-    def finish(self, messages) -> None:
+    def finish(self, messages: Sequence[Message]) -> None:
         """Nothing kept once read."""
 
-    def update(self, messages) -> None:
+    def update(self, messages: Sequence[Message]) -> None:
         """Nothing kept once read."""
 
-    def hold(self, messages) -> None:
+    def hold(self, messages: Sequence[Message], fresh: bool = False) -> None:
         """Not durable: held messages live in the channel only."""
 
     def depth(self) -> int:
@@ -73,8 +80,10 @@ class MemoryQueue:
 @implementer(IBackendStore)
 class MemoryStore:
     durable = False
+    # Set by the broker; never called, as RAM never fails a write.
+    health_listener: Callable[[str | None], Any] | None = None
 
-    def __init__(self, options=None, clock=None) -> None:
+    def __init__(self, options: Any = None, clock: Any = None) -> None:
         self._queues: dict[str, MemoryQueue] = {}
 
     def open_queue(self, name: str) -> MemoryQueue:
@@ -88,8 +97,11 @@ class MemoryStore:
         if self._queues.get(queue.name) is queue:
             del self._queues[queue.name]
 
-    def when_durable(self, callback) -> None:
+    def when_durable(self, callback: Callable[[str | None], Any]) -> None:
         callback(None)
+
+    def begin_close(self) -> None:
+        """Nothing to prepare: this store never refuses what it is given."""
 
     def close(self) -> None:
         self._queues.clear()

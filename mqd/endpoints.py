@@ -6,8 +6,11 @@ executors and the tools load) does not import the broker to dial one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.internet import endpoints
 from twisted.internet.abstract import isIPAddress
+from twisted.internet.interfaces import IStreamClientEndpoint
 
 __all__ = ["DIAL_TIMEOUT", "client_endpoint", "join_host_port"]
 
@@ -21,7 +24,8 @@ def join_host_port(host: str, port: int | str) -> str:
     return f"{host}:{port}"
 
 
-def client_endpoint(reactor, address: str, timeout: float = DIAL_TIMEOUT, bind_address=None):
+def client_endpoint(reactor: Any, address: str, timeout: float = DIAL_TIMEOUT,
+                    bind_address: tuple[str, int] | None = None) -> IStreamClientEndpoint:
     """`host:port` or `[v6]:port` as a client endpoint, with nsqd's 1 s dial timeout by default.
 
     The broker dials lookupds with it, and the NSQ client (mqd.client) brokers, with its

@@ -17,7 +17,7 @@ from twisted.internet import defer
 __all__ = ["read_bounded"]
 
 
-def read_bounded(response: Any, limit: int, too_large: Callable[[str], Exception]) -> defer.Deferred:
+def read_bounded(response: Any, limit: int, too_large: Callable[[str], Exception]) -> defer.Deferred[bytes]:
     """Deferred of the body of a treq `response`, failing with `too_large(reason)` past `limit` bytes.
 
     A declared `Content-Length` over the bound fails at once, without

@@ -21,7 +21,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IReactorTime
 
 __all__ = ["LatencyWindow", "RESERVOIR_SIZE", "disabled_result", "merged_result", "parse_percentiles"]
 
@@ -109,7 +112,7 @@ class LatencyWindow:
 
     __slots__ = ("percentiles", "half", "_clock", "_buckets", "_index", "_rotate_at")
 
-    def __init__(self, percentiles: Sequence[float], window: float, clock) -> None:
+    def __init__(self, percentiles: Sequence[float], window: float, clock: IReactorTime) -> None:
         self.percentiles = list(percentiles)
         self.half = window / 2
         self._clock = clock

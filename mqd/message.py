@@ -11,6 +11,7 @@ import hashlib
 import socket
 import struct
 import zlib
+from typing import Any
 
 __all__ = ["Message", "IdFactory", "channel_copies", "new_messages", "default_node_id", "frame_message", "FRAME_HEAD",
            "ID_SIZE"]
@@ -49,6 +50,15 @@ class Message:
 
     __slots__ = ("data", "timestamp", "attempts", "state", "key", "id_key")
 
+    data: bytes
+    timestamp: int
+    attempts: int
+    # The due time (float), (client, delivered_at) in flight, or None: typed Any
+    # because the hot paths index it without a check (its owner knows which).
+    state: Any
+    key: bytes | None
+    id_key: bytes | None
+
     def __init__(
         self,
         id: bytes,
@@ -57,16 +67,17 @@ class Message:
         attempts: int = 0,
         deferred_until: float = 0.0,
     ) -> None:
-        self._fill(id + body, timestamp, attempts, deferred_until)
+        self.fill(id + body, timestamp, attempts, deferred_until)
 
     @classmethod
     def of(cls, data: bytes, timestamp: int, attempts: int = 0, deferred_until: float = 0.0) -> Message:
         """A message from its `data` (id then body), as a store's record holds them."""
         msg = _new(cls)
-        msg._fill(data, timestamp, attempts, deferred_until)
+        msg.fill(data, timestamp, attempts, deferred_until)
         return msg
 
-    def _fill(self, data: bytes, timestamp: int, attempts: int, deferred_until: float) -> None:
+    def fill(self, data: bytes, timestamp: int, attempts: int, deferred_until: float) -> None:
+        """Set every field: what a new message starts with (no store key, no shared id)."""
         self.data = data
         self.timestamp = timestamp
         self.attempts = attempts
@@ -95,7 +106,8 @@ class Message:
     @property
     def deferred_until(self) -> float:
         """When a deferred message is due (reactor seconds); 0.0 for one due now or in flight."""
-        state = self.state
+        # Any: mypy does not narrow on `__class__ is tuple`, kept as the fastest test.
+        state: Any = self.state
         return 0.0 if state is None or state.__class__ is tuple else state
 
     @deferred_until.setter
@@ -131,7 +143,7 @@ _new = object.__new__
 
 def new_messages(ids: list[bytes], bodies: list[bytes], timestamp: int) -> list[Message]:
     """`[Message(i, b, timestamp) for ...]` for a publish: built in one loop, as `channel_copies`."""
-    out = []
+    out: list[Message] = []
     append = out.append
     for msg_id, body in zip(ids, bodies, strict=True):
         m = _new(Message)
@@ -155,7 +167,7 @@ def channel_copies(msgs: list[Message]) -> list[Message]:
     yet: a delivery's state is not the copy's. The original and every copy
     share one `id_key`, made here on the first copy.
     """
-    out = []
+    out: list[Message] = []
     append = out.append
     for m in msgs:
         key = m.id_key

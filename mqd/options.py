@@ -15,7 +15,7 @@ import re
 import socket
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -500,9 +500,16 @@ MQADMIN_OPTIONS: tuple[Option, ...] = (
 class Settings:
     """Resolved options, read once; attribute names are the option names with '_'."""
 
+    _explicit: frozenset[str]
+
     def __init__(self, values: Mapping[str, Any], explicit: Iterable[str] = ()) -> None:
         self.__dict__.update(values)
         self.__dict__["_explicit"] = frozenset(explicit)
+
+    if TYPE_CHECKING:
+        # The attributes come from an option table, so the checker cannot
+        # know them: each daemon's settings read as Any.
+        def __getattr__(self, name: str) -> Any: ...
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Settings are read-only; run-time changes go through Settings.replace")
@@ -560,11 +567,11 @@ def resolve(
     file_values: dict[str, Any] = {}
     if config_path:
         for key, value in load_yaml(config_path).items():
-            opt = by_key.get(str(key).replace("_", "-"))
-            if opt is None:
+            known = by_key.get(str(key).replace("_", "-"))
+            if known is None:
                 raise ConfigError(f"{config_path}: unknown option {key!r}")
             try:
-                file_values[opt.name] = opt.parse(value)
+                file_values[known.name] = known.parse(value)
             except ValueError as e:
                 raise ConfigError(f"{config_path}: {key}: {e}") from None
 

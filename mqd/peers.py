@@ -20,12 +20,12 @@ __all__ = ["peer_host", "remote_address"]
 _MAPPED = "::ffff:"
 
 
-def peer_host(address) -> str:
+def peer_host(address: object) -> str:
     """The host of a Twisted address (IPv4Address, IPv6Address, UNIXAddress...), IPv4-mapped ones as IPv4.
 
     A UNIX socket's peer has no host: its path (often empty), as str.
     """
-    host = getattr(address, "host", None)
+    host: str | None = getattr(address, "host", None)
     if host is None:
         name = getattr(address, "name", None) or ""
         return os.fsdecode(name) if isinstance(name, bytes) else str(name)
@@ -34,7 +34,7 @@ def peer_host(address) -> str:
     return host
 
 
-def remote_address(address) -> str:
+def remote_address(address: object) -> str:
     """Go's `net.Addr` String() for a peer: `ip:port`, `[ip]:port`, or a UNIX socket's path."""
     host = peer_host(address)
     port = getattr(address, "port", None)

@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 from twisted.python import usage
 
 from mqd import NSQ_VERSION, __version__
 from mqd.options import ConfigError, Option, Settings, resolve
 
-__all__ = ["make_options_class", "settings_from"]
+__all__ = ["TableOptions", "make_options_class", "settings_from"]
 
 
-def make_options_class(table: Sequence[Option], program: str) -> type[usage.Options]:
+class TableOptions(usage.Options):
+    """A daemon's usage.Options, made by `make_options_class` from its option table."""
+
+    def flag_values(self) -> dict[str, Any]:
+        """What the command line set explicitly, by option name."""
+        raise NotImplementedError
+
+
+def make_options_class(table: Sequence[Option], program: str) -> type[TableOptions]:
     """A usage.Options for an option table, accepting nsqd's flag forms.
 
     Go's flag package, which nsqd uses, takes `-name=value` as well as
@@ -34,7 +43,7 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
     bool_names = {o.name for o in table if o.kind == "bool"}
     bare_values = {o.name: o.bare for o in table if o.bare is not None}
 
-    class _Options(usage.Options):
+    class _Options(TableOptions):
         synopsis = f"[options]  (the flags of the NSQ program it replaces; see config/{program}.yaml)"
         optParameters = [["config", "c", None, "YAML config file (flags override it)"], *params]
         optFlags = flags
@@ -71,9 +80,9 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
                         arg = "--" + name
                 yield arg
 
-        def flag_values(self) -> dict:
+        def flag_values(self) -> dict[str, Any]:
             """What the command line set explicitly, by option name."""
-            given = {}
+            given: dict[str, Any] = {}
             for opt in table:
                 value = self.get(opt.name)
                 if opt.kind == "bool":
@@ -107,7 +116,9 @@ def make_options_class(table: Sequence[Option], program: str) -> type[usage.Opti
 def settings_from(options: usage.Options, table: Sequence[Option], program: str) -> Settings:
     """Resolve flags > YAML > defaults, or stop with one line saying what is wrong."""
     try:
-        return resolve(table, options.flag_values(), options["config"])
+        # twistd hands makeService the plugin's own Options: one of ours.
+        flags = cast(TableOptions, options).flag_values()
+        return resolve(table, flags, options["config"])
     except ConfigError as e:
         print(f"{program}: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -389,10 +389,10 @@ def _shut_down(spark) -> None:
     JVM pyspark launches exits when its stdin closes; under spark-submit
     there is no such child (the JVM started us) and nothing more to do.
     """
-    from pyspark import SparkContext
+    from spark_bridge.session import launched_jvm
 
+    launched = launched_jvm(spark)  # None under spark-submit
     spark.stop()
-    launched = SparkContext._gateway.proc  # None under spark-submit
     if launched is not None and launched.stdin is not None:
         launched.stdin.close()
         try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any, cast
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -86,7 +87,7 @@ class SnapshotReader(DataSourceReader):
         # An empty result still needs one (empty) task.
         return [RangesPartition(p) for p in plan] or [RangesPartition([])]
 
-    def read(self, partition: RangesPartition) -> Iterator:
+    def read(self, partition: InputPartition) -> Iterator:  # a RangesPartition
         if not partition.value:
             return
         _, env = open_snapshot(self.path)
@@ -110,9 +111,10 @@ class FilteringSnapshotReader(SnapshotReader):
 
 def _narrow(where: QueueFilter, f: Filter) -> QueueFilter | None:
     """`where` ANDed with `f` if `f` is exactly a test on which queue a row is in, else None."""
-    if len(f.attribute) != 1 or f.attribute[0] not in _QUEUE_COLUMNS:
+    attribute = cast(Any, f).attribute  # pyspark declares it on each concrete Filter, not on Filter
+    if len(attribute) != 1 or attribute[0] not in _QUEUE_COLUMNS:
         return None
-    column = f.attribute[0]
+    column = attribute[0]
     if isinstance(f, EqualTo | EqualNullSafe) and isinstance(f.value, str):
         return where.narrowed(column, [f.value])
     if isinstance(f, In) and all(isinstance(v, str) for v in f.value):

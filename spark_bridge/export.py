@@ -33,7 +33,7 @@ class ExportResult:
     seconds: float
 
 
-def export_parquet(snapshot_dir: str | os.PathLike, out: str | os.PathLike,
+def export_parquet(snapshot_dir: str | os.PathLike[str], out: str | os.PathLike[str],
                    where: QueueFilter | None = None, compression: str = "zstd") -> ExportResult:
     """Write the snapshot's messages (those `where` admits) to the Parquet file `out`.
 

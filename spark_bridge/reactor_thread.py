@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from twisted.internet import defer
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.python.failure import Failure
 
 __all__ = ["ReactorThreadError", "call", "ensure_running", "post"]
@@ -70,14 +71,15 @@ def call(function: Callable[..., Any], *args: Any, timeout: float | None = None,
     from twisted.internet import reactor
     from twisted.internet.threads import blockingCallFromThread
 
-    def run() -> defer.Deferred:
+    def run() -> defer.Deferred[Any]:
         d = defer.maybeDeferred(function, *args, **kwargs)
         if timeout is not None:
             d.addTimeout(timeout, reactor)
         return d
 
     try:
-        return blockingCallFromThread(reactor, run)
+        # Twisted types the global reactor with its commonest interfaces only.
+        return blockingCallFromThread(cast(IReactorFromThreads, reactor), run)
     except Exception as e:  # noqa: BLE001 - re-raised with Failure's traceback cleaned
         if isinstance(e, Failure):  # pragma: no cover - blockingCallFromThread raises the value
             e.raiseException()
@@ -89,4 +91,4 @@ def post(function: Callable[..., Any], *args: Any) -> None:
     ensure_running()
     from twisted.internet import reactor
 
-    reactor.callFromThread(function, *args)
+    cast(IReactorFromThreads, reactor).callFromThread(function, *args)

@@ -26,6 +26,7 @@ from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import islice
+from typing import Any, cast
 
 import lmdb
 import numpy as np
@@ -151,7 +152,8 @@ class QueueFilter:
         """This filter ANDed with `column IN allowed`."""
         field = {"topic": "topics", "channel": "channels", "kind": "kinds"}[column]
         new, old = frozenset(allowed), getattr(self, field)
-        return replace(self, **{field: new if old is None else old & new})
+        changes: dict[str, Any] = {field: new if old is None else old & new}
+        return replace(self, **changes)
 
 
 def snapshot_ranges(manifest: Manifest, where: QueueFilter | None = None) -> list[KeyRange]:
@@ -159,7 +161,9 @@ def snapshot_ranges(manifest: Manifest, where: QueueFilter | None = None) -> lis
     queues = [q for q in sorted(manifest.queues, key=lambda q: q.queue_id)
               if where is None or where.admits(q)]
     clients = tuple(c.get("remote_address", "") for c in manifest.clients)
-    stored = [KeyRange(q.queue_id, q.topic, q.channel, q.first_seq, q.last_seq, q.stored)
+    # A queue with stored rows has their seq range.
+    stored = [KeyRange(q.queue_id, q.topic, q.channel, cast(int, q.first_seq), cast(int, q.last_seq),
+                       q.stored)
               for q in queues if q.stored]
     held = [KeyRange(q.queue_id, q.topic, q.channel, 0, q.held - 1, q.held, True, clients)
             for q in queues if q.held]
@@ -200,7 +204,7 @@ def plan_partitions(ranges: Sequence[KeyRange], partitions: int) -> list[list[Ke
     return plan
 
 
-def open_snapshot(snapshot_dir: str | os.PathLike) -> tuple[Manifest, lmdb.Environment]:
+def open_snapshot(snapshot_dir: str | os.PathLike[str]) -> tuple[Manifest, lmdb.Environment]:
     """The manifest and a read-only handle on a finished snapshot (nothing writes it: no LMDB lock).
 
     The snapshot is held (`hold_snapshot`: the broker removes no snapshot a

@@ -35,7 +35,7 @@ def format_age(seconds: float | None) -> str:
         return "-"
     if seconds < 60:
         return f"{seconds:.1f}s"
-    out = []
+    out: list[str] = []
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
         if seconds >= size or out:
             value, seconds = divmod(seconds, size)
@@ -252,7 +252,7 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
     load_charting()
     import matplotlib.pyplot as plt
 
-    charts = []
+    charts: list[tuple[str, str]] = []
     queues = [_queue_name(q) for q in analysis.queues]
     if not queues:
         return charts

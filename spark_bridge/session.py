@@ -22,6 +22,7 @@ installed (or `--py-files`) and the snapshot at the same path.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Mapping
 
@@ -29,7 +30,7 @@ from spark_bridge.datasource import PUSHDOWN_CONF, register
 from spark_bridge.jvm_archive import java_options
 from spark_bridge.python_launcher import launcher_path
 
-__all__ = ["DEFAULT_MASTER", "build_session", "session_conf"]
+__all__ = ["DEFAULT_MASTER", "build_session", "launched_jvm", "session_conf"]
 
 DEFAULT_MASTER = "local[*]"
 JAVA_OPTIONS = "spark.driver.extraJavaOptions"
@@ -63,6 +64,37 @@ def session_conf(master: str | None, conf: Mapping[str, str] | None = None,
     return master, out
 
 
+# The JVMs this process launched, by the id of their SparkContext (see launched_jvm).
+_LAUNCHED: dict[int, subprocess.Popen] = {}
+
+
+def _start_context(master: str, app_name: str, settings: Mapping[str, str]) -> subprocess.Popen | None:
+    """Start the SparkContext with a JVM launched here, and return that JVM's process.
+
+    What SparkSession.builder would do, but with the gateway in hand: its
+    process is the one to close at shutdown (launched_jvm). The builder
+    then finds this context active and builds its session on it.
+    """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    conf = SparkConf().setMaster(master).setAppName(app_name)
+    for key, value in settings.items():
+        conf.set(key, value)
+    gateway = launch_gateway(conf)
+    SparkContext(conf=conf, gateway=gateway)
+    return getattr(gateway, "proc", None)
+
+
+def launched_jvm(spark) -> subprocess.Popen | None:
+    """The JVM process this Python process launched for `spark`'s context, if it launched one.
+
+    None under spark-submit, where the JVM started first and is this
+    process's parent, and for a session made elsewhere.
+    """
+    return _LAUNCHED.get(id(spark.sparkContext))
+
+
 def build_session(master: str | None = None, *, app_name: str = "mqd-spark-bridge",
                   conf: Mapping[str, str] | None = None, progress: bool = False):
     """A SparkSession with the `mqd` format registered.
@@ -82,7 +114,12 @@ def build_session(master: str | None = None, *, app_name: str = "mqd-spark-bridg
             os.environ["PYSPARK_PYTHON"] = launcher or sys.executable
     for key, value in settings.items():
         builder = builder.config(key, value)
+    jvm = None
+    if master is not None and SparkSession.getActiveSession() is None:
+        jvm = _start_context(master, app_name, settings)
     spark = builder.getOrCreate()
+    if jvm is not None:
+        _LAUNCHED[id(spark.sparkContext)] = jvm
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark

@@ -472,10 +472,10 @@ class TopicWriter(DataSourceArrowWriter):
         """Publish one task's rows (Arrow record batches); SinkError unless nsqd accepted them all."""
         return _write(self.plan, iterator)
 
-    def commit(self, messages: list[TopicCommitMessage | None]) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Nothing to do: every message was acknowledged by nsqd when its task ended."""
 
-    def abort(self, messages: list[TopicCommitMessage | None]) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Nothing to undo: what succeeded tasks published stays published (at least once)."""
 
 
@@ -489,8 +489,8 @@ class TopicStreamWriter(DataSourceStreamArrowWriter):
         """Publish one task's rows of the micro-batch; SinkError unless nsqd accepted them all."""
         return _write(self.plan, iterator)
 
-    def commit(self, messages: list[TopicCommitMessage | None], batchId: int) -> None:
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to do: the micro-batch's messages were acknowledged when its tasks ended."""
 
-    def abort(self, messages: list[TopicCommitMessage | None], batchId: int) -> None:
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Nothing to undo: a replayed micro-batch publishes its rows again (at least once)."""

@@ -19,6 +19,7 @@ Every problem is one `StreamOptionError` line naming the option.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, Literal, overload
 from urllib.parse import urlsplit, urlunsplit
 
 from mqd.client import ClientConfigError, Config
@@ -61,6 +62,10 @@ def _split(text: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
 
 
+@overload
+def topic_name(options: Mapping[str, str], name: str = ..., *, required: Literal[True] = ...) -> str: ...
+@overload
+def topic_name(options: Mapping[str, str], name: str = ..., *, required: bool) -> str | None: ...
 def topic_name(options: Mapping[str, str], name: str = "topic", *, required: bool = True) -> str | None:
     """A topic (or channel) name option, checked against NSQ's name rules."""
     value = _get(options, name)
@@ -103,7 +108,7 @@ def option_duration(options: Mapping[str, str], name: str, default: float) -> fl
     return value
 
 
-def client_config(options: Mapping[str, str], **settings) -> Config:
+def client_config(options: Mapping[str, str], **settings: Any) -> Config:
     """A txnsq Config from the client options among `options`, then `settings` on top."""
     config = Config()
     try:

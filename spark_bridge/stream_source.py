@@ -47,7 +47,7 @@ import math
 import os
 from collections import defaultdict, deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -71,6 +71,9 @@ from spark_bridge.stream_options import (
     topic_name,
 )
 from spark_bridge.stream_wal import RECORD_DTYPE, WalDirectory, WalError, foreign_checkpoint
+
+if TYPE_CHECKING:
+    from twisted.internet.task import LoopingCall
 
 __all__ = ["ARROW_STREAM_SCHEMA", "STREAM_SCHEMA_DDL", "ChannelFeed", "StreamSourceError",
            "TopicStreamReader", "rows_of"]
@@ -175,7 +178,7 @@ class TopicStreamReader(DataSourceStreamReader):
 
         feed = self._started()
         if offset > self._committed:
-            self._wal.set_committed(offset)
+            cast(WalDirectory, self._wal).set_committed(offset)  # set by _started
             self._committed = offset
             post(feed.settle, offset)
 
@@ -194,6 +197,7 @@ class TopicStreamReader(DataSourceStreamReader):
         if feed.fatal:
             raise StreamSourceError(feed.fatal)
         self._settle(at)
+        most: int | None
         most, most_bytes = self.max_per_trigger, self.max_bytes_per_trigger
         if isinstance(limit, ReadMaxRows):
             most = limit.max_rows
@@ -212,7 +216,7 @@ class TopicStreamReader(DataSourceStreamReader):
             return self._offset(answer)
         base, taken = answer
         try:
-            end = self._wal.write(base, taken)
+            end = cast(WalDirectory, self._wal).write(base, taken)  # set by _started
         except BaseException:
             post(feed.give_back, base)
             raise
@@ -224,7 +228,8 @@ class TopicStreamReader(DataSourceStreamReader):
         self._settle(lo)
         if hi <= lo:
             return []
-        spans = [s for s in self._wal.spans() if lo <= s[0] and s[1] <= hi]
+        wal = cast(WalDirectory, self._wal)  # set by _settle's _started
+        spans = [s for s in wal.spans() if lo <= s[0] and s[1] <= hi]
         at = lo
         for s, e in spans:
             if s != at:
@@ -232,11 +237,11 @@ class TopicStreamReader(DataSourceStreamReader):
             at = e
         if at != hi:
             raise WalError(
-                f"mqd: the write-ahead log under {self._wal.path} does not hold offsets {lo}-{hi} "
+                f"mqd: the write-ahead log under {wal.path} does not hold offsets {lo}-{hi} "
                 "(the checkpoint's mqd-source directory was lost or altered)")
-        batches = [self._wal.read(s, e) for s, e in spans]
+        batches = [wal.read(s, e) for s, e in spans]
         parts = max(1, min(self.partitions_wanted, (hi - lo) // MIN_ROWS_PER_PARTITION))
-        out = []
+        out: list[InputPartition] = []
         for batch in batches:
             n = len(batch)
             share = max(1, math.ceil(n * parts / (hi - lo)))
@@ -337,7 +342,7 @@ class ChannelFeed:
         # Per connection, FINs written on it and when, until the broker surely read them.
         self._fins: dict[Any, deque[tuple[float, list]]] = defaultdict(deque)
         self._last_touch = 0.0
-        self._ticker = None
+        self._ticker: LoopingCall | None = None
         self.fatal: str | None = None
         self._stopping = False
         self._taken: dict[int, list] = {}  # batches being written to the WAL, by first offset
@@ -376,7 +381,7 @@ class ChannelFeed:
     def _first_attempts(self, results):
         if any(ok for ok, _ in results):
             return None
-        reasons = {}
+        reasons: dict[str, str] = {}
         for (_ok, failure), address in zip(results, [a for _c in self.consumers for a in self.nsqd],
                                            strict=True):
             reasons.setdefault(address, failure.getErrorMessage() or type(failure.value).__name__)

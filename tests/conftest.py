@@ -1,21 +1,31 @@
-"""Fixtures more than one test directory uses.
+"""Fixtures more than one test directory uses, and the `slow` marker's rule.
 
-In process (unit and reliability tests): a broker on a `task.Clock`, so
-heartbeats, read timeouts, in-flight expiry and deferred delivery are
-driven by `clock.advance()`, with V2 clients on StringTransports and an
-HTTP client of its API. Real processes (integration, reliability and Spark
-tests): twistd mqd and mqlookupd on ephemeral ports, a tornado loop for
-pynsq, an auth server, certificates.
+In process (unit and reliability tests): `inproc_broker`, a Broker object
+on a `task.Clock`, so heartbeats, read timeouts, in-flight expiry and
+deferred delivery are driven by `clock.advance()`, with V2 clients on
+StringTransports (`connect`, `publish`) and an HTTP client of its API
+(`http`). Real processes (integration, reliability and Spark tests):
+twistd mqd and mqlookupd on ephemeral ports (`start_broker`,
+`start_lookupd`; tests/integration/conftest.py adds `twistd_broker`), a
+tornado loop for pynsq, an auth server, certificates.
 
-A directory's own conftest.py holds the fixtures only its tests use;
-tests/integration/conftest.py's `broker` (a real process) stands in there
-for the in-process one defined here.
+A test is `slow` when it starts a real process: it uses one of
+`REAL_PROCESS_FIXTURES` (directly or through another fixture), lives in a
+directory of `SLOW_DIRS`, or is marked `@pytest.mark.slow` itself. A test
+not marked slow that starts twistd, the auth server, a tool or the Spark
+bridge as a process fails, saying so (`_real_processes_are_slow`), so the
+fast loop (`pytest -m "not slow"`) stays in memory.
+
+A directory's own conftest.py holds the fixtures only its tests use.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from twisted.internet import defer
@@ -31,6 +41,75 @@ from tests.support.processes import BrokerProcess, LookupdProcess
 from tests.support.pynsq_loop import Loop
 from tests.support.v2_client import Client
 from tests.support.v2_frames import identify, mpub, ok, pub
+
+# -- the fast loop: which tests are `slow` ---------------------------------------------
+
+# Fixtures that start a real process: a test using one, directly or through
+# another fixture, is marked slow.
+REAL_PROCESS_FIXTURES = frozenset({
+    "start_broker",  # twistd mqd
+    "start_lookupd",  # twistd mqlookupd
+    "twistd_broker",  # tests/integration's default broker, a twistd mqd
+    "authd",  # the auth server, a process of its own
+    "tmpfs",  # a filesystem mounted for a real broker to fill
+    "spark",  # a local Spark session: a JVM
+})
+
+# Directories (under tests/) whose every test runs real processes.
+SLOW_DIRS = ("spark",)
+
+_TESTS = Path(__file__).resolve().parent
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    slow_dirs = [_TESTS / d for d in SLOW_DIRS]
+    for item in items:
+        if item.get_closest_marker("slow"):
+            continue
+        if (REAL_PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+                or any(item.path.is_relative_to(d) for d in slow_dirs)):
+            item.add_marker(pytest.mark.slow)
+
+
+def _real_process(args) -> str | None:
+    """What `args` starts if it is one of the project's daemons or commands, else None."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    argv = [os.fsdecode(a) for a in argv]
+    if len(argv) == 1 and " " in argv[0]:  # a shell command line
+        argv = argv[0].split()
+    for i, arg in enumerate(argv):
+        name = Path(arg).name
+        if name == "twistd" or name == "authd_server.py":
+            return f"`{name}`"
+        if arg == "-m" and i + 1 < len(argv):
+            module = argv[i + 1]
+            if module.startswith(("mqd", "spark_bridge")):
+                return f"`python -m {module}`"
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _real_processes_are_slow(request, monkeypatch) -> None:
+    """A test not marked slow may not start twistd, the auth server, a tool or the Spark bridge.
+
+    So the fast loop stays in memory as tests are added: such a test fails
+    saying what to mark (or which fixture to use) instead of running slowly.
+    """
+    if request.node.get_closest_marker("slow"):
+        return
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_init(self, args, *a, **kw):
+        what = _real_process(args)
+        if what is not None:
+            pytest.fail(f"{request.node.nodeid} starts {what} as a process but is not marked "
+                        "slow: mark it @pytest.mark.slow, or start it through a fixture of "
+                        "REAL_PROCESS_FIXTURES (tests/conftest.py)", pytrace=False)
+        popen_init(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded_init)
+
 
 # -- a broker in process ---------------------------------------------------------------
 
@@ -54,19 +133,22 @@ def make_broker(tmp_path, clock):
 
 
 @pytest.fixture
-def broker(make_broker) -> Broker:
-    """A broker on the test clock with default settings (the memory backend)."""
+def inproc_broker(make_broker) -> Broker:
+    """A Broker object in this process, on the test clock, with default settings (memory backend).
+
+    Not a process: tests/integration/conftest.py's `twistd_broker` is the real one.
+    """
     return make_broker()
 
 
 @pytest.fixture
-def connect(broker):
-    """connect(**kw): a new client of the default broker."""
+def connect(inproc_broker):
+    """connect(**kw): a new V2 client (on a StringTransport) of `inproc_broker`."""
     ports = iter(range(20000, 30000))
 
     def make(**kw) -> Client:
         kw.setdefault("port", next(ports))
-        return Client(broker, **kw)
+        return Client(inproc_broker, **kw)
 
     return make
 
@@ -99,9 +181,9 @@ def sync_threads(monkeypatch):
 
 
 @pytest.fixture
-def http(broker, sync_threads):
-    """An in-process HTTP client of the default broker's API."""
-    return HTTPClient(broker)
+def http(inproc_broker, sync_threads):
+    """An in-process HTTP client of `inproc_broker`'s API."""
+    return HTTPClient(inproc_broker)
 
 
 # -- real processes ----------------------------------------------------------------

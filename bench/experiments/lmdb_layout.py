@@ -521,11 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layouts", default="AB")
     p.add_argument("--keep", action="store_true", help="keep the main temp dirs")
     p.add_argument("--json", help="also write the raw results here")
-    p.add_argument("--_reopen", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--_reopen", nargs=3, dest="reopen", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    if args._reopen:  # child of subprocess_reopen(): time a cold-process reopen
-        layout, path, n = args._reopen
+    if args.reopen:  # child of subprocess_reopen(): time a cold-process reopen
+        layout, path, n = args.reopen
         t0 = now()
         env, _count = LAYOUTS[layout].reopen(path, int(n))
         print(json.dumps({"seconds": now() - t0}))

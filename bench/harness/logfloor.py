@@ -52,11 +52,11 @@ class FloorQueue:
         self._store = store
         self.on_stored = None
 
-    def put(self, messages) -> None:
+    def put(self, messages, fresh: bool = False) -> None:
         store = self._store
         self._log_records(messages)
         if not self._staged:
-            store._staged.append(self)
+            store.stage(self)
         self._staged += messages
 
     def _log_records(self, messages) -> None:
@@ -69,7 +69,12 @@ class FloorQueue:
             append(data)
         log.turn()
 
-    def _landed(self, msgs: list) -> None:
+    def take_staged(self) -> list:
+        """What was put since the last chunk was taken: it lands with that chunk."""
+        staged, self._staged = self._staged, []
+        return staged
+
+    def landed(self, msgs: list) -> None:
         self._items.extend(msgs)
         if self.on_stored is not None:
             self.on_stored([])
@@ -89,7 +94,7 @@ class FloorQueue:
         """A requeue or a deferral rewrites the records: logged again, whole."""
         self._log_records(messages)
 
-    def hold(self, messages) -> bool:
+    def hold(self, messages, fresh: bool = False) -> bool:
         return False
 
     def depth(self) -> int:
@@ -127,6 +132,10 @@ class LogFloorStore:
             queue = self._queues[name] = FloorQueue(name, self)
         return queue
 
+    def stage(self, queue: FloorQueue) -> None:
+        """`queue` has records waiting for the next chunk."""
+        self._staged.append(queue)
+
     def when_durable(self, callback) -> None:
         self._waiters.append(callback)
         self.log.turn()
@@ -134,8 +143,7 @@ class LogFloorStore:
     def _take(self) -> tuple[list, list]:
         landing = []
         for queue in self._staged:
-            landing.append((queue, queue._staged))
-            queue._staged = []
+            landing.append((queue, queue.take_staged()))
         taken = (self._waiters, landing)
         self._waiters, self._staged = [], []
         return taken
@@ -145,7 +153,10 @@ class LogFloorStore:
             for callback in waiters:
                 callback(None)
             for queue, msgs in landing:
-                queue._landed(msgs)
+                queue.landed(msgs)
+
+    def begin_close(self) -> None:
+        pass
 
     def close(self) -> None:
         self._queues.clear()

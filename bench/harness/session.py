@@ -117,7 +117,7 @@ class Session:
                 f"broker exited with {self.broker.proc.returncode}:\n{self.broker.log_tail()}"
             )
 
-    def _run(
+    def run_load(
         self, writers: list[WriterConfig], readers: list[ReaderConfig]
     ) -> tuple[list[dict], list[dict], float, float | None, float | None]:
         """Start all children, release them together, collect their results.
@@ -241,7 +241,7 @@ class Session:
         values.sort()
         return percentile(values, 0.50), percentile(values, 0.99)
 
-    def _result(
+    def result(
         self, name: str, wres: list[dict], rres: list[dict], seconds: float, rss: Any, cpu: Any
     ) -> Result:
         msgs_in, rate_in = self._rate(wres)
@@ -273,7 +273,7 @@ class Session:
         """Empty the channel so the next scenario starts clean; not part of any figure."""
         expected = self.backlog or None
         t0 = time.monotonic()
-        _, rres, _, _, _ = self._run([], self._reader_cfgs(None, expected, idle))
+        _, rres, _, _, _ = self.run_load([], self._reader_cfgs(None, expected, idle))
         consumed = sum(r["messages"] + r["late"] for r in rres)
         took = time.monotonic() - t0
         print(f"  (drain: {consumed:,} msgs in {took:.1f} s)", flush=True)
@@ -288,7 +288,7 @@ class Session:
 
     def fill(self) -> None:
         """Give a lone ``reader`` scenario a backlog, the same way ``writer`` would."""
-        wres, _, seconds, _, _ = self._run(self._writer_cfgs(self.args.count), [])
+        wres, _, seconds, _, _ = self.run_load(self._writer_cfgs(self.args.count), [])
         msgs = sum(r["messages"] for r in wres)
         self.backlog += msgs
         print(f"  (fill: {msgs:,} msgs in {seconds:.1f} s)", flush=True)
@@ -298,8 +298,8 @@ class Session:
     def writer(self) -> Result:
         if self.backlog:
             self.drain()
-        wres, rres, seconds, rss, cpu = self._run(self._writer_cfgs(self.args.count), [])
-        res = self._result("writer", wres, rres, seconds, rss, cpu)
+        wres, rres, seconds, rss, cpu = self.run_load(self._writer_cfgs(self.args.count), [])
+        res = self.result("writer", wres, rres, seconds, rss, cpu)
         self.backlog += res.msgs_in
         return res
 
@@ -308,8 +308,8 @@ class Session:
             self.fill()
         duration = None if self.args.count is not None else self.args.duration
         cfgs = self._reader_cfgs(duration, self.backlog, DRAIN_IDLE)
-        wres, rres, seconds, rss, cpu = self._run([], cfgs)
-        res = self._result("reader", wres, rres, seconds, rss, cpu)
+        wres, rres, seconds, rss, cpu = self.run_load([], cfgs)
+        res = self.result("reader", wres, rres, seconds, rss, cpu)
         self.backlog = max(0, self.backlog - sum(r["messages"] + r["late"] for r in rres))
         return res
 
@@ -321,8 +321,8 @@ class Session:
             rcfgs = self._reader_cfgs(None, a.count, DRAIN_IDLE)
         else:
             rcfgs = self._reader_cfgs(a.duration, None, None)
-        wres, rres, seconds, rss, cpu = self._run(self._writer_cfgs(a.count), rcfgs)
-        res = self._result("both", wres, rres, seconds, rss, cpu)
+        wres, rres, seconds, rss, cpu = self.run_load(self._writer_cfgs(a.count), rcfgs)
+        res = self.result("both", wres, rres, seconds, rss, cpu)
         consumed = sum(r["messages"] + r["late"] for r in rres)
         self.backlog = max(0, self.backlog + res.msgs_in - consumed)
         return res

@@ -87,7 +87,7 @@ class PacedSession(Session):
         """Every latency sample of the last run (kept by ``_result``)."""
         return self._last_latencies
 
-    def _result(
+    def result(
         self, name: str, wres: list[dict], rres: list[dict], seconds: float, rss: Any, cpu: Any
     ) -> Result:
         values: list[int] = []
@@ -97,7 +97,7 @@ class PacedSession(Session):
             values.extend(arr)
         self._last_latencies = values
         self._last_buffer_timeouts = [r.get("output_buffer_timeout") for r in rres]
-        return super()._result(name, wres, rres, seconds, rss, cpu)
+        return super().result(name, wres, rres, seconds, rss, cpu)
 
 
 @dataclass

@@ -292,9 +292,9 @@ def measure(args: argparse.Namespace, lookupd: Broker, n: int, cores: list[int] 
         host = HostSampler(samplers)
         session = ScaleSession(args, brokers, lookupd, host)
         cpu0 = children_cpu()
-        wres, rres, seconds, _, _ = session._run(writers, readers)
+        wres, rres, seconds, _, _ = session.run_load(writers, readers)
         load_cpu = children_cpu() - cpu0 - host.load_before
-        res = session._result("both", wres, rres, seconds, None, None)
+        res = session.result("both", wres, rres, seconds, None, None)
     run.msgs_in, run.rate_in = res.msgs_in, res.rate_in
     run.msgs_out, run.rate_out = res.msgs_out, res.rate_out
     run.lat_p50, run.lat_p99 = res.lat_p50, res.lat_p99

@@ -46,7 +46,7 @@ broker's 401 or 403 back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
 from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
@@ -157,7 +157,7 @@ def _bearer(request: Request) -> dict[bytes, list[bytes]] | None:
     """The request's one `Authorization: Bearer` header, passed on to the brokers (no other credential is)."""
     values = request.requestHeaders.getRawHeaders(b"authorization") or []
     if len(values) == 1 and values[0][:7].lower() == b"bearer ":
-        return {b"Authorization": values}
+        return {b"Authorization": cast("list[bytes]", values)}  # Twisted's raw headers are a list
     return None
 
 

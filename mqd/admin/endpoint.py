@@ -52,6 +52,6 @@ def go_lines(errors: Iterable[str]) -> str:
 
 def upstream_error(errors: Sequence[str]) -> ApiError:
     """nsqadmin's total failure: `502 UPSTREAM_ERROR: failed to query any <nsqlookupd|nsqd>: <ErrList>`."""
-    kind = next((e.kind for e in errors if getattr(e, "kind", "")), "")
+    kind = next((k for e in errors if (k := getattr(e, "kind", ""))), "")
     prefix = f"failed to query any {kind}: " if kind else ""
     return ApiError(502, "UPSTREAM_ERROR: " + prefix + go_lines(errors))

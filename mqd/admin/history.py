@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from math import ceil
-from typing import Any
+from typing import Any, cast
 
 from twisted.application import service
 from twisted.internet.defer import Deferred, inlineCallbacks, maybeDeferred
@@ -158,12 +158,12 @@ class History(service.Service):
         self._expire(t)
 
     def _add_node(self, t: float, s: NodeSample, totals: dict[SeriesKey, list]) -> None:
-        doc = s.stats
+        doc = cast("Mapping[str, Any]", s.stats)  # record() adds the nodes that have stats
         start_time = s.start_time if s.start_time is not None else doc.get("start_time")
         prev = self._nodes.get(s.node)
         # No baseline (first sight, or a restart): this node's step adds 0 to every rate.
         dt = t - prev.t if prev is not None and prev.start_time == start_time else 0.0
-        before = prev.counts if dt > 0 else None
+        before = prev.counts if prev is not None and dt > 0 else None
         counts: dict[SeriesKey, int] = {}
 
         def rate(key: SeriesKey, count: int) -> float:
@@ -243,7 +243,7 @@ class HistoryEndpoint(AdminEndpoint):
         history: History = self.admin.history
         points = history.points(topic, channel)
         if points is None:
-            if channel is None or not history.has_topic(topic):
+            if channel is None or topic is None or not history.has_topic(topic):
                 raise ApiError(404, "TOPIC_NOT_FOUND")
             raise ApiError(404, "CHANNEL_NOT_FOUND")
         return {

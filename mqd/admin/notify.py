@@ -47,7 +47,7 @@ class Notifier:
         self.pending = 0
         self.failed = 0  # failures since the last event that got through
         self.dropped = 0
-        self._tail: Deferred = succeed(None)
+        self._tail: Deferred[Any] = succeed(None)
 
     def event(self, request: Request, action: str, topic: str, channel: str = "",
               node: str = "") -> dict[str, Any]:
@@ -84,7 +84,7 @@ class Notifier:
         self.pending += 1
         self._tail.addCallback(lambda _: self._send(body))
 
-    def _send(self, body: bytes) -> Deferred:
+    def _send(self, body: bytes) -> Deferred[Any]:
         d = maybeDeferred(self.upstream.post, self.endpoint, body)
         d.addCallbacks(self._answered, lambda f: self._failed(reason_of(f.value)))
         d.addBoth(self._settled)

@@ -25,7 +25,7 @@ from mqd.options import MQADMIN_OPTIONS, ConfigError, Settings
 from mqd.service import ListeningService, listen_endpoint
 from mqd.tap import make_options_class, settings_from
 
-__all__ = ["Options", "UpstreamService", "build_service", "check_settings", "makeService"]
+__all__ = ["AdminService", "Options", "UpstreamService", "build_service", "check_settings", "makeService"]
 
 Options = make_options_class(MQADMIN_OPTIONS, "mqadmin")
 
@@ -46,6 +46,13 @@ def check_settings(settings: Settings) -> None:
                           f"--stats-interval ({settings.stats_interval:g}s)")
 
 
+class AdminService(service.MultiService):
+    """mqadmin's service tree, with its `Admin` and bound port for tests."""
+
+    admin: Admin
+    ports: dict[str, int]
+
+
 class UpstreamService(service.Service):
     """Closes the kept-alive connections to lookupds and brokers when mqadmin stops."""
 
@@ -59,7 +66,7 @@ class UpstreamService(service.Service):
         return self.upstream.close()
 
 
-def build_service(settings: Settings, reactor=None) -> service.MultiService:
+def build_service(settings: Settings, reactor=None) -> AdminService:
     """The upstream client, the history sampler, then the HTTP listener (so it stops first), over one `Admin`.
 
     The context is reachable as `.admin` and the bound port in
@@ -80,7 +87,7 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     admin = Admin(settings, reactor, upstream=upstream, cluster=cluster, history=history,
                   notifier=Notifier(upstream, settings, clock=reactor))
     ports: dict[str, int] = {}
-    top = service.MultiService()
+    top = AdminService()
     top.admin = admin
     top.ports = ports
     # First, so it stops last: the cached upstream connections close once nothing uses them.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Protocol
 
 __all__ = [
     "exponential",
@@ -23,15 +24,22 @@ __all__ = [
     "BackoffCounter",
 ]
 
+
+class _Rng(Protocol):
+    """What a strategy draws from: a random.Random, or the random module itself."""
+
+    def randrange(self, start: int, stop: int | None = ..., step: int = ...) -> int: ...
+
+
 # (level, config, rng) -> seconds, not capped.
-RawStrategy = Callable[[int, object, random.Random], float]
+RawStrategy = Callable[[int, object, _Rng], float]
 
 
-def _exponential_raw(attempt: int, config, rng: random.Random) -> float:
+def _exponential_raw(attempt: int, config, rng: _Rng) -> float:
     return config.backoff_multiplier * 2.0 ** attempt
 
 
-def _full_jitter_raw(attempt: int, config, rng: random.Random) -> float:
+def _full_jitter_raw(attempt: int, config, rng: _Rng) -> float:
     # go-nsq draws a whole number of nanoseconds in [0, multiplier × 2^attempt).
     ceiling = config.backoff_multiplier * 2.0 ** attempt
     if ceiling <= 0:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import socket
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mqd import __version__
 from mqd.client.errors import ClientConfigError
@@ -184,6 +184,44 @@ class Config:
     __slots__ = tuple(OPTIONS)
     OPTIONS = OPTIONS
 
+    if TYPE_CHECKING:
+        # The slots' types once checked (`_check`): durations are float seconds.
+        dial_timeout: float
+        read_timeout: float
+        write_timeout: float
+        local_addr: str | None
+        lookupd_poll_interval: float
+        lookupd_poll_jitter: float
+        max_requeue_delay: float
+        default_requeue_delay: float
+        backoff_strategy: str
+        max_backoff_duration: float
+        backoff_multiplier: float
+        max_attempts: int
+        low_rdy_idle_timeout: float
+        low_rdy_timeout: float
+        rdy_redistribute_interval: float
+        client_id: str
+        hostname: str
+        user_agent: str
+        heartbeat_interval: float
+        sample_rate: int
+        tls_v1: bool
+        tls_root_ca_file: str
+        tls_cert: str
+        tls_key: str
+        tls_insecure_skip_verify: bool
+        tls_server_name: str
+        deflate: bool
+        deflate_level: int
+        snappy: bool
+        output_buffer_size: int
+        output_buffer_timeout: float
+        max_in_flight: int
+        msg_timeout: float
+        max_msg_size: int
+        auth_secret: str
+
     def __init__(self, **options: Any) -> None:
         short, fqdn = _default_names()
         for name, (default, _lo, _hi, _doc) in OPTIONS.items():
@@ -238,7 +276,7 @@ class Config:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Config) and self.as_dict() == other.as_dict()
 
-    __hash__ = None  # mutable
+    __hash__ = None  # type: ignore[assignment]  # mutable; mypy has no "unhashable" type
 
     def __repr__(self) -> str:
         changed = ", ".join(

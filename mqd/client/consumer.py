@@ -108,7 +108,7 @@ class _LinkFactory(ConnectionFactory):
 
     def buildProtocol(self, addr) -> NSQClientProtocol:
         proto = super().buildProtocol(addr)
-        self.link.consumer._conn_links[proto] = self.link
+        self.link.consumer.link_connection(proto, self.link)
         # The handshake's outcome reaches the consumer as connection_ready or
         # connection_closed; `ready` failing unheard would be an "Unhandled
         # error in Deferred" at every failed attempt.
@@ -156,7 +156,7 @@ class _Link:
     def wait(self) -> defer.Deferred:
         if self.conn is not None:
             return defer.succeed(self.conn)
-        d = defer.Deferred()
+        d: defer.Deferred[NSQClientProtocol] = defer.Deferred()
         self._waiters.append(d)
         return d
 
@@ -189,7 +189,7 @@ class _Link:
 
     def close(self) -> defer.Deferred:
         """go-nsq's graceful close: CLS, CLOSE_WAIT, in-flight answered, then close."""
-        d = defer.Deferred()
+        d: defer.Deferred[None] = defer.Deferred()
         if self.closed:
             d.callback(None)
             return d
@@ -237,7 +237,7 @@ class _Link:
         waiters, self._closed_waiters = self._closed_waiters, []
         for d in waiters:
             d.callback(None)
-        self.consumer._link_closed(self)
+        self.consumer.link_closed(self)
 
 
 class Consumer(service.Service, ConnectionDelegate):
@@ -412,7 +412,12 @@ class Consumer(service.Service, ConnectionDelegate):
         self._closing.add(link)
         return link.close()
 
-    def _link_closed(self, link: _Link) -> None:
+    def link_connection(self, conn: NSQClientProtocol, link: _Link) -> None:
+        """A link's factory built `conn`: the delegate's calls for it are the link's."""
+        self._conn_links[conn] = link
+
+    def link_closed(self, link: _Link) -> None:
+        """A link closed for good: the consumer may have stopped with it."""
         self._closing.discard(link)
         self._check_stopped()
 
@@ -568,7 +573,7 @@ class Consumer(service.Service, ConnectionDelegate):
                                 callbackArgs=(msg,), errbackArgs=(msg,))
             result.addBoth(self._handler_exited)
             return
-        if not msg._auto_response_disabled:
+        if not msg.is_auto_response_disabled():
             msg.finish()
 
     def _handler_done(self, _result, msg: Message) -> None:
@@ -624,7 +629,7 @@ class Consumer(service.Service, ConnectionDelegate):
         return self._stop()
 
     def _stop(self) -> defer.Deferred:
-        d = defer.Deferred()
+        d: defer.Deferred[None] = defer.Deferred()
         if self._stopped:
             d.callback(None)
             return d

@@ -70,6 +70,17 @@ class Message:
     def is_auto_response_disabled(self) -> bool:
         return self._auto_response_disabled
 
+    def claim_response(self) -> bool:
+        """Mark the message answered by its owner; False if it already was.
+
+        For a connection that answers many messages in one write
+        (finish_messages): each is sent once, however often it is named.
+        """
+        if self._responded:
+            return False
+        self._responded = True
+        return True
+
     def has_responded(self) -> bool:
         return self._responded
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from twisted.application import service
 from twisted.application.internet import ClientService, backoffPolicy
@@ -89,14 +89,17 @@ class _WatchedEndpoint:
     producer needs it to fail the commands waiting for that connection.
     """
 
-    def __init__(self, endpoint, producer: Producer) -> None:
+    def __init__(self, endpoint, dialing: Callable[[], None],
+                 dialed: Callable[[Any], Any], failed: Callable[[Failure], Any]) -> None:
         self._endpoint = endpoint
-        self._producer = producer
+        self._dialing = dialing
+        self._dialed = dialed
+        self._failed = failed
 
     def connect(self, factory):
-        self._producer._dialing = True
+        self._dialing()
         d = self._endpoint.connect(factory)
-        d.addCallbacks(self._producer._dialed, self._producer._dial_failed)
+        d.addCallbacks(self._dialed, self._failed)
         return d
 
 
@@ -134,7 +137,7 @@ class Producer(service.Service, ConnectionDelegate):
         self._retry = backoffPolicy(initialDelay=RETRY_INITIAL, maxDelay=RETRY_MAX, factor=2.0,
                                     jitter=_jitter)
         self._client = ClientService(
-            _WatchedEndpoint(endpoint, self),
+            _WatchedEndpoint(endpoint, self._dial_started, self._dialed, self._dial_failed),
             ConnectionFactory(config, self, address, clock=reactor),
             retryPolicy=self._retry_delay,
             clock=reactor,
@@ -240,11 +243,11 @@ class Producer(service.Service, ConnectionDelegate):
             return defer.fail(StoppedError(f"producer for {self.address} is stopped"))
         if self._conn is not None:
             return defer.succeed(None)
-        d = defer.Deferred()
+        d: defer.Deferred[None] = defer.Deferred()
         self._pings.append(d)
         return d
 
-    def _answer_pings(self, error: Exception | None) -> None:
+    def _answer_pings(self, error: BaseException | None) -> None:
         pings, self._pings = self._pings, []
         for d in pings:
             if error is None:
@@ -263,7 +266,7 @@ class Producer(service.Service, ConnectionDelegate):
             return defer.fail(ProducerFullError(
                 f"{self._outstanding} commands outstanding and {len(self._waiting)} queued "
                 f"for {self.address}"))
-        d = defer.Deferred()
+        d: defer.Deferred[Any] = defer.Deferred()
         self._waiting.append((write, args, d))
         return d
 
@@ -278,7 +281,7 @@ class Producer(service.Service, ConnectionDelegate):
         """One answer (or failure) of a command on `conn`: make room for the next one."""
         self._outstanding -= 1
         if conn is self._conn:
-            if isinstance(result, Failure) and result.check(NSQError) and result.value.fatal:
+            if isinstance(result, Failure) and result.check(NSQError) and cast(NSQError, result.value).fatal:
                 # nsqd closes the connection after a fatal error (and so does
                 # the protocol): what is sent behind it would be lost, so the
                 # next commands wait for the next connection.
@@ -298,7 +301,7 @@ class Producer(service.Service, ConnectionDelegate):
             write, args, d = waiting.popleft()
             self._write(conn, write, args).chainDeferred(d)
 
-    def _fail_waiting(self, error: Exception | Failure) -> None:
+    def _fail_waiting(self, error: BaseException | Failure) -> None:
         waiting, self._waiting = self._waiting, deque()
         for _write, _args, d in waiting:
             d.errback(error)
@@ -307,6 +310,9 @@ class Producer(service.Service, ConnectionDelegate):
 
     def _retry_delay(self, attempt: int) -> float:
         return self._retry(attempt + self._failed_handshakes)
+
+    def _dial_started(self) -> None:
+        self._dialing = True
 
     def _dialed(self, proto):
         """TCP is up; the handshake decides whether this connection is usable."""
@@ -320,7 +326,7 @@ class Producer(service.Service, ConnectionDelegate):
         if not self._stopped:
             log.warn("producer {address}: connecting failed: {error}", address=self.address,
                      error=str(failure.value) or type(failure.value).__name__)
-            self._fail_waiting(failure.value)
+            self._fail_waiting(cast(BaseException, failure.value))  # a Failure's value is set
             self._answer_pings(failure.value)
         if self._stopping:
             self._check_drained()
@@ -344,7 +350,7 @@ class Producer(service.Service, ConnectionDelegate):
         if not self._stopped:
             log.warn("producer {address}: handshake failed: {error}", address=self.address,
                      error=str(failure.value))
-            self._fail_waiting(failure.value)
+            self._fail_waiting(cast(BaseException, failure.value))  # a Failure's value is set
             self._answer_pings(failure.value)
         if self._stopping:
             self._check_drained()
@@ -388,7 +394,7 @@ class Producer(service.Service, ConnectionDelegate):
         return self._stop()
 
     def _stop(self) -> defer.Deferred:
-        d = defer.Deferred()
+        d: defer.Deferred[None] = defer.Deferred()
         if self._closed_for_good:
             d.callback(None)
             return d

@@ -38,7 +38,7 @@ import json
 import struct
 from collections import deque
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import defer, protocol
 from twisted.internet.error import ConnectionDone
@@ -65,6 +65,7 @@ from mqd.wire.compression import (
     SnappyCodec,
 )
 from mqd.wire.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE, MAGIC_V2
+from mqd.wire.transport import IStreamTransport
 
 __all__ = [
     "MAGIC_V2",
@@ -138,7 +139,7 @@ class _LoggingDelegate(ConnectionDelegate):
 
     def connection_closed(self, conn: NSQClientProtocol, reason: Failure) -> None:
         error = getattr(reason, "value", reason)
-        if conn._error is None and isinstance(error, ConnectionDone):
+        if conn.close_reason is None and isinstance(error, ConnectionDone):
             log.info("{address}: connection closed", address=conn.address)
         else:
             log.warn("{address}: connection closed: {error}", address=conn.address, error=error)
@@ -150,6 +151,8 @@ _NO_DELEGATE = _LoggingDelegate()
 class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
     """One connection to one nsqd, speaking V2 (see the module docstring)."""
 
+    transport: IStreamTransport
+
     def __init__(self, config: Config, delegate: ConnectionDelegate | None, address: str,
                  clock=None) -> None:
         if clock is None:
@@ -158,7 +161,8 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         self.delegate = delegate if delegate is not None else _NO_DELEGATE
         self.address = address
         self.clock = clock
-        self.callLater = clock.callLater  # TimeoutMixin's timer on our clock
+        # TimeoutMixin's timer on our clock (its documented hook, replaced per instance).
+        self.callLater = clock.callLater  # type: ignore[method-assign]
         self.ready: defer.Deferred = defer.Deferred()
         self.server: dict[str, Any] = {}
         self.auth: dict[str, Any] | None = None
@@ -183,13 +187,18 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         self._chunks: list[bytes] = []  # an incomplete frame, as read
         self._chunks_len = 0
         self._need = 0
-        self._codec = None
+        self._codec: SnappyCodec | DeflateCodec | None = None
         self._closed = False  # lost, or we are closing it: nothing more is parsed or sent
         self._error: BaseException | None = None  # why it closed, when we know better than the transport
         self._closed_error: ConnectionClosed | None = None  # what commands fail with once it is lost
 
     def __repr__(self) -> str:
         return f"<NSQClientProtocol {self.address}>"
+
+    @property
+    def close_reason(self) -> BaseException | None:
+        """Why the client closed this connection (bad frame, timeout, failed handshake), if it did."""
+        return self._error
 
     @property
     def handshake_done(self) -> bool:
@@ -280,7 +289,8 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
 
     def _inflate(self, data: bytes) -> None:
         """Decode compressed input a bounded step at a time, parsing each step."""
-        codec = self._codec
+        # Called only once compression is on.
+        codec = cast("SnappyCodec | DeflateCodec", self._codec)
         try:
             out = codec.decompress(data, INFLATE_STEP)
             while True:
@@ -460,6 +470,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
 
     def _upgrade_compression(self) -> None:
         server = self.server
+        codec: SnappyCodec | DeflateCodec
         if server.get("snappy"):
             codec = SnappyCodec()
             self.compression = "snappy"
@@ -472,7 +483,8 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         else:
             self._authenticate()
             return
-        self.transport = CompressedTransport(self.transport, codec)
+        # The wrapper hands every other call to the transport it wraps.
+        self.transport = cast(IStreamTransport, CompressedTransport(self.transport, codec))
         self._codec = codec  # _parse hands the rest of this read to it
         self._step = _COMPRESSION  # nsqd's OK comes compressed
 
@@ -517,7 +529,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
             if closed is None:  # closing: the server has not closed yet
                 closed = ConnectionClosed(self._error, "connection closing")
             return defer.fail(closed)
-        d = defer.Deferred()
+        d: defer.Deferred[bytes] = defer.Deferred()
         self._waiting.append(d)
         if body is None:
             data = line
@@ -587,8 +599,7 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         """
         ids = []
         for msg in messages:
-            if not msg._responded:
-                msg._responded = True
+            if msg.claim_response():
                 ids.append(msg.id)
         if ids:
             self.transport.write(b"".join([b"FIN %s\n" % msg_id for msg_id in ids]))

@@ -291,7 +291,7 @@ def channel_stats(per_node: Iterable[NodeStats], topic: str, channel: str, now: 
 def client_sort(clients: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """nsqadmin's channel page order: by node, then clients in the node's zone and region first."""
 
-    def key(c: Mapping[str, Any]):
+    def key(c: Mapping[str, Any]) -> tuple[Any, ...]:
         region, zone = c.get("node_topology_region", ""), c.get("node_topology_zone", "")
         c_region, c_zone = c.get("topology_region", ""), c.get("topology_zone", "")
         exact = c_region == region and c_zone == zone
@@ -361,7 +361,7 @@ def counter_stats(per_node: Iterable[NodeStats], now: float) -> dict[str, dict[s
 # -- producers ------------------------------------------------------------------------------
 
 
-def version_key(version: str) -> tuple:
+def version_key(version: str) -> tuple[Any, ...]:
     """Semver order of `1.3.0`, `1.2.1-alpha` (pre-releases first); unparsable is 0.0.0 as nsqadmin has it."""
     core, _, pre = str(version).partition("+")[0].partition("-")
     parts = core.split(".")
@@ -413,7 +413,7 @@ def lookupd_producers(answers: Iterable[tuple[str, Mapping[str, Any]]]) -> list[
                 row = rows[key] = producer_row(peer)
                 row["remote_addresses"] = []
             row["remote_addresses"].append(f"{lookupd}/{peer.get('remote_address') or 'N/A'}")
-    newest = max((version_key(r["version"]) for r in rows.values()), default=None)
+    newest = max((version_key(r["version"]) for r in rows.values()), default=())  # (): no rows
     for row in rows.values():
         row["out_of_date"] = version_key(row["version"]) < newest
     return sorted(rows.values(), key=lambda r: r["hostname"])

@@ -21,11 +21,12 @@ the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 from urllib.parse import urlencode
 
 from twisted.internet import defer
+from twisted.python.failure import Failure
 
 from mqd.clusterinfo.aggregate import (
     NodeStats,
@@ -76,14 +77,19 @@ def _fan(items: Iterable[Any], call: Callable[[Any], defer.Deferred], kind: str)
             for item, (ok, value) in zip(items, results, strict=True)]
 
 
-def _split(answers) -> tuple[list[tuple[Any, Any]], list[str]]:
+def _split(answers) -> tuple[list[tuple[Any, Any]], list[ErrorLine]]:
     good = [(item, value) for item, ok, value in answers if ok]
     errors = [value for _, ok, value in answers if not ok]
     return good, errors
 
 
-def _none_if_all_failed(result: Any, good: list, errors: list[str]) -> Any:
+def _none_if_all_failed(result: Any, good: list, errors: Sequence[str]) -> Any:
     return None if errors and not good else result
+
+
+def _sub_failure(failure: Failure) -> Failure:
+    """gatherResults' FirstError as the failure of the call that failed."""
+    return cast(defer.FirstError, failure.value).subFailure
 
 
 def _shaped(document: Any, url: str, shape: GoType) -> Any:
@@ -277,10 +283,10 @@ class Cluster:
         topics_doc, nodes_doc = yield defer.gatherResults(
             [self._lookupd(address, "/topics", LOOKUPD_TOPICS), self._lookupd(address, "/nodes", LOOKUPD_NODES)],
             consumeErrors=True,
-        ).addErrback(lambda f: f.value.subFailure)
+        ).addErrback(_sub_failure)
         names = sorted(topics_doc.get("topics") or ())
         lookups = yield defer.gatherResults([self._lookup(address, t) for t in names], consumeErrors=True
-                                            ).addErrback(lambda f: f.value.subFailure)
+                                            ).addErrback(_sub_failure)
         topics = []
         for name, doc in zip(names, lookups, strict=True):
             topics.append({

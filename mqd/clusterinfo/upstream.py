@@ -352,7 +352,9 @@ class Upstream:
     @defer.inlineCallbacks
     def _once(self, method: bytes, url: str, body: bytes, headers: Headers, max_bytes: int | None):
         client = self.post_client if method == b"POST" else self.client
-        response = yield client.request(method.decode(), url, headers=headers,
+        # treq types headers as dicts keyed by `bytes | str` (invariant): no Mapping[bytes, ...].
+        response = yield client.request(method.decode(), url,
+                                        headers=headers,  # type: ignore[arg-type]
                                         data=body if method == b"POST" else None, allow_redirects=False)
         limit = UPSTREAM_ANSWER_MAX if max_bytes is None else max_bytes
         answer = yield read_bounded(response, limit, lambda why: UpstreamError(url, why))

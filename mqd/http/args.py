@@ -9,6 +9,7 @@ twice counts by its first value, as Go's `Values.Get` does.
 from __future__ import annotations
 
 import re
+from typing import overload
 from urllib.parse import unquote_to_bytes
 
 from twisted.web.server import Request
@@ -159,6 +160,10 @@ def state_arg(query: Query, allowed: tuple[str, ...]) -> str:
     return state
 
 
+@overload
+def max_body_arg(query: Query, cap: int) -> int: ...
+@overload
+def max_body_arg(query: Query, cap: None) -> int | None: ...
 def max_body_arg(query: Query, cap: int | None) -> int | None:
     """`max_body`: bytes of each body to show, at most `cap`; 400 INVALID_MAX_BODY unless a number.
 

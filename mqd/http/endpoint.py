@@ -12,7 +12,7 @@ defines are the ones its route allows (others get 405 from the router).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import Any
 
@@ -94,6 +94,8 @@ class PlainTextEndpoint(Endpoint):
     neither JSON nor the V1 header is added. Subclasses define
     `handle_GET` returning the text, or raising ApiError for another status.
     """
+
+    handle_GET: Callable[[Request, Mapping[str, str]], str]
 
     def render(self, request: Request, params: Mapping[str, str]) -> bytes:
         try:

@@ -26,7 +26,7 @@ def config_name(opt: Option) -> str:
     return opt.aliases[0] if opt.aliases else opt.attr
 
 
-def option_value(opt: Option, settings) -> Any:
+def option_value(opt: Option, settings: object) -> Any:
     """An option's value as nsqd's (and nsqadmin's) /config JSON shows it.
 
     Durations in nanoseconds, lists as arrays, the log level as Go's

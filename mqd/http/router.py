@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from urllib.parse import unquote_to_bytes
 
-from twisted.web import resource, server
+from twisted.web import http, resource, server
 
 from mqd.http.args import BAD_ESCAPE
 from mqd.http.endpoint import Endpoint
@@ -177,12 +177,12 @@ class ApiSite(server.Site):
     def __init__(self, root: Router, reactor=None) -> None:
         super().__init__(root, reactor=reactor, parsePOSTFormSubmission=False)
 
-    def log(self, request: server.Request) -> None:
+    def log(self, request: http.Request) -> None:
         log.debug("{code} {method} {uri} ({client})", code=request.code,
                   method=request.method.decode("ascii", "replace"),
                   uri=request.uri.decode("ascii", "replace"), client=client_of(request))
 
 
-def client_of(request: server.Request) -> str:
+def client_of(request: http.Request) -> str:
     """The client as Go's req.RemoteAddr writes it (`ip:port`, `[ip]:port` for IPv6)."""
     return remote_address(request.getClientAddress())

@@ -293,7 +293,8 @@ class Nodes(_LookupdEndpoint):
     def _pieces(self) -> Iterator[bytes]:
         db = self.db
         now = db.now()
-        known, seen = self._nodes, {}
+        known = self._nodes
+        seen: dict[str, _Node] = {}
         nodes = (self._node(client.peer, now, known, seen) for client in db.producers(_CLIENT)
                  if not db.is_inactive(client, now) and db.producer(_CLIENT, client.peer.id) is client)
         yield from _object("producers", _encoded_array(nodes))
@@ -318,6 +319,7 @@ class Nodes(_LookupdEndpoint):
         """dumps({**peer.as_json(), "tombstones": [...], "topics": [...]}) in parts."""
         topics = []
         producers: list[Producer | None] = []
+        producer: Producer | None
         for reg, producer in self.db.peer_producers(peer.id, "topic"):
             topics.append(reg.key)
             if reg.subkey:  # not the topic's registration itself: its tombstone is that one's

@@ -27,6 +27,7 @@ from typing import Any
 
 from twisted.internet.interfaces import IHalfCloseableProtocol, IPushProducer
 from twisted.internet.protocol import Factory, Protocol
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from mqd.logs import get_logger
@@ -36,6 +37,7 @@ from mqd.peers import remote_address
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
 from mqd.wire.json_encoding import encode_json
+from mqd.wire.transport import IStreamTransport
 
 __all__ = ["LOOKUPD_VERSION", "LookupdFactory", "LookupdProtocol", "MAGIC_V1", "frame"]
 
@@ -86,6 +88,7 @@ class LookupdProtocol(Protocol):
     """One broker's connection: magic, commands, and its registrations' lifetime."""
 
     factory: LookupdFactory
+    transport: IStreamTransport
 
     def connectionMade(self) -> None:
         peer = self.transport.getPeer()
@@ -293,7 +296,7 @@ class LookupdProtocol(Protocol):
     def stopProducing(self) -> None:
         """The connection is going; connectionLost does the cleanup."""
 
-    def connectionLost(self, reason=None) -> None:
+    def connectionLost(self, reason: Failure | None = None) -> None:
         self._closing = True
         peer, self.peer = self.peer, None
         if peer is None:
@@ -324,7 +327,9 @@ class LookupdFactory(Factory):
     are up; IDENTIFY's answer reports them (port 0 picks one at start-up).
     """
 
-    protocol = LookupdProtocol
+    # Twisted types Factory.protocol against its own Protocol/Factory pairing,
+    # which a protocol with `factory: LookupdFactory` does not match.
+    protocol = LookupdProtocol  # type: ignore[assignment]
     noisy = False
 
     def __init__(self, db: RegistrationDB, broadcast_address: str,

@@ -24,7 +24,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IReactorTime
 
 __all__ = ["GO_ZERO_TIME_NS", "PeerInfo", "Producer", "Registration", "RegistrationDB"]
 
@@ -88,6 +91,7 @@ class Producer:
 
 
 _Index = dict[tuple[str, str], dict[Registration, None]]
+_K = TypeVar("_K")
 
 
 class RegistrationDB:
@@ -114,7 +118,7 @@ class RegistrationDB:
     number when read.
     """
 
-    def __init__(self, clock, inactive_producer_timeout: float = 300.0,
+    def __init__(self, clock: IReactorTime, inactive_producer_timeout: float = 300.0,
                  tombstone_lifetime: float = 45.0) -> None:
         self.clock = clock
         self.inactive_producer_timeout = inactive_producer_timeout
@@ -274,7 +278,7 @@ class RegistrationDB:
         return not self.is_inactive(producer, now) and not self.is_tombstoned(producer, now)
 
 
-def _discard(index: dict, bucket, reg: Registration) -> None:
+def _discard(index: dict[_K, dict[Registration, None]], bucket: _K, reg: Registration) -> None:
     """Take `reg` out of an index bucket, and the bucket out when it empties."""
     regs = index[bucket]
     del regs[reg]

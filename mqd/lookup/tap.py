@@ -18,12 +18,19 @@ from mqd.options import LOOKUPD_OPTIONS, Settings
 from mqd.service import ListeningService, listen_endpoint
 from mqd.tap import make_options_class, settings_from
 
-__all__ = ["Options", "build_service", "makeService"]
+__all__ = ["LookupdService", "Options", "build_service", "makeService"]
 
 Options = make_options_class(LOOKUPD_OPTIONS, "mqlookupd")
 
 
-def build_service(settings: Settings, reactor=None) -> service.MultiService:
+class LookupdService(service.MultiService):
+    """A lookup daemon's service tree, with its registration DB and bound ports for tests."""
+
+    db: RegistrationDB
+    ports: dict[str, int]
+
+
+def build_service(settings: Settings, reactor=None) -> LookupdService:
     """The two listeners over one in-memory registration DB (nothing is persisted).
 
     The DB is reachable as `.db` for tests; the bound ports fill `.ports`
@@ -34,7 +41,7 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     set_log_level(settings.log_level)
     db = RegistrationDB(reactor, settings.inactive_producer_timeout, settings.tombstone_lifetime)
     ports: dict[str, int] = {}
-    top = service.MultiService()
+    top = LookupdService()
     top.db = db
     top.ports = ports
     tcp = listen_endpoint(reactor, settings.tcp_address, settings.listen_backlog)

@@ -195,7 +195,7 @@ class AuthClient:
         self.connect_timeout = options.http_client_connect_timeout
         self.request_timeout = options.http_client_request_timeout
         self.fetch_function = fetch
-        self._agent = None
+        self._agent: Agent | None = None
 
     @property
     def enabled(self) -> bool:

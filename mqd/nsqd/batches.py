@@ -40,7 +40,7 @@ from __future__ import annotations
 import gc
 import struct
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 from weakref import WeakKeyDictionary, ref
 
 from twisted.internet.defer import Deferred
@@ -264,15 +264,19 @@ def _cooperator(clock: IReactorTime) -> Cooperator:
     """
     coop = _cooperators.get(clock)
     if coop is None:
-        clock_ref = ref(clock)
+        # Dead only once the clock is collected, and its cooperator with it.
+        clock_ref = cast("Callable[[], IReactorTime]", ref(clock))
         coop = Cooperator(terminationPredicateFactory=_one_unit,
                           scheduler=lambda tick: clock_ref().callLater(0, tick))
         _cooperators[clock] = coop
     return coop
 
 
-def publish_in_chunks(clock: IReactorTime, topic: Topic, chunks: Iterator,
-                      bodies_of: Callable[[object], list[bytes]],
+_Chunk = TypeVar("_Chunk")
+
+
+def publish_in_chunks(clock: IReactorTime, topic: Topic, chunks: Iterator[_Chunk],
+                      bodies_of: Callable[[_Chunk], list[bytes]],
                       done: Callable[[BatchError | BackendError | None], None],
                       defer: float = 0.0) -> None:
     """Check every chunk of `chunks`, then publish them in order, a turn each; then `done(error)`.

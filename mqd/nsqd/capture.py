@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from backends import BackendError
 from mqd.nsqd.snapshot_live import FIELDS, LiveQueue, LiveState
@@ -31,6 +31,9 @@ from mqd.nsqd.snapshot_live import FIELDS, LiveQueue, LiveState
 if TYPE_CHECKING:
     import lmdb
 
+    from backends import IBackendStore
+    from backends.lmdb import LmdbStore
+    from mqd.message import Message
     from mqd.nsqd.broker import Broker
     from mqd.nsqd.overflow import OverflowQueue
 
@@ -55,7 +58,7 @@ class _Clients:
         self.rows: list[dict[str, str]] = []
         self._index: dict[int, int] = {}
 
-    def index(self, client) -> int:
+    def index(self, client: Any) -> int:
         if client is None:
             return -1
         n = self._index.get(id(client))
@@ -80,7 +83,7 @@ def _queued(live: LiveQueue, queue: OverflowQueue, stored: bool) -> LiveQueue:
     return live
 
 
-def _backend_held(queue: OverflowQueue, stored: bool) -> list:
+def _backend_held(queue: OverflowQueue, stored: bool) -> list[Message]:
     """What the backend holds in memory: everything unless it is the store the copy comes from."""
     backend = queue.backend
     if stored or not backend.depth():
@@ -88,7 +91,7 @@ def _backend_held(queue: OverflowQueue, stored: bool) -> list:
     return backend.peek(backend.depth())
 
 
-def capture(broker: Broker) -> tuple[LiveState, lmdb.Environment | None, lmdb.Transaction | None]:
+def capture(broker: Broker) -> tuple[LiveState, lmdb.Environment | None, lmdb.Transaction[bytes] | None]:
     """Take the broker's queue state now; on LMDB also the store's read transaction of this instant.
 
     Raises StoreNotReady while the store is failing or could not commit:
@@ -100,7 +103,7 @@ def capture(broker: Broker) -> tuple[LiveState, lmdb.Environment | None, lmdb.Tr
     txn = None
     if env is not None:
         try:
-            txn = store.cut()
+            txn = cast("LmdbStore", store).cut()  # only the LMDB store has an `env`
         except BackendError as e:
             raise StoreNotReady(str(e)) from None
     try:
@@ -156,7 +159,8 @@ def _capture_queues(broker: Broker, stored: bool) -> LiveState:
                 in_flight=[(deadline, _fields(m), index(m.client)) for deadline, m in in_flight.entries()],
             ), overflow, stored))
     return LiveState(
-        created_at=datetime.now(UTC), backend=broker.options.backend, durable=bool(broker.store.durable),
+        created_at=datetime.now(UTC), backend=broker.options.backend,
+        durable=bool(cast("IBackendStore", broker.store).durable),  # a snapshot needs an open broker
         queues=queues, clients=clients.rows, left_out=left_out, capture_seconds=0.0,
     )
 

@@ -139,6 +139,7 @@ class Channel:
         """
         if state == "queued":
             return [(msg, None, None) for msg in self._queue.peek(count)]
+        pq: DeferredQueue | InFlightQueue
         if state == "deferred":
             pq = self._deferred
         elif state == "in_flight":
@@ -155,15 +156,16 @@ class Channel:
 
     # -- queueing ------------------------------------------------------------
 
-    def put(self, msgs: list[Message], spill: bool = False) -> None:
+    def put(self, msgs: list[Message], spill: bool = False, fresh: bool = False) -> None:
         """Messages from the topic; delivered at once if a client is ready.
 
         Raises BackendError (nothing queued) if the overflow cannot be
         stored, unless `spill`: then the messages stay in memory beyond the
         bound, for a topic whose other channels already took their copies.
+        `fresh`: new publishes (IBackendQueue.put).
         """
         try:
-            self._queue.put(msgs)
+            self._queue.put(msgs, fresh)
         except BackendError:
             if not spill:
                 raise
@@ -183,14 +185,14 @@ class Channel:
         else:
             pending.add(self)
 
-    def put_deferred(self, msgs: list[Message], spill: bool = False) -> None:
+    def put_deferred(self, msgs: list[Message], spill: bool = False, fresh: bool = False) -> None:
         """Messages from the topic that are due only at their `deferred_until`.
 
         A store that cannot keep them raises BackendError, unless `spill`
-        (see `put`): then they are deferred in memory only.
+        (see `put`): then they are deferred in memory only. `fresh` as for `put`.
         """
         try:
-            later = self._queue.hold(msgs)
+            later = self._queue.hold(msgs, fresh)
         except BackendError:
             if not spill:
                 raise
@@ -283,9 +285,7 @@ class Channel:
             msg.state = delivery
             in_flight[msg.id_key or msg.data[:16]] = msg  # msg.id, without the property's call
         self._in_flight_pq.push_batch(batch, now + client.msg_timeout, delivery)
-        n = len(batch)
-        client.in_flight_count += n
-        client.message_count += n
+        client.sending_messages(len(batch))
         client.send_messages(batch)
 
     def _sample(self, batch: list[Message], rate: int) -> list[Message]:
@@ -319,7 +319,6 @@ class Channel:
         del self._in_flight[msg_id]
         msg.state = None
         self._in_flight_pq.forget(1)
-        client.in_flight_count -= 1
         return msg
 
     def finish(self, client, msg_id: bytes) -> None:
@@ -350,8 +349,7 @@ class Channel:
         n = len(done)
         if n:
             self._in_flight_pq.forget(n)
-            client.in_flight_count -= n
-            client.finish_count += n
+            client.finished_messages(n)
             if self.e2e is not None:
                 record = self.e2e.record
                 for msg in done:
@@ -364,7 +362,7 @@ class Channel:
         if self.exiting:
             raise ChannelError("exiting")
         msg = self._pop_in_flight(client, msg_id)
-        client.requeue_count += 1
+        client.requeued_message()
         self.requeue_count += 1
         if delay > 0:
             msg.deferred_until = due = self._clock.seconds() + delay
@@ -392,10 +390,15 @@ class Channel:
         if not expired:
             return False
         in_flight = self._in_flight
+        # Each client is told once per pass how many of its messages timed out.
+        owners: dict = {}
         for msg in expired:
             del in_flight[msg.id]
-            msg.state[0].in_flight_count -= 1
+            client = msg.state[0]
+            owners[client] = owners.get(client, 0) + 1
             msg.state = None
+        for client, n in owners.items():
+            client.timed_out_messages(n)
         self.timeout_count += len(expired)
         self._queue.put_accepted(expired)
         self.deliver()
@@ -451,8 +454,8 @@ class Channel:
                 del self._in_flight[msg.id]
                 msg.state = None
             self._in_flight_pq.forget(len(orphans))
-            client.in_flight_count -= len(orphans)
             # nsqd counts these as timeouts when their msg_timeout runs out.
+            client.timed_out_messages(len(orphans))
             self.timeout_count += len(orphans)
             self._queue.put_accepted(orphans)
         if self.ephemeral and not self.clients:
@@ -478,7 +481,7 @@ class Channel:
         self._in_flight_pq.drain()
         self._deferred.drain()
         for client in self.clients:
-            client.in_flight_count = 0
+            client.in_flight_cleared()
 
     def delete(self) -> None:
         """Drop everything and the backend storage, and disconnect the clients."""

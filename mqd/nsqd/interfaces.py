@@ -17,6 +17,14 @@ __all__ = ["IChannelLifecycle", "IConsumer", "ITopicLifecycle"]
 
 
 class IConsumer(Interface):
+    """A subscribed client, as its channel sees it.
+
+    The channel reads the attributes and never sets them: the counts change
+    through the methods below, which the channel calls once per delivered
+    batch, FIN run, REQ, timeout pass or emptying (nsqd's SendingMessage,
+    FinishedMessage, RequeuedMessage, TimedOutMessage and Empty).
+    """
+
     msg_timeout = Attribute("Seconds a delivered message may stay in flight before it is requeued.")
     sample_rate = Attribute("0 for every message, else 1-99: the share of messages kept (nsqd's sampling).")
     in_flight_count = Attribute("Messages delivered to this client and not yet FIN/REQ/timed out.")
@@ -27,8 +35,23 @@ class IConsumer(Interface):
     def ready():
         """How many more messages the client can take now (0 when not ready)."""
 
+    def sending_messages(count):
+        """`count` more messages are in flight to the client (sent next, by send_messages)."""
+
     def send_messages(messages):
         """Write these messages to the client; they are already in flight."""
+
+    def finished_messages(count):
+        """The client FINished `count` of its in-flight messages."""
+
+    def requeued_message():
+        """The client REQueued one of its in-flight messages."""
+
+    def timed_out_messages(count):
+        """`count` of the client's in-flight messages went back to the channel unanswered."""
+
+    def in_flight_cleared():
+        """The channel dropped everything: none of the client's messages is in flight any more."""
 
     def channel_gone():
         """The channel was deleted: the client is disconnected, as nsqd does."""

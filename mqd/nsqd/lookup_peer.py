@@ -41,6 +41,7 @@ from typing import Any
 from twisted.application import service
 from twisted.application.internet import ClientService, backoffPolicy
 from twisted.internet import defer
+from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
@@ -52,6 +53,7 @@ from mqd.names import is_valid_name
 from mqd.wire.errors import GoStruct
 from mqd.wire.framing import MAGIC_V1
 from mqd.wire.json_encoding import encode_json
+from mqd.wire.transport import IStreamTransport
 
 __all__ = ["LookupPeer", "LookupPeerProtocol", "LookupService", "MAGIC_V1", "broadcast_port",
            "registrations"]
@@ -125,13 +127,15 @@ class LookupPeerProtocol(Protocol):
     lookupd closes the connection anyway, so the broker closes it too.
     """
 
+    transport: IStreamTransport
+
     def __init__(self, peer: LookupPeer) -> None:
         self.peer = peer
         self.clock = peer.clock
         self._buffer = bytearray()
         # Commands sent and not yet answered, oldest first.
         self.pending: deque[bytes] = deque()
-        self._deadline = None
+        self._deadline: IDelayedCall | None = None
         self.lookupd_info: dict[str, Any] | None = None
         self.closing = False
 

@@ -18,6 +18,7 @@ from backends.memory import take
 from mqd.logs import get_logger
 
 if TYPE_CHECKING:
+    from backends.interface import IBackendQueue
     from mqd.message import Message
 
 __all__ = ["OverflowQueue", "take"]
@@ -28,7 +29,7 @@ log = get_logger(__name__)
 class OverflowQueue:
     __slots__ = ("mem", "size", "backend")
 
-    def __init__(self, size: int, backend) -> None:
+    def __init__(self, size: int, backend: IBackendQueue) -> None:
         self.mem: deque[Message] = deque()
         self.size = size
         self.backend = backend
@@ -42,12 +43,13 @@ class OverflowQueue:
     def backend_depth(self) -> int:
         return self.backend.depth()
 
-    def put(self, msgs: list[Message]) -> None:
+    def put(self, msgs: list[Message], fresh: bool = False) -> None:
         """Append in order; raises BackendError if the overflow cannot be stored.
 
         All or nothing: the backend is given its part before memory takes
         the rest, so a refused put leaves the queue as it was and the
         caller can keep every message elsewhere without duplicating any.
+        `fresh`: new publishes (IBackendQueue.put).
         """
         mem = self.mem
         backend = self.backend
@@ -56,10 +58,10 @@ class OverflowQueue:
             mem.extend(msgs)
             return
         if room > 0 and not backend.depth():
-            backend.put(msgs[room:])
+            backend.put(msgs[room:], fresh)
             mem.extend(msgs[:room])
             return
-        backend.put(msgs)
+        backend.put(msgs, fresh)
 
     def put_accepted(self, msgs: list[Message]) -> None:
         """Put back messages that were acknowledged long ago (requeues, timeouts).
@@ -87,13 +89,14 @@ class OverflowQueue:
         if kept:
             self.backend.finish(kept)
 
-    def hold(self, msgs: list[Message]) -> bool:
+    def hold(self, msgs: list[Message], fresh: bool = False) -> bool:
         """Messages kept outside the queue (deferred): stored where the store is durable.
 
         True when a durable store gives them back through its `on_stored`
         once committed: until then the owner must not keep them anywhere.
+        `fresh`: new publishes (IBackendQueue.put).
         """
-        return bool(self.backend.hold(msgs))
+        return bool(self.backend.hold(msgs, fresh))
 
     def refill(self, n: int, now: float) -> list[Message]:
         """Move up to `n` due messages from the backend into memory.

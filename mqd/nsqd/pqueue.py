@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from mqd.message import Message
 
@@ -30,7 +31,7 @@ _heappush = heapq.heappush
 _heappop = heapq.heappop
 
 
-def best_first(heap: list[tuple]) -> Iterator[int]:
+def best_first(heap: list[tuple[Any, ...]]) -> Iterator[int]:
     """The indices of a heap's entries in the order popping would give them, popping nothing.
 
     Walked from the root through a second, small heap of the entries

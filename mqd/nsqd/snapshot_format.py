@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import lmdb
 
@@ -211,7 +211,7 @@ def _open_source(path: str) -> lmdb.Environment:
         raise SnapshotError(f"{env_dir}: cannot open the LMDB environment ({e})") from None
 
 
-def _describe(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[str, list[QueueInfo]]:
+def _describe(env: lmdb.Environment, txn: lmdb.Transaction[bytes]) -> tuple[str, list[QueueInfo]]:
     """The data format mark and the per-queue contents, as seen by `txn`.
 
     Run in the transaction the copy was taken in, on the source: its pages
@@ -229,8 +229,8 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[str, list[Q
     registry: dict[int, str] = {}
     if b"queues" in names:
         registry_db = env.open_db(b"queues", txn=txn, create=False)
-        for name, qid in txn.cursor(db=registry_db):
-            registry[QID.unpack(qid)[0]] = bytes(name).decode()
+        for stored_name, packed in txn.cursor(db=registry_db):
+            registry[QID.unpack(packed)[0]] = bytes(stored_name).decode()
     stats: dict[int, tuple[int, int, int]] = {}
     if b"messages" in names:
         data_db = env.open_db(b"messages", txn=txn, create=False)
@@ -249,7 +249,8 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[str, list[Q
                     break
                 last_key = key
                 count += 1
-            stats[qid] = (count, first, unpack(last_key)[1])
+            # The cursor stood on the queue's first key: it has at least one.
+            stats[qid] = (count, first, unpack(cast(bytes, last_key))[1])
             more = cursor.set_range(end)
     queues = []
     for qid in sorted(set(registry) | set(stats)):
@@ -263,7 +264,7 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction) -> tuple[str, list[Q
     return mark.decode(), queues
 
 
-def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike, out_dir: str | os.PathLike,
+def take_snapshot(env_or_path: lmdb.Environment | str | os.PathLike[str], out_dir: str | os.PathLike[str],
                   broker_id: str | None = None, node_id: int | None = None) -> Manifest:
     """Copy the environment to `out_dir` (which must not exist) and write its manifest.
 
@@ -321,7 +322,7 @@ def new_snapshot_dir(out_dir: str) -> str:
     return tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
 
 
-def copy_store(env: lmdb.Environment, txn: lmdb.Transaction, tmp: str,
+def copy_store(env: lmdb.Environment, txn: lmdb.Transaction[bytes], tmp: str,
                ) -> tuple[str, list[QueueInfo], float]:
     """Copy what `txn` sees into `tmp`: (data format mark, queues as stored, seconds the copy took)."""
     started = time.perf_counter()
@@ -374,13 +375,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def read_manifest(snapshot_dir: str | os.PathLike) -> Manifest:
+def read_manifest(snapshot_dir: str | os.PathLike[str]) -> Manifest:
     """The manifest of a finished snapshot."""
     with open(os.path.join(os.fspath(snapshot_dir), MANIFEST)) as f:
         return Manifest.from_json(json.load(f))
 
 
-def hold_snapshot(snapshot_dir: str | os.PathLike) -> BinaryIO:
+def hold_snapshot(snapshot_dir: str | os.PathLike[str]) -> BinaryIO:
     """A shared lock on a finished snapshot, held until the returned file is closed.
 
     The lock is flock(2) on `manifest.json` (every snapshot has one, those
@@ -416,7 +417,7 @@ def hold_snapshot(snapshot_dir: str | os.PathLike) -> BinaryIO:
     return f
 
 
-def remove_snapshot(snapshot_dir: str | os.PathLike) -> bool:
+def remove_snapshot(snapshot_dir: str | os.PathLike[str]) -> bool:
     """Remove a finished snapshot unless a reader holds it: True once it is gone.
 
     Only a directory with a `manifest.json` is removed, and only while the

@@ -217,7 +217,7 @@ def _stored_keys(queue: LiveQueue) -> list[bytes]:
 
 
 def write_live_snapshot(state: LiveState, out_dir: str | os.PathLike, *, env: lmdb.Environment | None = None,
-                        txn: lmdb.Transaction | None = None, broker_id: str | None = None,
+                        txn: lmdb.Transaction[bytes] | None = None, broker_id: str | None = None,
                         node_id: int | None = None) -> Manifest:
     """Write the snapshot of `state` (plus what `txn` sees of `env`, an LMDB store) to `out_dir`.
 

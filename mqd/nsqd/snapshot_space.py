@@ -135,7 +135,7 @@ def survey(base: str, writing: Collection[str], estimate: int) -> Survey:
             size = disk_use(entry.path) if is_dir else entry.stat(follow_symlinks=False).st_blocks * 512
             if entry.name.startswith("."):
                 owner = _written_by(entry.name)
-                if owner in writing:
+                if owner is not None and owner in writing:
                     partial[owner] = partial.get(owner, 0) + size
                 else:
                     other += size
@@ -169,7 +169,7 @@ def default_reserve(fs_size: int, max_body_size: int) -> int:
 
 def retention_victims(snapshots: Sequence[Entry], keep: int, keep_age: float, now: float) -> list[str]:
     """Names of the finished snapshots (oldest first) a new one puts beyond --snapshot-keep/-keep-age."""
-    doomed = set()
+    doomed: set[str] = set()
     if keep:
         # The new snapshot is one of the `keep`.
         doomed.update(e.name for e in snapshots[:max(0, len(snapshots) - (keep - 1))])
@@ -243,7 +243,8 @@ class SnapshotSpace:
                      remove: Callable[[list[str]], Deferred[list[str]]]) -> Admission:
         if name in self.writing:
             raise SnapshotExists(f"{name}: already being written")
-        self._settled = settled = []
+        settled: list[tuple[str, int]] = []
+        self._settled = settled
         try:
             found = await measure(frozenset(self.writing))
             victims = retention_victims(found.snapshots, limits.keep, limits.keep_age, now)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from mqd.nsqd.broker import Broker
     from mqd.nsqd.channel import Channel
+    from mqd.nsqd.protocol.client import ClientV2
     from mqd.nsqd.protocol.v2 import V2Protocol
     from mqd.nsqd.topic import Topic
 
@@ -115,7 +116,7 @@ def health_text(broker: Broker) -> str:
     return f"NOK - {broker.health}" if broker.health else "OK"
 
 
-def _pub_counts(client: V2Protocol, topic: str | None) -> list[dict[str, Any]]:
+def _pub_counts(client: ClientV2, topic: str | None) -> list[dict[str, Any]]:
     # nsqd lists only one (map-order first, or the filtered) topic, a known
     # quirk; every topic is listed here, sorted, or just the filtered one.
     counts = client.pub_counts
@@ -124,8 +125,9 @@ def _pub_counts(client: V2Protocol, topic: str | None) -> list[dict[str, Any]]:
     return [{"topic": t, "count": n} for t, n in sorted(counts.items())]
 
 
-def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]:
-    """One connection as nsqd's ClientV2Stats (keys in its order, omitempty respected)."""
+def client_stats(conn: V2Protocol, topic: str | None = None) -> dict[str, Any]:
+    """One connection as nsqd's ClientV2Stats (keys in its order, omitempty respected): its client record."""
+    client = conn.client
     row: dict[str, Any] = {
         "client_id": client.client_id,
         "hostname": client.hostname,
@@ -144,7 +146,7 @@ def client_stats(client: V2Protocol, topic: str | None = None) -> dict[str, Any]
         "user_agent": client.user_agent,
     }
     # omitempty in nsqd: only a connection that passed AUTH shows them.
-    state = client.auth_state
+    state = conn.auth_state
     if state is not None and state.grants:
         row["authed"] = True
         if state.identity:
@@ -239,12 +241,12 @@ def _collect(broker: Broker, topic: str | None, channel: str | None,
                 continue
             channels = [ch]
         else:
-            by_name = t.channels
-            channels = [by_name[name] for name in sorted(by_name)]
+            of_topic = t.channels
+            channels = [of_topic[name] for name in sorted(of_topic)]
         rows.append(topic_stats(t, [channel_stats(c, include_clients, topic) for c in channels], percentiles))
     producers = None
     if include_clients:
-        publishing = sorted((c for c in list(broker.clients) if c.pub_counts), key=lambda c: c.id)
+        publishing = sorted((c for c in list(broker.clients) if c.client.pub_counts), key=lambda c: c.client.id)
         producers = [client_stats(c, topic) for c in publishing] or None
     return rows, producers
 

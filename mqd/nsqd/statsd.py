@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from twisted.application import service
 from twisted.internet import defer
+from twisted.internet.interfaces import IListeningPort, IUDPTransport
 from twisted.internet.protocol import DatagramProtocol
 from twisted.internet.task import LoopingCall
 
@@ -78,6 +79,9 @@ def pack_lines(lines: Iterable[str], size: int) -> list[bytes]:
 class _Sender(DatagramProtocol):
     """One push's connected UDP socket."""
 
+    # Set before startProtocol, by the port listenUDP made for it.
+    transport: IUDPTransport
+
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
@@ -87,7 +91,8 @@ class _Sender(DatagramProtocol):
 
     def send(self, packet: bytes) -> None:
         try:
-            self.transport.write(packet)
+            # Connected: no address. Every UDP port defaults it; Twisted's interface omits the default.
+            self.transport.write(packet)  # type: ignore[call-arg]
         except OSError as e:
             # Nobody listening shows up here (or as connectionRefused) on a
             # connected UDP socket; statsd being down must not stop the loop.
@@ -125,7 +130,7 @@ class StatsdService(service.Service):
         # (DelayedCall, sender, datagram) of the push being spread over the
         # interval, in the order they fire, and that push's socket.
         self._pending: deque[tuple[Any, _Sender, bytes]] = deque()
-        self._udp = None
+        self._udp: IListeningPort | None = None
 
     # -- life cycle --------------------------------------------------------------------
 

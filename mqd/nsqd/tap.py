@@ -11,6 +11,7 @@ from mqd.logs import set_log_level
 from mqd.nsqd.broker import Broker
 from mqd.nsqd.gcpolicy import GCPolicy
 from mqd.nsqd.http.site import NsqdSite
+from mqd.nsqd.http.state import HttpState
 from mqd.nsqd.lookup_peer import LookupService
 from mqd.nsqd.protocol.v2 import V2Factory
 from mqd.nsqd.queuescan import QueueScanner
@@ -37,22 +38,22 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
         print(f"mqd: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     broker = Broker(settings, clock=reactor)
-    # The V2 protocol reads it for IDENTIFY's tls_v1 and the TLS-required policy.
-    broker.tls = tls
     top = service.MultiService()
-    top.broker = broker
     BrokerService(broker).setServiceParent(top)
     QueueScanner(broker).setServiceParent(top)
     # Keeps the cyclic GC from traversing the whole backlog at every 25% of growth.
     GCPolicy(reactor).setServiceParent(top)
     ports: dict[str, int] = {}
     backlog = settings.listen_backlog
+    # What the HTTP API keeps between requests: one for both sites, so
+    # their bounds (peek memory, snapshot admissions) are the broker's.
+    http_state = HttpState(broker.auth, reactor)
     tcp = listen_endpoint(reactor, settings.tcp_address, backlog)
-    ListeningService("TCP", tcp, V2Factory(broker), ports, reactor,
+    ListeningService("TCP", tcp, V2Factory(broker, tls=tls), ports, reactor,
                      settings.tcp_address).setServiceParent(top)
     if settings.http_address:
         http = listen_endpoint(reactor, settings.http_address, backlog)
-        site = NsqdSite(broker, ports, reactor,
+        site = NsqdSite(broker, ports, reactor, state=http_state,
                         tls_required=tls is not None and tls.http_required)
         ListeningService("HTTP", http, site, ports, reactor,
                          settings.http_address).setServiceParent(top)
@@ -62,7 +63,7 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
         from twisted.protocols.tls import TLSMemoryBIOFactory
 
         https = listen_endpoint(reactor, settings.https_address, backlog)
-        https_site = TLSMemoryBIOFactory(tls, False, NsqdSite(broker, ports, reactor))
+        https_site = TLSMemoryBIOFactory(tls, False, NsqdSite(broker, ports, reactor, state=http_state))
         https_site.noisy = False
         ListeningService("HTTPS", https, https_site, ports, reactor,
                          settings.https_address).setServiceParent(top)

@@ -27,7 +27,7 @@ from mqd.nsqd.interfaces import IChannelLifecycle
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-    from twisted.internet.interfaces import IReactorTime
+    from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
     from backends.interface import IBackendStore
     from mqd.nsqd.delivery import DeliveryBatch
@@ -100,7 +100,7 @@ class Topic:
         self._deliveries = deliveries
         self.ids = IdFactory(options.node_id)
         self._queue = open_queue(name, self.ephemeral)
-        self._drain_call = None
+        self._drain_call: IDelayedCall | None = None
         if hasattr(self._queue.backend, "on_stored"):
             # A durable store hands out messages only once committed: it says when.
             self._queue.backend.on_stored = self._stored
@@ -109,6 +109,10 @@ class Topic:
         return f"<Topic {self.name}>"
 
     # -- stats ---------------------------------------------------------------
+
+    def use_options(self, options: Settings) -> None:
+        """Options changed at run time (`PUT /config`): channels created from now on get these."""
+        self.options = options
 
     def depth(self) -> int:
         return len(self._queue)
@@ -154,28 +158,30 @@ class Topic:
             store.when_durable(partial(self._put_if_committed, msgs))
             return
         # New publishes: a commit that fails drops them (its publishers get the error).
-        store.publishing = True
-        try:
-            self.put(msgs)
-        finally:
-            store.publishing = False
+        self.put(msgs, fresh=True)
 
     def _put_if_committed(self, msgs: list[Message], error: str | None) -> None:
         if error is None and not self.exiting:
             self.put(msgs)
 
-    def put(self, msgs: list[Message]) -> None:
+    def put(self, msgs: list[Message], fresh: bool = False) -> None:
+        """Messages for the channels, or to wait at the topic; `fresh`: new publishes to a durable store.
+
+        A durable store's commit that fails drops the fresh messages it
+        held (their publishers are answered with its error); see
+        IBackendQueue.put.
+        """
         if self.channels and not self.paused and not self.held and not self._queue:
-            self._fan_out(msgs)
+            self._fan_out(msgs, fresh=fresh)
         else:
-            self._queue.put(msgs)
+            self._queue.put(msgs, fresh)
             if self.channels and not self.paused and not self.held:
                 self.drain_waiting()
         # Counted once stored: a publish the backend refused is not (as nsqd).
         self.message_count += len(msgs)
         self.message_bytes += sum([len(m.data) for m in msgs]) - ID_SIZE * len(msgs)
 
-    def _fan_out(self, msgs: list[Message], keep_originals: bool = False) -> None:
+    def _fan_out(self, msgs: list[Message], keep_originals: bool = False, fresh: bool = False) -> None:
         """One copy per channel; the last channel takes the originals unless `keep_originals`.
 
         Copies are taken from originals no channel has seen yet: a put may
@@ -187,6 +193,7 @@ class Topic:
         (never stored) come last, so with one store behind all the others
         only the first put can be refused; should a later one be, that
         channel keeps its copies in memory, as the others took theirs.
+        `fresh`: new publishes to a durable store (see `put`).
         """
         if msgs[0].deferred_until or msgs[-1].deferred_until:
             now_due = [m for m in msgs if not m.deferred_until]
@@ -204,16 +211,16 @@ class Topic:
                 deferred = channel_copies(later) if later else later
             else:
                 due, deferred = now_due, later
-            if channel.ephemeral and getattr(self.store, "publishing", False):
+            if channel.ephemeral and fresh:
                 # A durable store's new publish: an ephemeral channel (never
                 # stored) gets it once the commit holding it is over, or never.
                 self.store.when_durable(partial(_put_if_committed, channel, due, deferred))
                 continue
             if deferred:
-                channel.put_deferred(deferred, accepted)
+                channel.put_deferred(deferred, accepted, fresh)
                 accepted = True
             if due:
-                channel.put(due, accepted)
+                channel.put(due, accepted, fresh)
                 accepted = True
 
     def _drain(self) -> None:

@@ -105,7 +105,8 @@ class ToolParser(argparse.ArgumentParser):
         """A repeatable flag (nsq's app.StringArray): every occurrence is kept, in order."""
         self._lists.append(name.replace("-", "_"))
         self.add_argument(f"--{name}", action="append", default=None, metavar=metavar,
-                          type=type, help=_h(help))
+                          type=type,  # type: ignore[arg-type]  # None is argparse's default; typeshed omits it
+                          help=_h(help))
 
     def add_duration(self, name: str, default: str, help: str) -> None:
         """A Go time.Duration flag; the value is in seconds."""
@@ -207,7 +208,8 @@ class ToolParser(argparse.ArgumentParser):
             if not action.option_strings or action.option_strings[0] == "-h":
                 continue
             name = action.option_strings[0].lstrip("-")
-            kind = "" if name in self._bools or action.nargs == 0 else " " + _go_type_name(action)
+            repeatable = action.dest in self._lists
+            kind = "" if name in self._bools or action.nargs == 0 else " " + _go_type_name(action, repeatable)
             lines.append(f"  -{name}{kind}\n    \t{(action.help or '').replace('%%', '%')}\n")
         return "".join(lines)
 
@@ -215,11 +217,12 @@ class ToolParser(argparse.ArgumentParser):
         fatal(message)
 
 
-def _go_type_name(action: argparse.Action) -> str:
+def _go_type_name(action: argparse.Action, repeatable: bool) -> str:
     """The value's type as flag.PrintDefaults names it (a repeatable flag is a flag.Value: "value")."""
-    if isinstance(action, argparse._AppendAction):
+    if repeatable:
         return "value"
-    return {_go_int: "int", go_duration: "duration"}.get(action.type, "string")
+    names: dict[object, str] = {_go_int: "int", go_duration: "duration"}
+    return names.get(action.type, "string")
 
 
 def go_flag_error(error: argparse.ArgumentError) -> str:

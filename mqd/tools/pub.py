@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet import protocol
 
@@ -129,7 +129,8 @@ class Publisher:
             self._held.append(line)
             if len(self._held) == 1:
                 self.pause()
-                self._connect().addCallbacks(self._connected, self._not_connected)
+                connect = cast(Callable[[], Any], self._connect)  # set while lines are held
+                connect().addCallbacks(self._connected, self._not_connected)
             return
         if self._ticker is None:
             self._publish(line)
@@ -146,7 +147,7 @@ class Publisher:
         self._check_done()
 
     def _connected(self, _: Any) -> None:
-        held, self._held = self._held, None
+        held, self._held = cast("list[bytes]", self._held), None  # connected once, while held
         for line in held:
             self.line(line)
         if not self.paused:

@@ -39,10 +39,13 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from mqd.logs import LEVELS, get_logger
 from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
+
+if TYPE_CHECKING:
+    from twisted.python.failure import Failure
 
 __all__ = [
     "BatchingWriter",
@@ -486,9 +489,10 @@ class TopicLogger:
 
     def start(self) -> None:
         self.consumer.startService()
-        self.ticker.start(self.sync_interval, now=False).addErrback(
-            lambda f: self.on_error(f.value)
-        )
+        self.ticker.start(self.sync_interval, now=False).addErrback(self._tick_failed)
+
+    def _tick_failed(self, failure: Failure) -> None:
+        self.on_error(cast(BaseException, failure.value))  # a Failure's value is set
 
     def stop(self) -> Any:
         """Stop consuming: FIN what is held now and whatever still arrives, then close the file."""
@@ -615,7 +619,8 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
         url = base.rstrip("/") + "/topics"
         try:
             response = await treq.get(
-                url, headers={b"Accept": [ACCEPT]}, timeout=args.http_client_request_timeout
+                url, headers={b"Accept": [ACCEPT]},  # type: ignore[arg-type]  # treq's dict types are invariant
+                timeout=args.http_client_request_timeout
             )
             body = await read_bounded(response, MAX_RESPONSE_SIZE, ValueError)
             if response.code != 200:

@@ -19,8 +19,13 @@ protocol parses each step before asking for the next.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import cramjam
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import ITransport
 
 __all__ = ["CompressionError", "CompressedTransport", "DeflateCodec", "SnappyCodec"]
 
@@ -205,7 +210,7 @@ class CompressedTransport:
     batch of frames costs one deflate flush / one snappy chunk.
     """
 
-    def __init__(self, transport, codec) -> None:
+    def __init__(self, transport: ITransport, codec: SnappyCodec | DeflateCodec) -> None:
         self._transport = transport
         self._codec = codec
 
@@ -213,8 +218,8 @@ class CompressedTransport:
         if data:
             self._transport.write(self._codec.compress(data))
 
-    def writeSequence(self, seq) -> None:
+    def writeSequence(self, seq: Iterable[bytes]) -> None:
         self.write(b"".join(seq))
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)

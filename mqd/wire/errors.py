@@ -11,8 +11,8 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 __all__ = ["GO_REPLACE", "ProtocolError", "fatal", "nonfatal", "go_fold", "go_int_literal", "go_quote", "go_refused",
            "go_string", "GoStruct"]
@@ -83,10 +83,10 @@ _GO_ZERO = {"string": "", "bool": False, "int": 0, "int32": 0}
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 # Go's foldName: ASCII letters upper-cased, other runes to the smallest of their
 # case-fold orbit; only these two non-ASCII runes fold onto an ASCII letter.
-_GO_FOLD = {**{c: c - 32 for c in range(ord("a"), ord("z") + 1)}, 0x017F: "S", 0x212A: "K"}
+_GO_FOLD: dict[int, int | str] = {**{c: c - 32 for c in range(ord("a"), ord("z") + 1)}, 0x017F: "S", 0x212A: "K"}
 
 
-class _Object(list):
+class _Object(list[Any]):
     """A decoded JSON object: its (key, value) members in order, repeats kept, as Go walks them."""
 
     __slots__ = ()
@@ -129,7 +129,8 @@ def _go_replace(error: UnicodeDecodeError) -> tuple[str, int]:
 
 # The error handler to decode JSON bytes with, as Go reads them (`raw.decode("utf-8", GO_REPLACE)`).
 GO_REPLACE = "mqd.go_replace"
-codecs.register_error(GO_REPLACE, _go_replace)
+# cast: typeshed types every error handler for UnicodeError; this one decodes only.
+codecs.register_error(GO_REPLACE, cast(Callable[[UnicodeError], tuple[str, int]], _go_replace))
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_Object, parse_int=go_int_literal,
                             parse_constant=_reject_constant)

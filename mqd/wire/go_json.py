@@ -12,8 +12,8 @@ import json
 import re
 import string
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from mqd.wire.errors import GO_REPLACE, go_fold, go_int_literal, go_quote, go_string
 
@@ -283,7 +283,7 @@ def _too_deep(text: str) -> str:
 
 def _decode_whole(text: str) -> Any:
     """`text` as one JSON document, or GoJSONError (`unexpected EOF` when it ends too soon)."""
-    start = _LEADING_SPACE.match(text).end()
+    start = cast("re.Match[str]", _LEADING_SPACE.match(text)).end()  # `*` always matches
     if start == len(text):
         raise GoJSONError(_CUT_SHORT)
     value, end = _decode_first(text, start)
@@ -359,6 +359,11 @@ class GoType:
     name: str = ""
     package: str = ""
 
+    if TYPE_CHECKING:
+        # Set by __post_init__: a struct's fields by JSON name and by folded name,
+        # each as (JSON name, type, `_plain`'s class and range).
+        index: tuple[dict[str, _Field], dict[str, _Field]] = field(init=False)
+
     def __post_init__(self) -> None:
         # A struct's fields by JSON name, and by its lower case (the first such field wins, as in
         # Go), each with the one class (and range) of value that needs no further look: _fill_struct.
@@ -387,7 +392,10 @@ STRING, BOOL, FLOAT64, INT, INT64, INT32, ANY = (
     GoType(k) for k in ("string", "bool", "float64", "int", "int64", "int32", "any"))
 
 
-def _plain(t: GoType) -> tuple[type, int | None, int | None] | None:
+_Field = tuple[str, GoType, "tuple[type[Any], int | None, int | None] | None"]
+
+
+def _plain(t: GoType) -> tuple[type[Any], int | None, int | None] | None:
     """The class of value a field of type `t` takes as it is (an int's range with it), or None."""
     if t.kind == "string":
         return str, None, None
@@ -415,11 +423,12 @@ def check_go(value: Any, go_type: GoType) -> Any:
 
 
 def _fill(value: Any, t: GoType, struct_name: str, path: tuple[str, ...]) -> Any:
+    # A ptr, custom, slice or map type always has its `elem`.
     while t.kind == "ptr":
-        t = t.elem  # Go fills what the pointer points to, and names that type in its errors
+        t = cast(GoType, t.elem)  # Go fills what the pointer points to, and names that type in its errors
     kind = t.kind
     if kind == "custom":
-        return _fill_custom(value, t.elem, struct_name, path)
+        return _fill_custom(value, cast(GoType, t.elem), struct_name, path)
     if value is None:
         return {} if kind == "struct" else _ZERO.get(kind)
     cls = value.__class__
@@ -428,14 +437,14 @@ def _fill(value: Any, t: GoType, struct_name: str, path: tuple[str, ...]) -> Any
             return _fill_struct(value, t, t.name, path, nested=True)
     elif kind == "slice":
         if cls is list:
-            elem = t.elem
+            elem = cast(GoType, t.elem)
             filled = [_fill(item, elem, struct_name, path) for item in value]
             return value if all(a is b for a, b in zip(filled, value, strict=True)) else filled
     elif kind == "map":
         if cls is dict:
-            elem = t.elem
-            filled = {key: _fill(item, elem, struct_name, path) for key, item in value.items()}
-            return value if all(filled[key] is item for key, item in value.items()) else filled
+            elem = cast(GoType, t.elem)
+            filled_map = {key: _fill(item, elem, struct_name, path) for key, item in value.items()}
+            return value if all(filled_map[key] is item for key, item in value.items()) else filled_map
     elif kind == "any" or (kind == "string" and cls is str) or (kind == "bool" and cls is bool):
         return value
     elif (cls is int or cls is float) and kind in _NUMBERS:

@@ -29,7 +29,7 @@ _GO_FORMS = {
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _go_form(match: re.Match) -> str:
+def _go_form(match: re.Match[str]) -> str:
     text = match.group()
     return _GO_FORMS.get(text, text)
 

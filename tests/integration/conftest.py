@@ -1,7 +1,9 @@
-"""The integration tests' `broker`: a real twistd mqd.
+"""The integration tests' `twistd_broker`: a real twistd mqd, a process of its own.
 
-The other fixtures of real processes (`start_broker`, `start_lookupd`,
-`loop`, `name`) are in tests/conftest.py.
+Its in-process counterpart, `inproc_broker` (a Broker object on a
+`task.Clock`), and the other fixtures of real processes (`start_broker`,
+`start_lookupd`, `loop`, `name`) are in tests/conftest.py. Every test that
+uses `twistd_broker` is marked slow there.
 """
 
 from __future__ import annotations
@@ -12,6 +14,6 @@ from tests.support.processes import FAST_SCAN, BrokerProcess
 
 
 @pytest.fixture
-def broker(start_broker) -> BrokerProcess:
-    """A broker with default settings but a fast queue scan."""
+def twistd_broker(start_broker) -> BrokerProcess:
+    """A running twistd mqd with default settings but a fast queue scan."""
     return start_broker(*FAST_SCAN)

@@ -85,22 +85,22 @@ def test_dpub_delay_range_is_inclusive(tight_broker, name):
         conn.expect_closed()
 
 
-def test_a_new_channel_gets_only_later_messages(broker, name):
+def test_a_new_channel_gets_only_later_messages(twistd_broker, name):
     topic = name()
-    with _subscribe(broker, topic, "first", rdy=10) as first:
-        _publish(broker, topic, b"old-1", b"old-2")
+    with _subscribe(twistd_broker, topic, "first", rdy=10) as first:
+        _publish(twistd_broker, topic, b"old-1", b"old-2")
         assert [first.read_message()[3] for _ in range(2)] == [b"old-1", b"old-2"]
-        with _subscribe(broker, topic, "second", rdy=10) as second:
+        with _subscribe(twistd_broker, topic, "second", rdy=10) as second:
             second.expect_silence(0.3)
-            _publish(broker, topic, b"new")
+            _publish(twistd_broker, topic, b"new")
             assert first.read_message()[3] == b"new"
             assert second.read_message()[3] == b"new"
             second.expect_silence(0.2)
 
 
-def test_a_subscribed_connection_can_publish(broker, name):
+def test_a_subscribed_connection_can_publish(twistd_broker, name):
     topic = name()
-    with _subscribe(broker, topic, rdy=5) as conn:
+    with _subscribe(twistd_broker, topic, rdy=5) as conn:
         conn.send(command(f"PUB {topic}", b"to myself"))
         frames = {conn.read_frame(), conn.read_frame()}
         assert (0, b"OK") in frames

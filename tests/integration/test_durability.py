@@ -32,6 +32,9 @@ from tests.support.processes import FAST_SCAN, child_env, twistd_command
 from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
 from tests.support.v2_frames import mpub_body
 
+# Every test starts `twistd mqd` (some as a plain subprocess, not through a fixture).
+pytestmark = pytest.mark.slow
+
 _HEX_ID = re.compile(rb"[0-9a-f]{16}")
 
 

@@ -13,20 +13,20 @@ def _wait_for_metadata(loop, broker, topic: str, channels: list[str]) -> None:
                    what=f"nsqd.dat to list {topic} with {channels}")
 
 
-def test_ephemeral_channel_goes_with_its_last_reader(broker, loop, name):
+def test_ephemeral_channel_goes_with_its_last_reader(twistd_broker, loop, name):
     topic = name()
     keep, eph = Collector(), Collector()
-    loop.reader(broker, topic, "keep", keep, max_in_flight=10)
-    eph_reader = loop.reader(broker, topic, "e#ephemeral", eph, max_in_flight=10)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "keep", keep, max_in_flight=10)
+    eph_reader = loop.reader(twistd_broker, topic, "e#ephemeral", eph, max_in_flight=10)
+    writer = loop.writer(twistd_broker)
     first = [b"a%d" % i for i in range(5)]
     assert loop.publish(writer, "mpub", topic, first) == b"OK"
     loop.run_until(lambda: len(keep) == 5 and len(eph) == 5, what="both channels to get 5")
     assert sorted(eph.bodies) == first
 
     # Only the durable channel is in the metadata, even while the ephemeral one is live.
-    _wait_for_metadata(loop, broker, topic, ["keep"])
-    assert "#ephemeral" not in broker.metadata_path.read_text()
+    _wait_for_metadata(loop, twistd_broker, topic, ["keep"])
+    assert "#ephemeral" not in twistd_broker.metadata_path.read_text()
 
     eph_reader.close()
     loop.run_for(0.5)
@@ -37,7 +37,7 @@ def test_ephemeral_channel_goes_with_its_last_reader(broker, loop, name):
     loop.run_until(lambda: len(keep) == 8, what="the durable channel to get the gap messages")
 
     again = Collector()
-    loop.reader(broker, topic, "e#ephemeral", again, max_in_flight=10)
+    loop.reader(twistd_broker, topic, "e#ephemeral", again, max_in_flight=10)
     loop.run_for(0.5)
     assert again.bodies == [], "the ephemeral channel kept a backlog after its reader left"
     assert loop.publish(writer, "pub", topic, b"fresh") == b"OK"
@@ -47,28 +47,28 @@ def test_ephemeral_channel_goes_with_its_last_reader(broker, loop, name):
     loop.run_for(0.2)
     assert again.bodies == [b"fresh"]
     assert sorted(keep.bodies) == sorted(first + gap + [b"fresh"])
-    assert "#ephemeral" not in broker.metadata_path.read_text()
+    assert "#ephemeral" not in twistd_broker.metadata_path.read_text()
 
 
-def test_ephemeral_topic_never_reaches_metadata(broker, loop, name):
+def test_ephemeral_topic_never_reaches_metadata(twistd_broker, loop, name):
     eph_topic = name() + "#ephemeral"
     marker = name()
     got = Collector()
-    loop.reader(broker, eph_topic, "c", got)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, eph_topic, "c", got)
+    writer = loop.writer(twistd_broker)
     assert loop.publish(writer, "pub", eph_topic, b"hello") == b"OK"
     loop.run_until(lambda: got.bodies == [b"hello"], what="the ephemeral topic's message")
 
     # A durable topic created afterwards: once it is in nsqd.dat, the
     # ephemeral topic and channel (created earlier) would have been too.
     assert loop.publish(writer, "pub", marker, b"m") == b"OK"
-    _wait_for_metadata(loop, broker, marker, [])
-    topics = [t["name"] for t in broker.metadata()["topics"]]
+    _wait_for_metadata(loop, twistd_broker, marker, [])
+    topics = [t["name"] for t in twistd_broker.metadata()["topics"]]
     assert topics == [marker]
 
     # And a clean shutdown writes none of it either.
-    broker.stop_cleanly()
-    assert [t["name"] for t in broker.metadata()["topics"]] == [marker]
+    twistd_broker.stop_cleanly()
+    assert [t["name"] for t in twistd_broker.metadata()["topics"]] == [marker]
 
 
 def test_ephemeral_channel_drops_beyond_mem_queue_size(start_broker, name):

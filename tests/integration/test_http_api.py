@@ -91,49 +91,49 @@ def bodies(conn: RawConn, n: int) -> list[bytes]:
 # -- /ping, /info, conventions ---------------------------------------------------------------
 
 
-def test_ping_and_info(broker):
-    r = call(broker, "GET", "/ping")
+def test_ping_and_info(twistd_broker):
+    r = call(twistd_broker, "GET", "/ping")
     assert (r.status, r.body, r.v1) == (200, b"OK", False)
-    r = call(broker, "GET", "/info")
+    r = call(twistd_broker, "GET", "/info")
     assert r.status == 200 and r.v1
     info = r.json()
     assert info["version"] == "1.3.0"
-    assert (info["http_port"], info["tcp_port"]) == (broker.http_port, broker.tcp_port)
+    assert (info["http_port"], info["tcp_port"]) == (twistd_broker.http_port, twistd_broker.tcp_port)
     assert info["max_heartbeat_interval"] == 60_000_000_000
     assert info["max_output_buffer_timeout"] == 30_000_000_000
     assert (info["max_output_buffer_size"], info["max_deflate_level"]) == (65536, 6)
     assert (info["topology_zone"], info["topology_region"]) == ("", "")
 
 
-def test_not_found_method_not_allowed_and_redirects(broker):
-    assert call(broker, "GET", "/nope").error() == (404, "NOT_FOUND")
-    assert call(broker, "GET", "/ping/extra").error() == (404, "NOT_FOUND")
-    r = call(broker, "GET", "/pub?topic=t")
+def test_not_found_method_not_allowed_and_redirects(twistd_broker):
+    assert call(twistd_broker, "GET", "/nope").error() == (404, "NOT_FOUND")
+    assert call(twistd_broker, "GET", "/ping/extra").error() == (404, "NOT_FOUND")
+    r = call(twistd_broker, "GET", "/pub?topic=t")
     assert r.error() == (405, "METHOD_NOT_ALLOWED")
     assert r.headers["Allow"] == "OPTIONS, POST"
-    assert post(broker, "/ping").error() == (405, "METHOD_NOT_ALLOWED")
-    assert call(broker, "DELETE", "/topic/delete?topic=t").error() == (405, "METHOD_NOT_ALLOWED")
-    r = call(broker, "GET", "/ping/")
+    assert post(twistd_broker, "/ping").error() == (405, "METHOD_NOT_ALLOWED")
+    assert call(twistd_broker, "DELETE", "/topic/delete?topic=t").error() == (405, "METHOD_NOT_ALLOWED")
+    r = call(twistd_broker, "GET", "/ping/")
     assert (r.status, r.headers["Location"]) == (301, "/ping")
 
 
-def test_accept_header_is_ignored(broker, name):
+def test_accept_header_is_ignored(twistd_broker, name):
     """go-nsq and pynsq send the pre-1.0 Accept header; the answer is V1 all the same."""
     legacy = {"Accept": "application/vnd.nsq; version=1.0"}
-    r = post(broker, f"/pub?topic={name()}", b"x", headers=legacy)
+    r = post(twistd_broker, f"/pub?topic={name()}", b"x", headers=legacy)
     assert (r.status, r.body, r.v1) == (200, b"OK", True)
-    r = call(broker, "GET", "/info", headers=legacy)
+    r = call(twistd_broker, "GET", "/info", headers=legacy)
     assert r.v1 and "status_code" not in r.json()
-    assert post(broker, "/pub", b"x", headers=legacy).error() == (400, "MISSING_ARG_TOPIC")
+    assert post(twistd_broker, "/pub", b"x", headers=legacy).error() == (400, "MISSING_ARG_TOPIC")
 
 
 # -- /pub and /mpub -----------------------------------------------------------------------------
 
 
-def test_pub_delivers_and_answers_ok(broker, name):
+def test_pub_delivers_and_answers_ok(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn:
-        r = post(broker, f"/pub?topic={topic}", b"hello")
+    with subscribe(twistd_broker, topic, "c") as conn:
+        r = post(twistd_broker, f"/pub?topic={topic}", b"hello")
         assert (r.status, r.body, r.v1) == (200, b"OK", True)
         assert bodies(conn, 1) == [b"hello"]
 
@@ -161,34 +161,34 @@ def test_pub_errors(small_broker, name):
     assert stats(b, topic)["depth"] == 1
 
 
-def test_pub_defer(broker, name):
+def test_pub_defer(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn:
+    with subscribe(twistd_broker, topic, "c") as conn:
         start = time.monotonic()
-        assert post(broker, f"/pub?topic={topic}&defer=300", b"later").status == 200
-        assert post(broker, f"/pub?topic={topic}", b"now").status == 200
+        assert post(twistd_broker, f"/pub?topic={topic}&defer=300", b"later").status == 200
+        assert post(twistd_broker, f"/pub?topic={topic}", b"now").status == 200
         assert bodies(conn, 1) == [b"now"]
         assert bodies(conn, 1) == [b"later"]
         assert time.monotonic() - start >= 0.29
 
 
-def test_mpub_text_mode(broker, name):
+def test_mpub_text_mode(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn:
-        r = post(broker, f"/mpub?topic={topic}", b"one\ntwo\n\nthree\nfour\n")
+    with subscribe(twistd_broker, topic, "c") as conn:
+        r = post(twistd_broker, f"/mpub?topic={topic}", b"one\ntwo\n\nthree\nfour\n")
         assert (r.status, r.body, r.v1) == (200, b"OK", True)
         assert bodies(conn, 4) == [b"one", b"two", b"three", b"four"]
-        assert post(broker, f"/mpub?topic={topic}&binary=false", b"five\nsix").status == 200
+        assert post(twistd_broker, f"/mpub?topic={topic}&binary=false", b"five\nsix").status == 200
         assert bodies(conn, 2) == [b"five", b"six"]
-        assert post(broker, f"/mpub?topic={topic}", b"\n\n").body == b"OK"
+        assert post(twistd_broker, f"/mpub?topic={topic}", b"\n\n").body == b"OK"
         conn.expect_silence(0.1)
 
 
 @pytest.mark.parametrize("flag", ["true", "1", "non-normalized"])
-def test_mpub_binary_mode(broker, name, flag):
+def test_mpub_binary_mode(twistd_broker, name, flag):
     topic = name()
-    with subscribe(broker, topic, "c") as conn:
-        r = post(broker, f"/mpub?topic={topic}&binary={flag}", mpub_body([b"a\nb", b"c"]))
+    with subscribe(twistd_broker, topic, "c") as conn:
+        r = post(twistd_broker, f"/mpub?topic={topic}&binary={flag}", mpub_body([b"a\nb", b"c"]))
         assert (r.status, r.body) == (200, b"OK")
         assert bodies(conn, 2) == [b"a\nb", b"c"]
 
@@ -223,133 +223,133 @@ def test_durable_pub_is_answered_once_on_disk(start_broker, name):
 # -- topic and channel administration --------------------------------------------------------------
 
 
-def test_topic_and_channel_argument_errors(broker, name):
+def test_topic_and_channel_argument_errors(twistd_broker, name):
     topic = name()
-    assert post(broker, "/topic/create").error() == (400, "MISSING_ARG_TOPIC")
-    assert post(broker, "/topic/create?topic=b@d").error() == (400, "INVALID_TOPIC")
-    assert post(broker, "/topic/delete?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
-    assert post(broker, "/topic/empty?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
-    assert post(broker, "/topic/pause?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
-    assert post(broker, "/topic/unpause?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
+    assert post(twistd_broker, "/topic/create").error() == (400, "MISSING_ARG_TOPIC")
+    assert post(twistd_broker, "/topic/create?topic=b@d").error() == (400, "INVALID_TOPIC")
+    assert post(twistd_broker, "/topic/delete?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
+    assert post(twistd_broker, "/topic/empty?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
+    assert post(twistd_broker, "/topic/pause?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
+    assert post(twistd_broker, "/topic/unpause?topic=nope").error() == (404, "TOPIC_NOT_FOUND")
     # /channel/create does not create the topic.
-    assert post(broker, f"/channel/create?topic={topic}&channel=c").error() == (404, "TOPIC_NOT_FOUND")
-    assert ok_empty(post(broker, f"/topic/create?topic={topic}"))
+    assert post(twistd_broker, f"/channel/create?topic={topic}&channel=c").error() == (404, "TOPIC_NOT_FOUND")
+    assert ok_empty(post(twistd_broker, f"/topic/create?topic={topic}"))
     for action in ("create", "delete", "empty", "pause", "unpause"):
         base = f"/channel/{action}"
-        assert post(broker, base).error() == (400, "MISSING_ARG_TOPIC")
-        assert post(broker, f"{base}?topic=b@d&channel=c").error() == (400, "INVALID_ARG_TOPIC")
-        assert post(broker, f"{base}?topic={topic}").error() == (400, "MISSING_ARG_CHANNEL")
-        assert post(broker, f"{base}?topic={topic}&channel=b@d").error() == (400, "INVALID_ARG_CHANNEL")
+        assert post(twistd_broker, base).error() == (400, "MISSING_ARG_TOPIC")
+        assert post(twistd_broker, f"{base}?topic=b@d&channel=c").error() == (400, "INVALID_ARG_TOPIC")
+        assert post(twistd_broker, f"{base}?topic={topic}").error() == (400, "MISSING_ARG_CHANNEL")
+        assert post(twistd_broker, f"{base}?topic={topic}&channel=b@d").error() == (400, "INVALID_ARG_CHANNEL")
         if action != "create":
-            assert post(broker, f"{base}?topic={topic}&channel=c").error() == (404, "CHANNEL_NOT_FOUND")
-    assert ok_empty(post(broker, f"/channel/create?topic={topic}&channel=c"))
-    assert broker.channels_in_metadata().get(topic) in (None, ["c"])
+            assert post(twistd_broker, f"{base}?topic={topic}&channel=c").error() == (404, "CHANNEL_NOT_FOUND")
+    assert ok_empty(post(twistd_broker, f"/channel/create?topic={topic}&channel=c"))
+    assert twistd_broker.channels_in_metadata().get(topic) in (None, ["c"])
 
 
-def test_topic_pause_holds_messages_and_unpause_resumes(broker, name):
+def test_topic_pause_holds_messages_and_unpause_resumes(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn:
-        assert ok_empty(post(broker, f"/topic/pause?topic={topic}"))
-        assert post(broker, f"/mpub?topic={topic}", b"a\nb").status == 200
+    with subscribe(twistd_broker, topic, "c") as conn:
+        assert ok_empty(post(twistd_broker, f"/topic/pause?topic={topic}"))
+        assert post(twistd_broker, f"/mpub?topic={topic}", b"a\nb").status == 200
         conn.expect_silence(0.3)
-        t = stats(broker, topic)
+        t = stats(twistd_broker, topic)
         assert (t["paused"], t["depth"], t["channels"][0]["depth"]) == (True, 2, 0)
-        assert ok_empty(post(broker, f"/topic/unpause?topic={topic}"))
+        assert ok_empty(post(twistd_broker, f"/topic/unpause?topic={topic}"))
         assert bodies(conn, 2) == [b"a", b"b"]
-        assert stats(broker, topic)["paused"] is False
+        assert stats(twistd_broker, topic)["paused"] is False
 
 
-def test_channel_pause_holds_messages_and_unpause_resumes(broker, name):
+def test_channel_pause_holds_messages_and_unpause_resumes(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn, subscribe(broker, topic, "other") as other:
-        assert ok_empty(post(broker, f"/channel/pause?topic={topic}&channel=c"))
-        assert post(broker, f"/pub?topic={topic}", b"x").status == 200
+    with subscribe(twistd_broker, topic, "c") as conn, subscribe(twistd_broker, topic, "other") as other:
+        assert ok_empty(post(twistd_broker, f"/channel/pause?topic={topic}&channel=c"))
+        assert post(twistd_broker, f"/pub?topic={topic}", b"x").status == 200
         assert bodies(other, 1) == [b"x"]  # other channels are not paused
         conn.expect_silence(0.3)
-        ch = stats(broker, topic)["channels"][0]
+        ch = stats(twistd_broker, topic)["channels"][0]
         assert (ch["channel_name"], ch["paused"], ch["depth"]) == ("c", True, 1)
         # No RDY is sent again: unpausing is enough.
-        assert ok_empty(post(broker, f"/channel/unpause?topic={topic}&channel=c"))
+        assert ok_empty(post(twistd_broker, f"/channel/unpause?topic={topic}&channel=c"))
         assert bodies(conn, 1) == [b"x"]
 
 
-def test_pause_is_on_disk_at_once_and_survives_a_crash(broker, name):
+def test_pause_is_on_disk_at_once_and_survives_a_crash(twistd_broker, name):
     topic = name()
-    post(broker, f"/topic/create?topic={topic}")
-    post(broker, f"/channel/create?topic={topic}&channel=c")
-    post(broker, f"/channel/create?topic={topic}&channel=d")
-    assert ok_empty(post(broker, f"/topic/pause?topic={topic}"))
-    assert ok_empty(post(broker, f"/channel/pause?topic={topic}&channel=d"))
+    post(twistd_broker, f"/topic/create?topic={topic}")
+    post(twistd_broker, f"/channel/create?topic={topic}&channel=c")
+    post(twistd_broker, f"/channel/create?topic={topic}&channel=d")
+    assert ok_empty(post(twistd_broker, f"/topic/pause?topic={topic}"))
+    assert ok_empty(post(twistd_broker, f"/channel/pause?topic={topic}&channel=d"))
     # Written before the answer: a crash right now keeps the flags.
-    meta = {t["name"]: t for t in broker.metadata()["topics"]}[topic]
+    meta = {t["name"]: t for t in twistd_broker.metadata()["topics"]}[topic]
     assert meta["paused"] is True
     assert {c["name"]: c["paused"] for c in meta["channels"]} == {"c": False, "d": True}
-    broker.crash()
-    broker.start()
-    t = stats(broker, topic)
+    twistd_broker.crash()
+    twistd_broker.start()
+    t = stats(twistd_broker, topic)
     assert t["paused"] is True
     assert {c["channel_name"]: c["paused"] for c in t["channels"]} == {"c": False, "d": True}
-    with subscribe(broker, topic, "c") as conn:
-        post(broker, f"/pub?topic={topic}", b"held")
+    with subscribe(twistd_broker, topic, "c") as conn:
+        post(twistd_broker, f"/pub?topic={topic}", b"held")
         conn.expect_silence(0.3)
-        post(broker, f"/topic/unpause?topic={topic}")
+        post(twistd_broker, f"/topic/unpause?topic={topic}")
         assert bodies(conn, 1) == [b"held"]
 
 
-def test_topic_empty_leaves_channels_alone(broker, name):
+def test_topic_empty_leaves_channels_alone(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c", rdy=0) as conn:
-        post(broker, f"/pub?topic={topic}", b"in-channel")
-        post(broker, f"/topic/pause?topic={topic}")
-        post(broker, f"/mpub?topic={topic}", b"at-topic-1\nat-topic-2")
-        assert stats(broker, topic)["depth"] == 2
-        assert ok_empty(post(broker, f"/topic/empty?topic={topic}"))
-        t = stats(broker, topic)
+    with subscribe(twistd_broker, topic, "c", rdy=0) as conn:
+        post(twistd_broker, f"/pub?topic={topic}", b"in-channel")
+        post(twistd_broker, f"/topic/pause?topic={topic}")
+        post(twistd_broker, f"/mpub?topic={topic}", b"at-topic-1\nat-topic-2")
+        assert stats(twistd_broker, topic)["depth"] == 2
+        assert ok_empty(post(twistd_broker, f"/topic/empty?topic={topic}"))
+        t = stats(twistd_broker, topic)
         assert (t["depth"], t["channels"][0]["depth"]) == (0, 1)
-        post(broker, f"/topic/unpause?topic={topic}")
+        post(twistd_broker, f"/topic/unpause?topic={topic}")
         conn.send(command("RDY 10"))
         assert bodies(conn, 1) == [b"in-channel"]
         conn.expect_silence(0.2)
 
 
-def test_channel_empty_drops_in_flight_and_keeps_the_consumer(broker, name):
+def test_channel_empty_drops_in_flight_and_keeps_the_consumer(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c", rdy=1) as conn:
-        post(broker, f"/mpub?topic={topic}", b"a\nb\nc")
-        post(broker, f"/pub?topic={topic}&defer=60000", b"deferred")
+    with subscribe(twistd_broker, topic, "c", rdy=1) as conn:
+        post(twistd_broker, f"/mpub?topic={topic}", b"a\nb\nc")
+        post(twistd_broker, f"/pub?topic={topic}&defer=60000", b"deferred")
         _, _, first_id, body = conn.read_message()
         assert body == b"a"
-        ch = stats(broker, topic)["channels"][0]
+        ch = stats(twistd_broker, topic)["channels"][0]
         assert (ch["depth"], ch["in_flight_count"], ch["deferred_count"]) == (2, 1, 1)
-        assert ok_empty(post(broker, f"/channel/empty?topic={topic}&channel=c"))
-        ch = stats(broker, topic)["channels"][0]
+        assert ok_empty(post(twistd_broker, f"/channel/empty?topic={topic}&channel=c"))
+        ch = stats(twistd_broker, topic)["channels"][0]
         assert (ch["depth"], ch["in_flight_count"], ch["deferred_count"]) == (0, 0, 0)
         conn.send(command(f"FIN {first_id.decode()}"))
         kind, payload = conn.read_frame()
         assert kind == FRAME_ERROR and payload.startswith(b"E_FIN_FAILED")
-        post(broker, f"/pub?topic={topic}", b"after")
+        post(twistd_broker, f"/pub?topic={topic}", b"after")
         assert bodies(conn, 1) == [b"after"]
 
 
-def test_channel_delete_closes_its_consumers(broker, name):
+def test_channel_delete_closes_its_consumers(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as conn, subscribe(broker, topic, "keep") as keep:
-        post(broker, f"/pub?topic={topic}", b"x")
+    with subscribe(twistd_broker, topic, "c") as conn, subscribe(twistd_broker, topic, "keep") as keep:
+        post(twistd_broker, f"/pub?topic={topic}", b"x")
         assert bodies(keep, 1) == [b"x"]
         conn.read_message()
-        assert ok_empty(post(broker, f"/channel/delete?topic={topic}&channel=c"))
+        assert ok_empty(post(twistd_broker, f"/channel/delete?topic={topic}&channel=c"))
         conn.expect_closed()
-        assert [c["channel_name"] for c in stats(broker, topic)["channels"]] == ["keep"]
-        assert post(broker, f"/channel/delete?topic={topic}&channel=c").error() == (404, "CHANNEL_NOT_FOUND")
-        post(broker, f"/pub?topic={topic}", b"y")
+        assert [c["channel_name"] for c in stats(twistd_broker, topic)["channels"]] == ["keep"]
+        assert post(twistd_broker, f"/channel/delete?topic={topic}&channel=c").error() == (404, "CHANNEL_NOT_FOUND")
+        post(twistd_broker, f"/pub?topic={topic}", b"y")
         assert bodies(keep, 1) == [b"y"]
 
 
-def test_topic_delete_closes_every_consumer_and_a_publish_recreates_it(broker, name):
+def test_topic_delete_closes_every_consumer_and_a_publish_recreates_it(twistd_broker, name):
     topic = name()
-    with subscribe(broker, topic, "c") as c1, subscribe(broker, topic, "d") as c2:
-        post(broker, f"/pub?topic={topic}", b"x")
-        assert ok_empty(post(broker, f"/topic/delete?topic={topic}"))
+    with subscribe(twistd_broker, topic, "c") as c1, subscribe(twistd_broker, topic, "d") as c2:
+        post(twistd_broker, f"/pub?topic={topic}", b"x")
+        assert ok_empty(post(twistd_broker, f"/topic/delete?topic={topic}"))
         for conn in (c1, c2):
             conn.sock.settimeout(5)
             try:
@@ -357,58 +357,58 @@ def test_topic_delete_closes_every_consumer_and_a_publish_recreates_it(broker, n
                     conn.read_frame()
             except (ConnectionError, OSError):
                 pass
-    assert stats(broker, topic) is None
-    assert post(broker, f"/topic/delete?topic={topic}").error() == (404, "TOPIC_NOT_FOUND")
-    assert post(broker, f"/pub?topic={topic}", b"again").status == 200
-    t = stats(broker, topic)
+    assert stats(twistd_broker, topic) is None
+    assert post(twistd_broker, f"/topic/delete?topic={topic}").error() == (404, "TOPIC_NOT_FOUND")
+    assert post(twistd_broker, f"/pub?topic={topic}", b"again").status == 200
+    t = stats(twistd_broker, topic)
     assert (t["depth"], t["channels"]) == (1, [])
-    wait_for(lambda: not broker.channels_in_metadata().get(topic),
+    wait_for(lambda: not twistd_broker.channels_in_metadata().get(topic),
              what="the metadata to drop the deleted channels")
 
 
 # -- /config ------------------------------------------------------------------------------------
 
 
-def test_config_get_and_put(broker):
-    r = call(broker, "GET", "/config/nsqlookupd_tcp_addresses")
+def test_config_get_and_put(twistd_broker):
+    r = call(twistd_broker, "GET", "/config/nsqlookupd_tcp_addresses")
     assert (r.status, r.json(), r.v1) == (200, [], True)
     addresses = ["127.0.0.1:4160", "127.0.0.2:4160"]
-    r = call(broker, "PUT", "/config/nsqlookupd_tcp_addresses", json.dumps(addresses).encode())
+    r = call(twistd_broker, "PUT", "/config/nsqlookupd_tcp_addresses", json.dumps(addresses).encode())
     assert (r.status, r.json()) == (200, addresses)
-    assert call(broker, "GET", "/config/nsqlookupd_tcp_addresses").json() == addresses
-    assert call(broker, "GET", "/config/msg_timeout").json() == 60_000_000_000
-    assert call(broker, "GET", "/config/nope").error() == (400, "INVALID_OPTION")
-    assert call(broker, "PUT", "/config/msg_timeout", b"1s").error() == (400, "INVALID_OPTION")
-    assert call(broker, "PUT", "/config/log_level", b"").error() == (413, "INVALID_VALUE")
-    assert call(broker, "PUT", "/config/log_level", b"bad").error() == (400, "INVALID_VALUE")
-    assert call(broker, "PUT", "/config/nsqlookupd_tcp_addresses", b"{").error() == (400, "INVALID_VALUE")
-    assert call(broker, "GET", "/config/log_level").json() == 2
+    assert call(twistd_broker, "GET", "/config/nsqlookupd_tcp_addresses").json() == addresses
+    assert call(twistd_broker, "GET", "/config/msg_timeout").json() == 60_000_000_000
+    assert call(twistd_broker, "GET", "/config/nope").error() == (400, "INVALID_OPTION")
+    assert call(twistd_broker, "PUT", "/config/msg_timeout", b"1s").error() == (400, "INVALID_OPTION")
+    assert call(twistd_broker, "PUT", "/config/log_level", b"").error() == (413, "INVALID_VALUE")
+    assert call(twistd_broker, "PUT", "/config/log_level", b"bad").error() == (400, "INVALID_VALUE")
+    assert call(twistd_broker, "PUT", "/config/nsqlookupd_tcp_addresses", b"{").error() == (400, "INVALID_VALUE")
+    assert call(twistd_broker, "GET", "/config/log_level").json() == 2
 
 
-def test_config_log_level_applies_at_once(broker):
-    call(broker, "GET", "/info")
-    assert "GET /info" not in broker.log()
-    r = call(broker, "PUT", "/config/log_level", b"debug")
+def test_config_log_level_applies_at_once(twistd_broker):
+    call(twistd_broker, "GET", "/info")
+    assert "GET /info" not in twistd_broker.log()
+    r = call(twistd_broker, "PUT", "/config/log_level", b"debug")
     assert (r.status, r.json()) == (200, 1)
-    call(broker, "GET", "/info?after=debug")
+    call(twistd_broker, "GET", "/info?after=debug")
     deadline = time.monotonic() + 5
-    while "GET /info?after=debug" not in broker.log():
-        assert time.monotonic() < deadline, broker.describe()
+    while "GET /info?after=debug" not in twistd_broker.log():
+        assert time.monotonic() < deadline, twistd_broker.describe()
         time.sleep(0.02)
-    assert call(broker, "PUT", "/config/log_level", b"info").json() == 2
+    assert call(twistd_broker, "PUT", "/config/log_level", b"info").json() == 2
 
 
 # -- /stats routing ------------------------------------------------------------------------------
 
 
-def test_stats_formats(broker, name):
+def test_stats_formats(twistd_broker, name):
     topic = name()
-    post(broker, f"/pub?topic={topic}", b"x")
-    r = call(broker, "GET", "/stats")
+    post(twistd_broker, f"/pub?topic={topic}", b"x")
+    r = call(twistd_broker, "GET", "/stats")
     assert r.status == 200 and r.v1
     assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
     assert r.body.startswith(b"nsqd v1.3.0") and topic.encode() in r.body
-    body = call(broker, "GET", f"/stats?format=json&topic={topic}&include_mem=false").json()
+    body = call(twistd_broker, "GET", f"/stats?format=json&topic={topic}&include_mem=false").json()
     assert [t["topic_name"] for t in body["topics"]] == [topic]
     assert "memory" not in body
-    assert call(broker, "GET", "/stats?format=json&topic=none-such").json()["topics"] is None
+    assert call(twistd_broker, "GET", "/stats?format=json&topic=none-such").json()["topics"] is None

@@ -10,23 +10,23 @@ import nsq
 from tests.support.pynsq_loop import Collector
 
 
-def test_pub_mpub_dpub_answer_ok(broker, loop, name):
+def test_pub_mpub_dpub_answer_ok(twistd_broker, loop, name):
     topic = name()
-    writer = loop.writer(broker)
+    writer = loop.writer(twistd_broker)
     assert loop.publish(writer, "pub", topic, b"one") == b"OK"
     assert loop.publish(writer, "mpub", topic, [b"two", b"three", b"four"]) == b"OK"
     assert loop.publish(writer, "dpub", topic, 50, b"five") == b"OK"
 
     got = Collector()
-    loop.reader(broker, topic, "c", got, max_in_flight=10)
+    loop.reader(twistd_broker, topic, "c", got, max_in_flight=10)
     loop.run_until(lambda: len(got) >= 5, what="all five messages")
     loop.run_for(0.2)
     assert sorted(got.bodies) == sorted([b"one", b"two", b"three", b"four", b"five"])
     assert {d[2] for d in got.deliveries} == {1}
 
 
-def test_publish_errors_reach_the_writer_callback(broker, loop, name):
-    writer = loop.writer(broker)
+def test_publish_errors_reach_the_writer_callback(twistd_broker, loop, name):
+    writer = loop.writer(twistd_broker)
     # An invalid topic is fatal: the callback gets the error, not OK.
     result = loop.publish(writer, "pub", "bad!topic", b"x")
     assert isinstance(result, nsq.Error)
@@ -36,11 +36,11 @@ def test_publish_errors_reach_the_writer_callback(broker, loop, name):
     assert loop.publish(writer, "pub", name(), b"fine") == b"OK"
 
 
-def test_dpub_arrives_no_earlier_than_its_delay(broker, loop, name):
+def test_dpub_arrives_no_earlier_than_its_delay(twistd_broker, loop, name):
     topic = name()
     got = Collector()
-    loop.reader(broker, topic, "c", got, max_in_flight=10)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "c", got, max_in_flight=10)
+    writer = loop.writer(twistd_broker)
 
     delay_ms = 600
     sent = time.monotonic()
@@ -58,9 +58,9 @@ def test_dpub_arrives_no_earlier_than_its_delay(broker, loop, name):
     assert [d[2] for d in got.deliveries] == [1, 1]
 
 
-def test_reader_consumes_everything_exactly_once(broker, loop, name):
+def test_reader_consumes_everything_exactly_once(twistd_broker, loop, name):
     topic = name()
-    writer = loop.writer(broker)
+    writer = loop.writer(twistd_broker)
     expected: list[bytes] = []
 
     # Published before any channel exists: held at the topic, then handed to
@@ -71,7 +71,7 @@ def test_reader_consumes_everything_exactly_once(broker, loop, name):
         assert loop.publish(writer, "pub", topic, body) == b"OK"
 
     got = Collector()
-    loop.reader(broker, topic, "c", got, max_in_flight=32)
+    loop.reader(twistd_broker, topic, "c", got, max_in_flight=32)
 
     batch = [b"late-%d" % i for i in range(450)]
     expected += batch
@@ -91,7 +91,7 @@ def test_reader_consumes_everything_exactly_once(broker, loop, name):
     assert {d[2] for d in got.deliveries} == {1}
 
 
-def test_requeue_with_backoff_redelivers_with_attempts_2(broker, loop, name):
+def test_requeue_with_backoff_redelivers_with_attempts_2(twistd_broker, loop, name):
     topic = name()
 
     def fail_once(message):
@@ -100,8 +100,8 @@ def test_requeue_with_backoff_redelivers_with_attempts_2(broker, loop, name):
     got = Collector(fail_once)
     # requeue_delay=1: pynsq sends REQ <id> 1000 (1 s x attempts) and backs
     # off (RDY 0, then RDY 1 to test the water) for a short backoff.
-    loop.reader(broker, topic, "c", got, requeue_delay=1, max_backoff_duration=0.5)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "c", got, requeue_delay=1, max_backoff_duration=0.5)
+    writer = loop.writer(twistd_broker)
     assert loop.publish(writer, "pub", topic, b"flaky") == b"OK"
 
     loop.run_until(lambda: len(got) >= 2, what="the requeued message to come back")
@@ -118,19 +118,19 @@ def test_requeue_with_backoff_redelivers_with_attempts_2(broker, loop, name):
     loop.clients[0].close()
     loop.run_for(0.1)
     later = Collector()
-    loop.reader(broker, topic, "c", later)
+    loop.reader(twistd_broker, topic, "c", later)
     assert loop.publish(writer, "pub", topic, b"sentinel") == b"OK"
     loop.run_until(lambda: later.bodies, what="the sentinel")
     loop.run_for(0.2)
     assert later.bodies == [b"sentinel"]
 
 
-def test_every_channel_gets_every_message(broker, loop, name):
+def test_every_channel_gets_every_message(twistd_broker, loop, name):
     topic = name()
     a, b = Collector(), Collector()
-    loop.reader(broker, topic, "one", a, max_in_flight=20)
-    loop.reader(broker, topic, "two", b, max_in_flight=20)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "one", a, max_in_flight=20)
+    loop.reader(twistd_broker, topic, "two", b, max_in_flight=20)
+    writer = loop.writer(twistd_broker)
     expected = [b"m%d" % i for i in range(100)]
     assert loop.publish(writer, "mpub", topic, expected[:60]) == b"OK"
     for body in expected[60:]:
@@ -147,12 +147,12 @@ def test_every_channel_gets_every_message(broker, loop, name):
     assert {d[2] for d in a.deliveries + b.deliveries} == {1}
 
 
-def test_readers_sharing_a_channel_split_the_messages(broker, loop, name):
+def test_readers_sharing_a_channel_split_the_messages(twistd_broker, loop, name):
     topic = name()
     a, b = Collector(), Collector()
-    loop.reader(broker, topic, "shared", a, max_in_flight=5)
-    loop.reader(broker, topic, "shared", b, max_in_flight=5)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "shared", a, max_in_flight=5)
+    loop.reader(twistd_broker, topic, "shared", b, max_in_flight=5)
+    writer = loop.writer(twistd_broker)
     expected = [b"job-%d" % i for i in range(200)]
     for i in range(0, 200, 20):
         assert loop.publish(writer, "mpub", topic, expected[i:i + 20]) == b"OK"
@@ -165,12 +165,12 @@ def test_readers_sharing_a_channel_split_the_messages(broker, loop, name):
     assert a.bodies and b.bodies, f"one reader got nothing ({len(a)} vs {len(b)})"
 
 
-def test_sample_rate_50_delivers_about_half(broker, loop, name):
+def test_sample_rate_50_delivers_about_half(twistd_broker, loop, name):
     """IDENTIFY sample_rate=50 through pynsq: about half the channel's messages."""
     topic = name()
     got = Collector()
-    loop.reader(broker, topic, "c", got, max_in_flight=100, sample_rate=50)
-    writer = loop.writer(broker)
+    loop.reader(twistd_broker, topic, "c", got, max_in_flight=100, sample_rate=50)
+    writer = loop.writer(twistd_broker)
     bodies = [b"s%04d" % i for i in range(2000)]
     for i in range(0, len(bodies), 200):
         assert loop.publish(writer, "mpub", topic, bodies[i:i + 200]) == b"OK"

@@ -17,6 +17,9 @@ from tests.support.broker_http import call, create, publish, queue_stats
 from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env, wait_for
 from tests.support.raw_conn import RawConn, command
 
+# Every test runs `python -m spark_bridge snapshot` as a process, most against a twistd mqd.
+pytestmark = pytest.mark.slow
+
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = child_env()

@@ -16,6 +16,9 @@ from tests.support.pynsq_loop import Collector
 from tests.support.raw_conn import RawConn, command
 from tests.support.v2_frames import mpub_body
 
+# Every test starts `twistd mqd` (some as a plain subprocess, not through a fixture).
+pytestmark = pytest.mark.slow
+
 
 def _write_yaml(path, text: str):
     path.write_text(text)

@@ -175,8 +175,8 @@ def test_tcp_https_keeps_plain_http(start_broker, certs):
 
 
 @pytest.mark.parametrize("kind", ["snappy", "deflate"])
-def test_compression(broker, name, kind):
-    answer = pub_and_consume(broker, name, **{kind: True})
+def test_compression(twistd_broker, name, kind):
+    answer = pub_and_consume(twistd_broker, name, **{kind: True})
     assert (answer["snappy"], answer["deflate"], answer["tls_v1"]) == (kind == "snappy", kind == "deflate", False)
 
 
@@ -231,8 +231,8 @@ def test_bad_tls_and_compressed_input_close_only_that_connection(start_broker, c
     assert "Traceback" not in broker.log() and "Unhandled" not in broker.log(), broker.describe()
 
 
-def test_both_compressions_refused(broker):
-    with RawConn(broker) as conn:
+def test_both_compressions_refused(twistd_broker):
+    with RawConn(twistd_broker) as conn:
         conn.send(command("IDENTIFY", json.dumps(
             {"feature_negotiation": True, "snappy": True, "deflate": True}).encode()))
         assert conn.read_frame() == (

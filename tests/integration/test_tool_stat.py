@@ -210,10 +210,10 @@ def test_nsqd_addresses_instead_of_lookupd(start_broker, name):
         tool.kill()
 
 
-def test_unknown_channel_is_fatal(broker, name):
+def test_unknown_channel_is_fatal(twistd_broker, name):
     topic = name("t")
-    assert broker.post(f"/topic/create?topic={quote(topic)}") == 200
-    tool = Tool(f"--topic={topic}", "--channel=nope", f"--nsqd-http-address={broker.http_address}")
+    assert twistd_broker.post(f"/topic/create?topic={quote(topic)}") == 200
+    tool = Tool(f"--topic={topic}", "--channel=nope", f"--nsqd-http-address={twistd_broker.http_address}")
     code, err = tool.finish()
     assert code == 1
     assert tool_stderr(err) == [f"ERROR: failed to find channel(nope) in stats metadata for topic({topic})"]

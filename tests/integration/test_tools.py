@@ -63,25 +63,25 @@ def lines_of(n: int, prefix: str = "line") -> list[bytes]:
 # -- mq-pub | mq-tail ---------------------------------------------------------------------
 
 
-def test_tail_prints_exactly_what_pub_sent(broker, name):
+def test_tail_prints_exactly_what_pub_sent(twistd_broker, name):
     topic = name()
     lines = lines_of(50)
-    tail = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}", "-n", "50")
-    wait_for(lambda: has_channel(broker, topic), TIMEOUT, "mq-tail's channel")
-    pub(broker, topic, lines)
+    tail = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={twistd_broker.tcp_address}", "-n", "50")
+    wait_for(lambda: has_channel(twistd_broker, topic), TIMEOUT, "mq-tail's channel")
+    pub(twistd_broker, topic, lines)
     out, _ = finish(tail)
     assert out.splitlines() == lines
     # The default channel is nsq_tail's ephemeral one, gone with the tool.
-    wait_for(lambda: not has_channel(broker, topic), TIMEOUT, "the ephemeral channel to go")
+    wait_for(lambda: not has_channel(twistd_broker, topic), TIMEOUT, "the ephemeral channel to go")
 
 
-def test_tail_print_topic_over_two_topics(broker, name):
+def test_tail_print_topic_over_two_topics(twistd_broker, name):
     topics = [name(), name()]
     tail = start("tail", *(f"--topic={t}" for t in topics), "--print-topic",
-                 f"--nsqd-tcp-address={broker.tcp_address}", "-n=20")
-    wait_for(lambda: all(has_channel(broker, t) for t in topics), TIMEOUT, "both channels")
+                 f"--nsqd-tcp-address={twistd_broker.tcp_address}", "-n=20")
+    wait_for(lambda: all(has_channel(twistd_broker, t) for t in topics), TIMEOUT, "both channels")
     for t in topics:
-        pub(broker, t, lines_of(10, t))
+        pub(twistd_broker, t, lines_of(10, t))
     out, _ = finish(tail)
     got = out.splitlines()
     assert len(got) == 20
@@ -114,35 +114,35 @@ def test_pub_to_several_brokers_publishes_every_line_to_each(start_broker, name)
         assert [t["message_count"] for t in stats["topics"] or [] if t["topic_name"] == topic] == [5]
 
 
-def test_pub_failed_publish_exits_1_with_the_error(broker):
+def test_pub_failed_publish_exits_1_with_the_error(twistd_broker):
     proc = subprocess.run(
-        tool("pub", "--topic=bad topic!", f"--nsqd-tcp-address={broker.tcp_address}"),
+        tool("pub", "--topic=bad topic!", f"--nsqd-tcp-address={twistd_broker.tcp_address}"),
         input=b"x\n", capture_output=True, timeout=TIMEOUT,
     )
     assert proc.returncode == 1
     assert "E_BAD_TOPIC" in proc.stderr.decode()
 
 
-def test_pub_with_a_broker_down_exits_1_having_published_nowhere(broker, name):
+def test_pub_with_a_broker_down_exits_1_having_published_nowhere(twistd_broker, name):
     """As to_nsq: the broker that is up gets none of the lines, so running the input again adds no duplicate."""
     topic = name()
     proc = subprocess.run(
-        tool("pub", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}",
+        tool("pub", f"--topic={topic}", f"--nsqd-tcp-address={twistd_broker.tcp_address}",
              "--nsqd-tcp-address=127.0.0.1:1"),
         input=b"".join(b"%d\n" % i for i in range(2000)), capture_output=True, timeout=TIMEOUT,
     )
     assert proc.returncode == 1
     # to_nsq's line: Go's dial error and nothing else.
     assert "dial tcp 127.0.0.1:1: connect: connection refused\n" in proc.stderr.decode()
-    _, stats = broker.get(f"/stats?format=json&topic={topic}")
+    _, stats = twistd_broker.get(f"/stats?format=json&topic={topic}")
     assert [t["message_count"] for t in stats["topics"] or [] if t["topic_name"] == topic] in ([], [0])
 
 
-def test_pub_rate_paces_the_messages(broker, name):
+def test_pub_rate_paces_the_messages(twistd_broker, name):
     topic = name()
     rate, n = 20, 11
-    pub(broker, topic, lines_of(n), f"--rate={rate}")
-    with RawConn(broker, timeout=10) as conn:
+    pub(twistd_broker, topic, lines_of(n), f"--rate={rate}")
+    with RawConn(twistd_broker, timeout=10) as conn:
         conn.send(command(f"SUB {topic} ch") + command(f"RDY {n}"))
         assert conn.read_frame() == (0, b"OK")
         stamps = sorted(conn.read_message()[0] for _ in range(n))
@@ -151,11 +151,11 @@ def test_pub_rate_paces_the_messages(broker, name):
     assert spread >= (n - 2) / rate, spread
 
 
-def test_tool_errors_exit_1_in_nsqs_words(broker):
+def test_tool_errors_exit_1_in_nsqs_words(twistd_broker):
     for name, args, message in [
-        ("tail", [f"--nsqd-tcp-address={broker.tcp_address}"], "--topic required"),
+        ("tail", [f"--nsqd-tcp-address={twistd_broker.tcp_address}"], "--topic required"),
         ("tail", ["--topic=t"], "--nsqd-tcp-address or --lookupd-http-address required"),
-        ("pub", [f"--nsqd-tcp-address={broker.tcp_address}"], "--topic required"),
+        ("pub", [f"--nsqd-tcp-address={twistd_broker.tcp_address}"], "--topic required"),
         ("pub", ["--topic=t", "--delimiter=ab", "--nsqd-tcp-address=a:1"],
          "--delimiter must be a single byte"),
         # A bad pass-through option is a bad command line, as go-nsq's ConfigFlag makes it: exit 2.
@@ -168,7 +168,7 @@ def test_tool_errors_exit_1_in_nsqs_words(broker):
         assert message in proc.stderr.decode(), (name, args, proc.stderr)
 
 
-def test_version(broker):
+def test_version(twistd_broker):
     from mqd import __version__
 
     for name, prog in [("tail", "mq-tail"), ("pub", "mq-pub"), ("to_file", "mq-to-file")]:
@@ -180,36 +180,36 @@ def _sigint_ignored() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def test_tail_started_with_sigint_ignored_still_stops_on_sigint(broker, name):
+def test_tail_started_with_sigint_ignored_still_stops_on_sigint(twistd_broker, name):
     """A script's `mq-tail ... &` inherits SIGINT ignored; Go's tools take it back, and so does mq-tail."""
     topic = name()
-    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}",
+    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={twistd_broker.tcp_address}",
                  preexec_fn=_sigint_ignored)
-    wait_for(lambda: has_channel(broker, topic), TIMEOUT, "mq-tail subscribed")
+    wait_for(lambda: has_channel(twistd_broker, topic), TIMEOUT, "mq-tail subscribed")
     proc.send_signal(signal.SIGINT)
     finish(proc)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_stat_stopped_by_a_signal_exits_0_with_nothing_on_stderr(broker, name, sig):
+def test_stat_stopped_by_a_signal_exits_0_with_nothing_on_stderr(twistd_broker, name, sig):
     """As nsq_stat, which ends on each of the three: the table so far on stdout, and no traceback."""
     topic = name()
-    assert broker.post(f"/topic/create?topic={topic}") == 200
-    assert broker.post(f"/channel/create?topic={topic}&channel=c") == 200
-    proc = start("stat", f"--topic={topic}", "--channel=c", f"--nsqd-http-address={broker.http_address}")
+    assert twistd_broker.post(f"/topic/create?topic={topic}") == 200
+    assert twistd_broker.post(f"/channel/create?topic={topic}&channel=c") == 200
+    proc = start("stat", f"--topic={topic}", "--channel=c", f"--nsqd-http-address={twistd_broker.http_address}")
     assert proc.stdout.readline().startswith(b"------rate------+")
     proc.send_signal(sig)
     _, err = finish(proc)
     assert err == ""
 
 
-def test_tail_into_a_closed_pipe_dies_of_sigpipe_as_nsq_tail(broker, name):
+def test_tail_into_a_closed_pipe_dies_of_sigpipe_as_nsq_tail(twistd_broker, name):
     topic = name()
-    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={broker.tcp_address}")
-    pub(broker, topic, [b"first"])
+    proc = start("tail", f"--topic={topic}", f"--nsqd-tcp-address={twistd_broker.tcp_address}")
+    pub(twistd_broker, topic, [b"first"])
     assert proc.stdout.readline() == b"first\n"
     proc.stdout.close()  # `| head -1` exits
-    pub(broker, topic, [b"second"])
+    pub(twistd_broker, topic, [b"second"])
     assert proc.wait(timeout=TIMEOUT) == -signal.SIGPIPE
     err = proc.stderr.read()
     assert b"Traceback" not in err and b"Broken pipe" not in err, err.decode()
@@ -243,78 +243,78 @@ def output(out: Path, gz: bool = False) -> list[bytes]:
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
-def test_to_file_writes_exactly_the_published_lines(broker, name, tmp_path, gz):
+def test_to_file_writes_exactly_the_published_lines(twistd_broker, name, tmp_path, gz):
     topic = name()
     lines = lines_of(300)
-    pub(broker, topic, lines)
+    pub(twistd_broker, topic, lines)
     out = tmp_path / "out"
-    proc = to_file(broker, topic, out, "--sync-interval=200ms", *(["--gzip"] if gz else []))
-    wait_for(lambda: all_finished(broker, topic, 300), TIMEOUT, "every message FINed")
+    proc = to_file(twistd_broker, topic, out, "--sync-interval=200ms", *(["--gzip"] if gz else []))
+    wait_for(lambda: all_finished(twistd_broker, topic, 300), TIMEOUT, "every message FINed")
     stop(proc)
     assert output(out, gz) == lines
     names = os.listdir(out)
     assert len(names) == 1 and names[0].startswith(f"{topic}.") and names[0].endswith(
         ".log.gz" if gz else ".log")
-    c = channel_stats(broker, topic, "nsq_to_file")
+    c = channel_stats(twistd_broker, topic, "nsq_to_file")
     assert (c["depth"], c["in_flight_count"], c["requeue_count"]) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["plain", "gzip"])
-def test_to_file_rotate_size_files_concatenate_to_the_lines_in_order(broker, name, tmp_path, gz):
+def test_to_file_rotate_size_files_concatenate_to_the_lines_in_order(twistd_broker, name, tmp_path, gz):
     topic = name()
     lines = lines_of(200)
-    pub(broker, topic, lines)
+    pub(twistd_broker, topic, lines)
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = to_file(broker, topic, out, "--rotate-size=1000", f"--work-dir={work}",
+    proc = to_file(twistd_broker, topic, out, "--rotate-size=1000", f"--work-dir={work}",
                    "--sync-interval=200ms", *(["--gzip"] if gz else []))
-    wait_for(lambda: all_finished(broker, topic, 200), TIMEOUT, "every message FINed")
+    wait_for(lambda: all_finished(twistd_broker, topic, 200), TIMEOUT, "every message FINed")
     stop(proc)
     assert len(os.listdir(out)) >= 4
     assert os.listdir(work) == []  # every file moved out when closed
     assert output(out, gz) == lines
 
 
-def test_to_file_after_exit_all_messages_are_finished_and_the_channel_stays(broker, name, tmp_path):
+def test_to_file_after_exit_all_messages_are_finished_and_the_channel_stays(twistd_broker, name, tmp_path):
     topic = name()
-    proc = to_file(broker, topic, tmp_path / "out", "--sync-interval=100ms")
-    wait_for(lambda: has_channel(broker, topic), TIMEOUT, "the channel")
-    pub(broker, topic, lines_of(100))
-    wait_for(lambda: all_finished(broker, topic, 100), TIMEOUT, "every message FINed")
-    pub(broker, topic, lines_of(10, "late"))
-    wait_for(lambda: all_finished(broker, topic, 110), TIMEOUT, "the late ones FINed")
+    proc = to_file(twistd_broker, topic, tmp_path / "out", "--sync-interval=100ms")
+    wait_for(lambda: has_channel(twistd_broker, topic), TIMEOUT, "the channel")
+    pub(twistd_broker, topic, lines_of(100))
+    wait_for(lambda: all_finished(twistd_broker, topic, 100), TIMEOUT, "every message FINed")
+    pub(twistd_broker, topic, lines_of(10, "late"))
+    wait_for(lambda: all_finished(twistd_broker, topic, 110), TIMEOUT, "the late ones FINed")
     stop(proc)
-    c = channel_stats(broker, topic, "nsq_to_file")
+    c = channel_stats(twistd_broker, topic, "nsq_to_file")
     assert (c["depth"], c["in_flight_count"], c["client_count"]) == (0, 0, 0)
     assert output(tmp_path / "out") == lines_of(100) + lines_of(10, "late")
 
 
-def test_to_file_sigterm_syncs_and_finishes_what_it_holds(broker, name, tmp_path):
+def test_to_file_sigterm_syncs_and_finishes_what_it_holds(twistd_broker, name, tmp_path):
     topic = name()
-    pub(broker, topic, lines_of(40))
-    proc = to_file(broker, topic, tmp_path / "out", "--sync-interval=1h", "--max-in-flight=1000")
+    pub(twistd_broker, topic, lines_of(40))
+    proc = to_file(twistd_broker, topic, tmp_path / "out", "--sync-interval=1h", "--max-in-flight=1000")
     # The first message opens the file and is synced at once; the rest are held.
-    wait_for(lambda: (channel_stats(broker, topic, "nsq_to_file") or {}).get("in_flight_count")
+    wait_for(lambda: (channel_stats(twistd_broker, topic, "nsq_to_file") or {}).get("in_flight_count")
              == 39, TIMEOUT, "39 messages held, unsynced")
     stop(proc)
-    c = channel_stats(broker, topic, "nsq_to_file")
+    c = channel_stats(twistd_broker, topic, "nsq_to_file")
     assert (c["depth"], c["in_flight_count"], c["requeue_count"]) == (0, 0, 0)
     assert output(tmp_path / "out") == lines_of(40)
 
 
-def test_to_file_killed_before_sync_leaves_the_messages_in_the_broker(broker, name, tmp_path):
+def test_to_file_killed_before_sync_leaves_the_messages_in_the_broker(twistd_broker, name, tmp_path):
     topic = name()
     lines = lines_of(40)
-    pub(broker, topic, lines)
-    proc = to_file(broker, topic, tmp_path / "first", "--sync-interval=1h", "--max-in-flight=1000")
-    wait_for(lambda: (channel_stats(broker, topic, "nsq_to_file") or {}).get("in_flight_count")
+    pub(twistd_broker, topic, lines)
+    proc = to_file(twistd_broker, topic, tmp_path / "first", "--sync-interval=1h", "--max-in-flight=1000")
+    wait_for(lambda: (channel_stats(twistd_broker, topic, "nsq_to_file") or {}).get("in_flight_count")
              == 39, TIMEOUT, "39 messages held, unsynced")
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=TIMEOUT)
     # Not FINed: back in the queue once the connection is gone, not lost.
-    wait_for(lambda: (channel_stats(broker, topic, "nsq_to_file") or {}).get("depth") == 39,
+    wait_for(lambda: (channel_stats(twistd_broker, topic, "nsq_to_file") or {}).get("depth") == 39,
              TIMEOUT, "the unsynced messages requeued")
-    proc = to_file(broker, topic, tmp_path / "second", "--sync-interval=100ms")
-    wait_for(lambda: all_finished(broker, topic, 40), TIMEOUT, "the redelivered ones FINed")
+    proc = to_file(twistd_broker, topic, tmp_path / "second", "--sync-interval=100ms")
+    wait_for(lambda: all_finished(twistd_broker, topic, 40), TIMEOUT, "the redelivered ones FINed")
     stop(proc)
     assert output(tmp_path / "first")[:1] == lines[:1]  # synced and FINed before the kill
     assert output(tmp_path / "second") == lines[1:]  # redelivered: every unsynced one
@@ -344,34 +344,34 @@ def test_to_file_discovers_topics_from_lookupd_filtered_by_pattern(start_broker,
         [wanted.split(".")[1], later.split(".")[1]])
 
 
-def test_to_file_sighup_closes_and_moves_the_file(broker, name, tmp_path):
+def test_to_file_sighup_closes_and_moves_the_file(twistd_broker, name, tmp_path):
     topic = name()
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = to_file(broker, topic, out, f"--work-dir={work}", "--sync-interval=100ms")
-    wait_for(lambda: has_channel(broker, topic), TIMEOUT, "the channel")
-    pub(broker, topic, lines_of(5))
-    wait_for(lambda: all_finished(broker, topic, 5), TIMEOUT, "every message FINed")
+    proc = to_file(twistd_broker, topic, out, f"--work-dir={work}", "--sync-interval=100ms")
+    wait_for(lambda: has_channel(twistd_broker, topic), TIMEOUT, "the channel")
+    pub(twistd_broker, topic, lines_of(5))
+    wait_for(lambda: all_finished(twistd_broker, topic, 5), TIMEOUT, "every message FINed")
     assert len(os.listdir(work)) == 1 and os.listdir(out) == []
     proc.send_signal(signal.SIGHUP)
     wait_for(lambda: out.exists() and len(os.listdir(out)) == 1, TIMEOUT, "the file moved out")
     assert os.listdir(work) == []
-    pub(broker, topic, lines_of(3, "after"))  # a new revision of the name is opened
-    wait_for(lambda: all_finished(broker, topic, 8), TIMEOUT, "the next ones FINed")
+    pub(twistd_broker, topic, lines_of(3, "after"))  # a new revision of the name is opened
+    wait_for(lambda: all_finished(twistd_broker, topic, 8), TIMEOUT, "the next ones FINed")
     stop(proc)
     assert len(os.listdir(out)) == 2
     assert output(out) == lines_of(5) + lines_of(3, "after")
 
 
-def test_pub_reads_a_regular_file_on_stdin(broker, name, tmp_path):
+def test_pub_reads_a_regular_file_on_stdin(twistd_broker, name, tmp_path):
     topic = name()
     source = tmp_path / "source.txt"
     source.write_bytes(b"a,b,,c")  # no trailing delimiter, one empty field skipped
     with open(source, "rb") as stdin:
         proc = subprocess.run(tool("pub", f"--topic={topic}", "--delimiter=,",
-                                   f"--nsqd-tcp-address={broker.tcp_address}"),
+                                   f"--nsqd-tcp-address={twistd_broker.tcp_address}"),
                               stdin=stdin, capture_output=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr.decode()
-    with RawConn(broker, timeout=10) as conn:
+    with RawConn(twistd_broker, timeout=10) as conn:
         conn.send(command(f"SUB {topic} ch") + command("RDY 3"))
         assert conn.read_frame() == (0, b"OK")
         assert [conn.read_message()[3] for _ in range(3)] == [b"a", b"b", b"c"]

@@ -97,8 +97,8 @@ def _lookupd_conn() -> Conn:
 
 @pytest.mark.parametrize("raw", ["9" * 5000, "1" + "0" * 4400, "18446744073709551615",
                                  "9223372036854775808", "18446744073709551617", "9" * 4301])
-def test_rdy_count_of_any_length_parses_as_nsqd_does(broker, logged_failures, raw):
-    c = consumer(broker, rdy=None)
+def test_rdy_count_of_any_length_parses_as_nsqd_does(inproc_broker, logged_failures, raw):
+    c = consumer(inproc_broker, rdy=None)
     count = go_int64(go_byte_to_base10(raw))
     out = c.request(cmd("RDY", raw))
     if 0 <= count <= 2500:
@@ -112,9 +112,9 @@ def test_rdy_count_of_any_length_parses_as_nsqd_does(broker, logged_failures, ra
 
 
 @pytest.mark.parametrize("raw", ["9" * 400, "9" * 5000, "18446744073709551615"])
-def test_req_timeout_wrapping_negative_requeues_at_once(broker, publish, logged_failures, raw):
+def test_req_timeout_wrapping_negative_requeues_at_once(inproc_broker, publish, logged_failures, raw):
     # (2**64 - 1) ms is -1 ms as nsqd's time.Duration: clamped to 0, requeued now.
-    c = consumer(broker, rdy=1)
+    c = consumer(inproc_broker, rdy=1)
     publish(b"x")
     [m] = c.messages()
     assert c.request(cmd("REQ", m.id, raw)) == [Msg(m.timestamp, 2, m.id, b"x")]
@@ -124,14 +124,14 @@ def test_req_timeout_wrapping_negative_requeues_at_once(broker, publish, logged_
 
 @pytest.mark.parametrize("raw", ["1" + "0" * 399, "9" * 19, "1000000000000", "18446744073709552",
                                  "5" * 4400])
-def test_req_timeout_of_any_length_is_clamped_as_nsqd_does(broker, publish, clock, logged_failures, raw):
-    c = consumer(broker, rdy=1)
+def test_req_timeout_of_any_length_is_clamped_as_nsqd_does(inproc_broker, publish, clock, logged_failures, raw):
+    c = consumer(inproc_broker, rdy=1)
     publish(b"x")
     [m] = c.messages()
     expect = go_int64(go_byte_to_base10(raw) * 1_000_000 & MASK64)
     assert c.request(cmd("REQ", m.id, raw)) == ([] if expect > 0 else [Msg(m.timestamp, 2, m.id, b"x")])
     assert not c.closed
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     if expect > 0:
         # Clamped to --max-req-timeout (1 h).
         assert channel.deferred_count() == 1
@@ -149,13 +149,13 @@ def test_dpub_timeout_of_thousands_of_digits_is_out_of_range(connect, logged_fai
     assert logged_failures == []
 
 
-def test_dpub_timeout_wraps_like_go(connect, broker):
+def test_dpub_timeout_wraps_like_go(connect, inproc_broker):
     # 18446744073709552 ms * 1e6 wraps to 384000 ns: nsqd defers by 0.384 ms.
     c = connect()
     assert c.request(cmd("SUB", "t", "c")) == [ok()]
     p = connect()
     assert p.request(dpub("t", "18446744073709552", b"x")) == [ok()]
-    assert broker.topics["t"].channels["c"].deferred_count() == 1
+    assert inproc_broker.topics["t"].channels["c"].deferred_count() == 1
     # 10**13 ms overflows to a negative Duration; 10**15 ms to over an hour.
     assert p.request(dpub("t", "10000000000000", b"x")) == [
         err("E_INVALID DPUB timeout 10000000000000 out of range 0-3600000")]
@@ -164,20 +164,20 @@ def test_dpub_timeout_wraps_like_go(connect, broker):
         err("E_INVALID DPUB timeout 1000000000000000 out of range 0-3600000")]
 
 
-def test_bad_arguments_are_echoed_byte_for_byte(broker, connect):
+def test_bad_arguments_are_echoed_byte_for_byte(inproc_broker, connect):
     # nsqd prints the argument with %s: the bytes as sent, UTF-8 or not.
-    c = consumer(broker, rdy=None)
+    c = consumer(inproc_broker, rdy=None)
     assert c.request(b"RDY 1\xff\n") == [err(b"E_INVALID RDY could not parse count 1\xff")]
-    c = consumer(broker, rdy=None)
+    c = consumer(inproc_broker, rdy=None)
     assert c.request(b"REQ " + b"\xe9" * 16 + b" \xfe\n") == [err(b"E_INVALID REQ could not parse timeout \xfe")]
-    c = consumer(broker, rdy=None)
+    c = consumer(inproc_broker, rdy=None)
     assert c.request(b"REQ " + b"\xe9" * 16 + b" 0\n") == [
         err(b"E_REQ_FAILED REQ " + b"\xe9" * 16 + b" failed ID not in flight")]
     assert c.request(b"TOUCH " + b"\xe9" * 16 + b"\n") == [
         err(b"E_TOUCH_FAILED TOUCH " + b"\xe9" * 16 + b" failed ID not in flight")]
     c = connect()
     assert c.request(b"DPUB t \xc3\n" + sized(b"x")) == [err(b"E_INVALID DPUB could not parse timeout \xc3")]
-    c = consumer(broker, rdy=None)
+    c = consumer(inproc_broker, rdy=None)
     assert c.request(b"FIN " + b"\xe9" * 16 + b"\n") == [
         err(b"E_FIN_FAILED FIN " + b"\xe9" * 16 + b" failed ID not in flight")]
     c = connect()

@@ -47,19 +47,19 @@ def drain(broker, clock, topic: str, n: int) -> list[bytes]:
 # -- TCP MPUB -------------------------------------------------------------------------------
 
 
-def test_bystander_answered_between_chunks_of_a_huge_mpub(broker, clock, small_chunks):
+def test_bystander_answered_between_chunks_of_a_huge_mpub(inproc_broker, clock, small_chunks):
     n = 40 * CHUNK + 7
     bodies = [b"%d" % i for i in range(n)]
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     # A PUB pipelined behind the MPUB in the same read: answered after it.
     p.send(mpub("big", bodies) + pub("big", b"tail"))
-    topic = broker.topics["big"]
+    topic = inproc_broker.topics["big"]
     assert p.read() == []  # nothing answered within the read itself
     run_turns(clock, lambda: topic.message_count > 0)
     # Mid-way: part of the batch is in, and another client is served now.
     assert 0 < topic.message_count < n
     assert p.read() == []
-    bystander = publisher_client(broker, port=5001)
+    bystander = publisher_client(inproc_broker, port=5001)
     assert bystander.request(pub("other", b"y")) == [ok()]
     assert bystander.request(mpub("big", [b"b1", b"b2"])) == [ok()]
     turns = run_turns(clock, lambda: p.transport.value())
@@ -68,16 +68,16 @@ def test_bystander_answered_between_chunks_of_a_huge_mpub(broker, clock, small_c
     assert p.proto.pub_counts == {"big": n + 1}
     # Every message once, the publisher's own in its order; the bystander's
     # two landed between two chunks (as concurrent publishers may in nsqd).
-    got = drain(broker, clock, "big", n + 3)
+    got = drain(inproc_broker, clock, "big", n + 3)
     assert [b for b in got if not b.startswith(b"b")] == bodies + [b"tail"]
     assert sorted(got) == sorted(bodies + [b"tail", b"b1", b"b2"])
     assert 0 < got.index(b"b1") < n
 
 
-def test_huge_mpub_holds_the_connection_input_until_answered(broker, clock, small_chunks):
+def test_huge_mpub_holds_the_connection_input_until_answered(inproc_broker, clock, small_chunks):
     """What arrives while a big MPUB is published waits: commands are answered in order."""
     n = 10 * CHUNK
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     p.send(mpub("big", [b"x"] * n))
     assert p.transport.producerState == "paused"
     p.send(pub("big", b"after") + cmd("NOP"))
@@ -85,35 +85,35 @@ def test_huge_mpub_holds_the_connection_input_until_answered(broker, clock, smal
     run_turns(clock, lambda: p.transport.value())
     assert p.read() == [ok(), ok()]
     assert p.transport.producerState == "producing"
-    assert broker.topics["big"].message_count == n + 1
-    assert drain(broker, clock, "big", n + 1)[-1] == b"after"
+    assert inproc_broker.topics["big"].message_count == n + 1
+    assert drain(inproc_broker, clock, "big", n + 1)[-1] == b"after"
 
 
-def test_huge_mpub_bad_last_message_found_over_turns_publishes_nothing(broker, clock, small_chunks):
+def test_huge_mpub_bad_last_message_found_over_turns_publishes_nothing(inproc_broker, clock, small_chunks):
     n = 20 * CHUNK
     body = mpub_body([b"x"] * (n - 1)) + struct.pack(">i", 0)
     body = struct.pack(">i", n) + body[4:]
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     p.send(cmd("MPUB", "big") + sized(body))
     assert p.read() == []
-    assert publisher_client(broker, port=5001).request(pub("other", b"y")) == [ok()]
+    assert publisher_client(inproc_broker, port=5001).request(pub("other", b"y")) == [ok()]
     run_turns(clock, lambda: p.transport.value())
     assert p.read() == [err(f"E_BAD_MESSAGE MPUB invalid message({n - 1}) body size 0")]
     assert p.closed
-    assert broker.topics["big"].message_count == 0
+    assert inproc_broker.topics["big"].message_count == 0
 
 
 def test_huge_mpub_bytes_inside_the_declared_size_are_the_next_command(
-        broker, clock, small_chunks):
+        inproc_broker, clock, small_chunks):
     # nsqd reads MPUB's messages from the stream: the declared size is
     # no frame, so the NOP inside it is a command of its own (no answer).
     body = mpub_body([b"x"] * (5 * CHUNK)) + b"NOP\n"
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     p.send(cmd("MPUB", "big") + sized(body))
     assert p.transport.value() == b""  # published over turns like any big batch
     run_turns(clock, lambda: p.transport.value())
     assert p.read() == [ok()]
-    assert broker.topics["big"].message_count == 5 * CHUNK
+    assert inproc_broker.topics["big"].message_count == 5 * CHUNK
 
 
 def test_store_failure_mid_way_keeps_earlier_chunks_and_fails_the_mpub(
@@ -158,11 +158,11 @@ def test_durable_huge_mpub_acks_after_the_commit_of_its_last_chunk(make_broker, 
     assert p.read() == [ok(), ok()]
 
 
-def test_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
+def test_client_gone_mid_batch_still_publishes_it(inproc_broker, clock, small_chunks):
     n = 10 * CHUNK
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     p.send(mpub("big", [b"x"] * n))
-    topic = broker.topics["big"]
+    topic = inproc_broker.topics["big"]
     run_turns(clock, lambda: topic.message_count > 0)
     assert topic.message_count < n
     p.lose()
@@ -170,24 +170,24 @@ def test_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
     assert topic.message_count == n
 
 
-def test_topic_deleted_mid_batch_is_mpub_failed_exiting(broker, clock, small_chunks):
+def test_topic_deleted_mid_batch_is_mpub_failed_exiting(inproc_broker, clock, small_chunks):
     n = 10 * CHUNK
-    p = publisher_client(broker)
+    p = publisher_client(inproc_broker)
     p.send(mpub("big", [b"x"] * n))
-    topic = broker.topics["big"]
+    topic = inproc_broker.topics["big"]
     run_turns(clock, lambda: topic.message_count > 0)
-    broker.delete_topic("big")
+    inproc_broker.delete_topic("big")
     run_turns(clock, lambda: p.transport.value())
     assert p.read() == [err("E_MPUB_FAILED MPUB failed exiting")]
-    assert broker.health is None
+    assert inproc_broker.health is None
 
 
-def test_two_huge_mpubs_take_turns(broker, clock, small_chunks):
+def test_two_huge_mpubs_take_turns(inproc_broker, clock, small_chunks):
     n = 10 * CHUNK
-    a, b = publisher_client(broker), publisher_client(broker, port=5001)
+    a, b = publisher_client(inproc_broker), publisher_client(inproc_broker, port=5001)
     a.send(mpub("ta", [b"a"] * n))
     b.send(mpub("tb", [b"b"] * n))
-    ta, tb = broker.topics["ta"], broker.topics["tb"]
+    ta, tb = inproc_broker.topics["ta"], inproc_broker.topics["tb"]
     run_turns(clock, lambda: ta.message_count or tb.message_count)
     run_turns(clock, lambda: ta.message_count and tb.message_count)
     assert ta.message_count < n and tb.message_count < n
@@ -231,15 +231,15 @@ def _binary(bodies: list[bytes]) -> bytes:
 
 
 @pytest.mark.parametrize("binary", [False, True])
-def test_http_huge_mpub_published_over_turns(broker, clock, small_chunks, binary):
+def test_http_huge_mpub_published_over_turns(inproc_broker, clock, small_chunks, binary):
     n = 20 * CHUNK + 3
     bodies = [b"%d" % i for i in range(n)]
-    http = HTTPClient(broker)
+    http = HTTPClient(inproc_broker)
     if binary:
         transport = http.send("POST", "/mpub?topic=big&binary=true", _binary(bodies))
     else:
         transport = http.send("POST", "/mpub?topic=big", b"\n".join(bodies) + b"\n\n")
-    topic = broker.topics["big"]
+    topic = inproc_broker.topics["big"]
     assert transport.value() == b""
     run_turns(clock, lambda: topic.message_count > 0)
     assert 0 < topic.message_count < n
@@ -247,7 +247,7 @@ def test_http_huge_mpub_published_over_turns(broker, clock, small_chunks, binary
     run_turns(clock, lambda: transport.value())
     r = parse_response(transport.value())
     assert (r.status, r.body) == (200, b"OK") and r.v1
-    assert drain(broker, clock, "big", n) == bodies
+    assert drain(inproc_broker, clock, "big", n) == bodies
 
 
 @pytest.mark.parametrize(("binary", "body", "expected"), [
@@ -283,13 +283,13 @@ def test_http_durable_huge_mpub_answers_after_the_commit(make_broker, clock, sma
     assert parse_response(transport.value()).body == b"OK"
 
 
-def test_http_client_gone_mid_batch_still_publishes_it(broker, clock, small_chunks):
+def test_http_client_gone_mid_batch_still_publishes_it(inproc_broker, clock, small_chunks):
     from twisted.internet.error import ConnectionDone
     from twisted.python.failure import Failure
 
     n = 10 * CHUNK
-    transport = HTTPClient(broker).send("POST", "/mpub?topic=big", b"x\n" * n)
-    topic = broker.topics["big"]
+    transport = HTTPClient(inproc_broker).send("POST", "/mpub?topic=big", b"x\n" * n)
+    topic = inproc_broker.topics["big"]
     run_turns(clock, lambda: topic.message_count > 0)
     assert topic.message_count < n
     transport.protocol.connectionLost(Failure(ConnectionDone()))

@@ -29,7 +29,7 @@ import lmdb
 import pytest
 from twisted.internet.testing import MemoryReactor
 
-import mqd.nsqd.broker
+import mqd.nsqd.metadata
 from backends.lmdb import SPILL_FILE, LmdbStore, StoreOpenError
 from mqd.lookup.tap import build_service as build_lookupd
 from mqd.nsqd.tap import build_service as build_mqd
@@ -289,7 +289,7 @@ def test_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monkeypatch, l
 
     # The disk is full: nsqd.dat cannot be written, and neither can LMDB.
     full = [True]
-    real_mkstemp, real_write = mqd.nsqd.broker.tempfile.mkstemp, LmdbStore._write
+    real_mkstemp, real_write = mqd.nsqd.metadata.tempfile.mkstemp, LmdbStore._write
 
     def mkstemp(*args, **kwargs):
         if full[0]:
@@ -301,7 +301,7 @@ def test_start_on_full_disk_serves_what_it_holds(tmp_path, clock, monkeypatch, l
             raise lmdb.Error("mdb_txn_commit: No space left on device")
         return real_write(store)
 
-    monkeypatch.setattr(mqd.nsqd.broker.tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(mqd.nsqd.metadata.tempfile, "mkstemp", mkstemp)
     monkeypatch.setattr(LmdbStore, "_write", write)
     broker = new_broker(tmp_path, clock, backend="lmdb", durable=True)
     lines = [line for line in log_lines if "cannot write metadata" in line]

@@ -111,10 +111,10 @@ def test_close_while_paused_lets_the_transport_close(connect):
     assert c.transport.producer is None
 
 
-def test_tls_handshake_pause_keeps_reading(broker):
+def test_tls_handshake_pause_keeps_reading(inproc_broker):
     """Until the handshake is done the TLS layer holds the OK back and pauses its producer:
     the connection must still read, or the handshake never completes."""
-    c = tls_client(broker)
+    c = tls_client(inproc_broker)
     c.send(identify(feature_negotiation=True, tls_v1=True))
     assert c.proto.tls and not c.proto.tls_version
     c.proto.pauseProducing()
@@ -387,7 +387,7 @@ def reactor_turn(clock) -> None:
         call.func(*call.args, **call.kw)
 
 
-def test_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, broker):
+def test_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, inproc_broker):
     c, codec = compressed_client(connect)
     bomb = _bomb(codec)
     assert len(bomb) < 64 * 1024
@@ -401,7 +401,7 @@ def test_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, brok
     assert codec.decompress(c.raw()) == b""  # not through the bomb yet
     # A bystander is served while the bomb waits.
     publish(b"bystander")
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
     steps = 0
     while not c.transport.value():
         reactor_turn(clock)
@@ -410,26 +410,26 @@ def test_deflate_bomb_is_inflated_in_bounded_steps(connect, publish, clock, brok
         publish(b"bystander %d" % steps)  # served between any two steps
     assert parse_frames(codec.decompress(c.raw())) == [ok()]
     assert steps >= 16 * 1024 * 1024 // (256 * 1024)  # at most 256 KiB a turn
-    assert broker.topics["t"].depth() == 1 + steps + 1  # bystanders and the bomb's PUB
+    assert inproc_broker.topics["t"].depth() == 1 + steps + 1  # bystanders and the bomb's PUB
 
 
-def test_paused_connection_stops_inflating(connect, clock, broker):
+def test_paused_connection_stops_inflating(connect, clock, inproc_broker):
     c, codec = compressed_client(connect)
     c.send(_bomb(codec))
     c.proto.pauseProducing()  # its output backed up meanwhile
     for _ in range(200):
         clock.advance(0)
     assert c.transport.value() == b""
-    assert "t" not in broker.topics
+    assert "t" not in inproc_broker.topics
     c.proto.resumeProducing()
     for _ in range(200):
         clock.advance(0)
     assert parse_frames(codec.decompress(c.raw())) == [ok()]
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
 
 
 @pytest.mark.parametrize("kind", ["snappy", "deflate"])
-def test_stepwise_inflating_keeps_compressed_streams_whole(connect, broker, clock, kind):
+def test_stepwise_inflating_keeps_compressed_streams_whole(connect, inproc_broker, clock, kind):
     c, codec = compressed_client(connect, kind)
     bodies = [bytes([i]) * (100_000 + i) for i in range(5)]
     data = codec.compress(b"".join(pub("t", b) for b in bodies))
@@ -437,7 +437,7 @@ def test_stepwise_inflating_keeps_compressed_streams_whole(connect, broker, cloc
     c.send(data[5:])
     clock.advance(0)
     assert parse_frames(codec.decompress(c.raw())) == [ok()] * 5
-    assert broker.topics["t"].depth() == 5
+    assert inproc_broker.topics["t"].depth() == 5
 
 
 def test_deflate_bomb_does_not_stall_other_clients(start_broker):
@@ -503,7 +503,7 @@ def test_snappy_compressed_chunk_over_block_size_closes(connect):
     assert c.closed
 
 
-def test_bystander_messages_flow_while_a_bomb_is_inflated(connect, publish, clock, broker):
+def test_bystander_messages_flow_while_a_bomb_is_inflated(connect, publish, clock, inproc_broker):
     c, codec = compressed_client(connect)
     reader = consumer(connect, rdy=10)
     c.send(_bomb(codec))

@@ -49,7 +49,6 @@ from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import UpstreamError
 from mqd.nsqd.auth import AuthClient, AuthError
-from mqd.nsqd.http.authorization import AuthCache
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.support.admin import AdminProcess
 from tests.support.auth_fakes import answer
@@ -65,7 +64,7 @@ from tests.support.fuzz_inputs import (
     HTTP_QUERY_VALUES,
     examples,
 )
-from tests.support.http_client import Response, parse_response
+from tests.support.http_client import HTTPClient, Response, parse_response
 from tests.support.inprocess_fuzz import CONTROL_CHANNEL, CONTROL_TOPIC, Harness
 from tests.support.log_watch import LogWatch
 from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
@@ -154,7 +153,8 @@ class AuthHarness(Harness):
         broker = self.broker
         broker.update_options(auth_http_address=["127.0.0.1:4181"])
         broker.auth = AuthClient(broker.options, self.clock, fetch=AuthServer())
-        broker.http_auth = AuthCache(broker.auth, self.clock)
+        # A site of its own, whose bearer-secret cache asks this auth client.
+        self.http = HTTPClient(broker)
 
     def drain(self) -> None:
         consumer = Client(self.broker, port=2)
@@ -221,7 +221,7 @@ def _broker_case(auth: bool, requests: list) -> None:
             what = shown(method, target, body, headers)
             check_answer(fire(h, method, target, body, headers), what, auth, _granted(authorization))
             h.check(what)
-        assert h.broker.peeks.held == 0
+        assert h.http.site.state.peeks.held == 0
         h.drain()
         logs.check("peek/snapshot requests")
 
@@ -354,7 +354,7 @@ def _admin_case(auth: bool, admin_users: list[str], requests: list) -> None:
             shows_bodies = target.startswith(("/api/peek", "/api/snapshot"))
             check_answer(response, what, auth and shows_bodies, _granted(authorization))
             h.check(what)
-        assert h.broker.peeks.held == 0
+        assert h.http.site.state.peeks.held == 0
         h.drain()
         # mqadmin logs an action no broker or lookupd could do as nsqadmin does (an error, no traceback).
         logs.events = [e for e in logs.events if "log_failure" in e or e.get("log_namespace") != "mqd.admin.actions"]

@@ -272,8 +272,9 @@ def _escape(value: str) -> str:
 @st.composite
 def _requests(draw):
     from mqd.nsqd.http.site import NsqdAPI
+    from mqd.nsqd.http.state import HttpState
 
-    paths = sorted(NsqdAPI(None, {}).routes) + ["/config/nsqlookupd_tcp_addresses", "/config/log_level",
+    paths = sorted(NsqdAPI(None, {}, HttpState(None, None)).routes) + ["/config/nsqlookupd_tcp_addresses", "/config/log_level",
                                                 "/config/" + draw(st.text(min_size=1, max_size=10).filter(
                                                     lambda s: "/" not in s))]
     path = draw(st.sampled_from(paths))
@@ -323,7 +324,7 @@ class Jobs:
 
 
 def _meta(broker) -> dict:
-    with open(broker.metadata_path, "rb") as f:
+    with open(broker.metadata.path, "rb") as f:
         return json.load(f)
 
 
@@ -332,32 +333,32 @@ def _names(broker) -> list[str]:
 
 
 @pytest.fixture
-def jobs(broker):
-    broker.metadata_runner = runner = Jobs()
+def jobs(inproc_broker):
+    inproc_broker.metadata.runner = runner = Jobs()
     return runner
 
 
-def test_metadata_written_off_the_reactor_once_per_burst(broker, clock, jobs, publish):
+def test_metadata_written_off_the_reactor_once_per_burst(inproc_broker, clock, jobs, publish):
     publish(b"x", topic="t0")
     clock.advance(0)
     # The reactor only took the state: the file is written by the job.
-    assert len(jobs.pending) == 1 and _names(broker) == []
+    assert len(jobs.pending) == 1 and _names(inproc_broker) == []
     for i in range(1, 200):
         publish(b"x", topic=f"t{i}")
         clock.advance(0)
     assert len(jobs.pending) == 1  # one write at a time; the burst waits for the next
     jobs.run()
-    assert _names(broker) == ["t0"]
+    assert _names(inproc_broker) == ["t0"]
     clock.advance(0)
     assert len(jobs.pending) == 1
     jobs.run()
-    assert _names(broker) == [f"t{i}" for i in range(200)]
+    assert _names(inproc_broker) == [f"t{i}" for i in range(200)]
     clock.advance(0)
     assert jobs.pending == []  # nothing changed since
 
 
-def test_pause_answers_after_the_write(broker, clock, jobs, http):
-    broker.topic("t").channel("c")
+def test_pause_answers_after_the_write(inproc_broker, clock, jobs, http):
+    inproc_broker.topic("t").channel("c")
     clock.advance(0)
     jobs.run()
     for path, paused in (("/topic/pause?topic=t", (True, False)),
@@ -369,36 +370,36 @@ def test_pause_answers_after_the_write(broker, clock, jobs, http):
         jobs.run()
         r = parse_response(transport.value())
         assert r is not None and r.status == 200 and r.body == b""
-        topic = _meta(broker)["topics"][0]
+        topic = _meta(inproc_broker)["topics"][0]
         assert (topic["paused"], topic["channels"][0]["paused"]) == paused
 
 
-def test_failed_write_is_retried_and_latest_state_wins(broker, clock, jobs):
-    broker.topic("a")
+def test_failed_write_is_retried_and_latest_state_wins(inproc_broker, clock, jobs):
+    inproc_broker.topic("a")
     clock.advance(0)
     jobs.run(OSError(28, "No space left on device"))
-    broker.topic("b")
+    inproc_broker.topic("b")
     clock.advance(0)
     assert jobs.pending == []  # waits for the retry delay
     clock.advance(1.0)
     assert len(jobs.pending) == 1
-    broker.topic("c")
+    inproc_broker.topic("c")
     # A synchronous write (shutdown) while a thread write of an older state waits:
-    broker.persist_metadata()
-    assert _names(broker) == ["a", "b", "c"]
+    inproc_broker.metadata.write_now()
+    assert _names(inproc_broker) == ["a", "b", "c"]
     jobs.run()  # the older state does not replace the newer
-    assert _names(broker) == ["a", "b", "c"]
+    assert _names(inproc_broker) == ["a", "b", "c"]
 
 
-def test_close_writes_the_final_metadata_synchronously(broker, clock, jobs):
-    broker.topic("a")
+def test_close_writes_the_final_metadata_synchronously(inproc_broker, clock, jobs):
+    inproc_broker.topic("a")
     clock.advance(0)
-    broker.topic("b").channel("c")
-    broker.close()
-    assert _names(broker) == ["a", "b"]
+    inproc_broker.topic("b").channel("c")
+    inproc_broker.close()
+    assert _names(inproc_broker) == ["a", "b"]
     jobs.run()
     clock.advance(5)
-    assert jobs.pending == [] and _names(broker) == ["a", "b"]
+    assert jobs.pending == [] and _names(inproc_broker) == ["a", "b"]
 
 
 def _calls_per_channel(broker, http, path: str, n: int = 500) -> float:
@@ -426,15 +427,15 @@ def _calls_per_channel(broker, http, path: str, n: int = 500) -> float:
     return (calls() - base) / n
 
 
-def test_metrics_cost_per_channel(broker, http):
+def test_metrics_cost_per_channel(inproc_broker, http):
     # /metrics made ~200 calls per channel (a sample object, label escaping and
     # number formatting per field); 20k channels held the reactor for seconds.
-    assert _calls_per_channel(broker, http, "/metrics") < 50
+    assert _calls_per_channel(inproc_broker, http, "/metrics") < 50
 
 
 @pytest.mark.parametrize("path", ["/stats", "/stats?format=json"])
-def test_stats_cost_per_channel_stays_bounded(broker, http, path):
-    assert _calls_per_channel(broker, http, path) < 30
+def test_stats_cost_per_channel_stays_bounded(inproc_broker, http, path):
+    assert _calls_per_channel(inproc_broker, http, path) < 30
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -357,7 +357,7 @@ class BrokerModel(RuleBasedStateMachine):
         self._take_deliveries()
 
     def _pause(self, where: tuple[str, str], paused: bool) -> None:
-        """/channel/pause or /unpause; nsqd answers once the metadata is written, as persist_metadata does."""
+        """/channel/pause or /unpause; nsqd answers once the metadata is written, as metadata.write_now does."""
         channel = self._channel(*where)
         if paused:
             channel.pause()
@@ -365,7 +365,7 @@ class BrokerModel(RuleBasedStateMachine):
         else:
             channel.unpause()
             self.paused.discard(where)
-        self.broker.persist_metadata()
+        self.broker.metadata.write_now()
         self._take_deliveries()
 
     def _flying(self, i: int) -> M:
@@ -591,9 +591,9 @@ class BrokerModel(RuleBasedStateMachine):
                 self._requeue(fin)
         else:
             broker.clock.advance(0)
-            assert not (broker.store._flights if self.logged else broker.store._pending())
+            assert not (broker.store._log_writer.in_flight if self.logged else broker.store._pending())
         kept = None if self.durable else self._stored_bodies()
-        broker._unlock_data_path()
+        broker.metadata.close()
         broker.store.env.close()
         if self.logged:
             broker.store._log.close()
@@ -671,7 +671,7 @@ class BrokerModel(RuleBasedStateMachine):
         store = broker.store
         # With the publish log every chunk has landed, and LMDB takes the
         # records at its next checkpoint: they are counted as it will hold them.
-        assert not (store._flights if self.logged else store._pending())
+        assert not (store._log_writer.in_flight if self.logged else store._pending())
         if self.durable:  # LMDB's records cross-checked against the channels
             check_durable_invariant(broker)
         counts: dict[int, int] = {}
@@ -708,7 +708,7 @@ class BrokerModel(RuleBasedStateMachine):
                 self.broker.close()
         except Exception:  # noqa: BLE001 - a broken broker must not hide the failure
             try:
-                self.broker._unlock_data_path()
+                self.broker.metadata.close()
                 if self.lmdb:
                     self.broker.store.env.close()
             except Exception:  # noqa: BLE001

@@ -44,13 +44,13 @@ def test_spill_file_with_a_cut_entry_header_is_corrupt_not_a_crash(tmp_path, clo
 
 
 def test_metadata_write_scheduled_before_an_answered_one_is_not_repeated(tmp_path, clock):
-    """/topic/pause writes at once (metadata_written); the write its change also scheduled has nothing left to do."""
+    """/topic/pause writes at once (metadata.written); the write its change also scheduled has nothing left to do."""
     broker = new_broker(tmp_path, clock)
     writes = []
-    real = broker._write_metadata_file
-    broker._write_metadata_file = lambda data, seq: (writes.append(seq), real(data, seq))[1]
+    real = broker.metadata._write_file
+    broker.metadata._write_file = lambda data, seq: (writes.append(seq), real(data, seq))[1]
     broker.topic("t").pause()  # schedules a write
-    d = broker.metadata_written()  # and the answer waits for one now
+    d = broker.metadata.written()  # and the answer waits for one now
     assert d.called and len(writes) == 1
     clock.advance(0)
     assert len(writes) == 1

@@ -34,7 +34,7 @@ def crash(broker, **flags):
     """The process dies after its last commit; a new broker starts on the same data."""
     broker.clock.advance(0)
     assert not broker.store._pending()
-    broker._unlock_data_path()
+    broker.metadata.close()
     broker.store.env.close()
     clock = Clock()
     clock.advance(broker.clock.seconds())
@@ -191,10 +191,10 @@ class LyingBackend:
         return getattr(self.real, name)
 
 
-def test_deliver_cannot_spin_on_a_wrong_depth(broker):
-    c = Client(broker)
+def test_deliver_cannot_spin_on_a_wrong_depth(inproc_broker):
+    c = Client(inproc_broker)
     c.sub(rdy=0)
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     lying = channel._queue.backend = LyingBackend(channel._queue.backend)
     c.send(cmd("RDY", 5))
     assert lying.reads == 1
@@ -468,16 +468,16 @@ def test_shutdown_with_a_full_disk_still_closes_every_queue(tmp_path, clock, log
 # -- the memory store and deleted queues ---------------------------------------------
 
 
-def test_memory_store_forgets_deleted_queues(broker):
-    store = broker.store
+def test_memory_store_forgets_deleted_queues(inproc_broker):
+    store = inproc_broker.store
     for i in range(1000):
-        topic = broker.topic(f"t{i}")
+        topic = inproc_broker.topic(f"t{i}")
         topic.channel("c")
         topic.channel("d")
         topic.delete_channel("d")
-        assert broker.delete_topic(f"t{i}")
+        assert inproc_broker.delete_topic(f"t{i}")
     assert store._queues == {}
     # A queue opened again under a deleted name is a fresh, working one.
-    Client(broker).send(pub("t0", b"x"))
-    assert broker.topics["t0"].depth() == 1
+    Client(inproc_broker).send(pub("t0", b"x"))
+    assert inproc_broker.topics["t0"].depth() == 1
     assert set(store._queues) == {"t0"}

@@ -21,8 +21,9 @@ import os
 
 import pytest
 
-import backends.lmdb as lmdb_module
-from backends.lmdb import _COMMIT_CHUNK, _UNMAP_EVERY
+import backends.lmdb_pages as lmdb_pages
+from backends.lmdb import _COMMIT_CHUNK
+from backends.lmdb_pages import _UNMAP_EVERY
 from backends.lmdb_records import RECORD_SIZE
 from tests.support.full_disk import SmallDisk, SmallDiskCursor, SmallDiskTxn
 from tests.support.inprocess_broker import lmdb_store, msgs
@@ -102,9 +103,7 @@ def _durable_mix(tmp_path, clock):
     q = store.open_queue("t")
     clock.advance(0)
     q.put(msgs(2 * _COMMIT_CHUNK + 10))  # not a publish: messages moved or requeued, acknowledged before
-    store.publishing = True
-    q.put(msgs(5, body=b"new"))
-    store.publishing = False
+    q.put(msgs(5, body=b"new"), fresh=True)
     waited: list = []
     store.when_durable(waited.append)
     return store, q, CountingEnv(store), waited
@@ -161,7 +160,7 @@ def _mapped_rss_kb(path: str) -> int | None:
     return rss
 
 
-@pytest.mark.skipif(lmdb_module._madvise is None, reason="needs madvise and /proc/self/maps (Linux)")
+@pytest.mark.skipif(lmdb_pages._madvise is None, reason="needs madvise and /proc/self/maps (Linux)")
 def test_pages_read_through_the_map_are_released_and_records_stay_readable(tmp_path, clock, monkeypatch):
     store = lmdb_store(tmp_path, clock, durable=True)
     q = store.open_queue("t")
@@ -182,8 +181,8 @@ def test_pages_read_through_the_map_are_released_and_records_stay_readable(tmp_p
 
     # Done by the store itself once they have grown by _UNMAP_ABOVE: checked after a commit
     # past _UNMAP_RECORDS records, and every _UNMAP_EVERY seconds.
-    monkeypatch.setattr(lmdb_module, "_UNMAP_RECORDS", 100)
-    monkeypatch.setattr(lmdb_module, "_UNMAP_ABOVE", 0)
+    monkeypatch.setattr(lmdb_pages, "_UNMAP_RECORDS", 100)
+    monkeypatch.setattr(lmdb_pages, "_UNMAP_ABOVE", 0)
     q.put(msgs(200, body=body))
     clock.advance(0)
     assert store.io_records == 0

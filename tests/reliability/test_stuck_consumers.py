@@ -120,9 +120,7 @@ class StuckClient(Client):
 
     def buffered(self) -> int:
         """Bytes the broker holds for this client: the transport's buffer and the protocol's own."""
-        proto = self.proto
-        unsent = getattr(proto, "_unsent", ())  # the frames the protocol holds back, if any
-        return len(self.transport.value()) + proto._obuf_len + sum(len(p) for p in unsent)
+        return len(self.transport.value()) + self.proto._output.pending_bytes()
 
     @property
     def aborted(self) -> bool:
@@ -160,8 +158,8 @@ def publisher(connect):
 # -- nsqd's write deadline ---------------------------------------------------------------
 
 
-def test_output_not_drained_within_heartbeat_interval_closes(broker, clock, publisher, connect):
-    c = stuck_consumer(broker, 40001)
+def test_output_not_drained_within_heartbeat_interval_closes(inproc_broker, clock, publisher, connect):
+    c = stuck_consumer(inproc_broker, 40001)
     publisher(bodies(200))
     assert c.transport.paused, "200 KB unsent must pause the producer"
     hb = c.proto.heartbeat_interval
@@ -171,14 +169,14 @@ def test_output_not_drained_within_heartbeat_interval_closes(broker, clock, publ
     assert c.aborted, "output backed up for a heartbeat interval must close the connection"
     # The reactor then calls connectionLost: its in-flight messages go back at once.
     c.lose()
-    channel = broker.topic("t").channel("c")
+    channel = inproc_broker.topic("t").channel("c")
     assert channel.in_flight_count() == 0
     healthy = connect()
     healthy.sub(rdy=2500)
     assert sorted(m.body for m in healthy.messages()) == bodies(200)
 
 
-def test_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(broker, clock, publisher):
+def test_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(inproc_broker, clock, publisher):
     """The deadline runs while one write waits, as nsqd's per-write SetWriteDeadline does.
 
     300 KB are held for a reader that takes 40 KiB every 5 s: the whole
@@ -187,7 +185,7 @@ def test_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(broker, 
     within it, and the broker reads the client again within two heartbeat
     intervals, so the connection stays and its FINs all succeed.
     """
-    c = stuck_consumer(broker, 40002, msg_timeout=300_000)
+    c = stuck_consumer(inproc_broker, 40002, msg_timeout=300_000)
     batch = bodies(300)
     publisher(batch)
     assert c.buffered() > 300 * BODY_SIZE
@@ -202,14 +200,14 @@ def test_write_deadline_is_per_write_a_slow_reader_keeps_its_connection(broker, 
     assert c.transport.producerState == "producing"
     c.send(b"".join(cmd("FIN", m.id) for m in got))
     assert c.take() == []  # every FIN succeeded
-    assert broker.topic("t").channel("c").in_flight_count() == 0
+    assert inproc_broker.topic("t").channel("c").in_flight_count() == 0
 
 
-def test_slow_reader_not_read_for_two_heartbeats_is_closed(broker, clock, publisher, connect):
+def test_slow_reader_not_read_for_two_heartbeats_is_closed(inproc_broker, clock, publisher, connect):
     """A backlog that takes longer than two heartbeat intervals to read keeps the broker from
     reading the client that long: the read timeout closes it (nsqd closes such slow readers
     when their heartbeat answers come too late), and its messages go to others."""
-    c = stuck_consumer(broker, 40007, heartbeat_interval=10_000)
+    c = stuck_consumer(inproc_broker, 40007, heartbeat_interval=10_000)
     publisher(bodies(300))
     closed_at = None
     for t in range(1, 40):
@@ -226,10 +224,10 @@ def test_slow_reader_not_read_for_two_heartbeats_is_closed(broker, clock, publis
     assert sorted(m.body for m in healthy.messages()) == bodies(300)
 
 
-def test_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interval(broker, clock, publisher):
+def test_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interval(inproc_broker, clock, publisher):
     """A close waits for the output to be written (loseConnection): a client that never reads
     would keep it, and what it holds, forever. nsqd's last write has its deadline too."""
-    c = stuck_consumer(broker, 40003)
+    c = stuck_consumer(inproc_broker, 40003)
     publisher(bodies(200))
     c.send(cmd("RDY", "x"))  # fatal: E_INVALID, then close once written
     assert c.transport.disconnecting
@@ -241,19 +239,19 @@ def test_closing_a_stuck_connection_aborts_it_after_the_heartbeat_interval(broke
 # -- what a stuck consumer pins ------------------------------------------------------
 
 
-def test_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publisher, connect):
+def test_stuck_consumer_holds_at_most_its_rdy_window(inproc_broker, clock, publisher, connect):
     """Bytes held for a never-reading consumer stay under RDY x frame size + the transport
     buffer however much is published and however often its messages time out; a healthy
     consumer on the same channel gets and finishes every message."""
     rdy = 2500
-    stuck = stuck_consumer(broker, 40005, rdy=rdy, msg_timeout=1000, heartbeat_interval=60_000)
+    stuck = stuck_consumer(inproc_broker, 40005, rdy=rdy, msg_timeout=1000, heartbeat_interval=60_000)
     # Its whole window first, in one delivery (PUBs of one read are published as one batch).
     p = connect()
     assert p.request(b"".join(pub("t", b) for b in bodies(rdy))) == [ok()] * rdy
     assert stuck.proto.message_count == rdy
     healthy = connect()
     healthy.sub(rdy=2500)
-    channel = broker.topic("t").channel("c")
+    channel = inproc_broker.topic("t").channel("c")
     bound = rdy * (BODY_SIZE + FRAME_OVERHEAD) + 2 * BUFFER_SIZE
     finished: set[bytes] = set()
     peak = stuck.buffered()
@@ -262,7 +260,7 @@ def test_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publisher, c
         publisher(bodies(1000, total))
         total += 1000
         clock.advance(2)
-        scan(broker)  # the stuck consumer's in-flight messages time out
+        scan(inproc_broker)  # the stuck consumer's in-flight messages time out
         for m in healthy.read():
             if isinstance(m, Msg):
                 finished.add(m.body)
@@ -283,19 +281,19 @@ def test_stuck_consumer_holds_at_most_its_rdy_window(broker, clock, publisher, c
                 finished.add(m.body)
                 healthy.fin(m)
         clock.advance(1)
-        scan(broker)
+        scan(inproc_broker)
     assert finished == set(bodies(total))
     assert channel.depth() == 0 and channel.in_flight_count() == 0
 
 
-def test_timed_out_message_not_rewritten_while_its_copy_is_unsent(broker, clock, publisher):
+def test_timed_out_message_not_rewritten_while_its_copy_is_unsent(inproc_broker, clock, publisher):
     """A window that times out while the client is reading its backlog slowly is not
     written again until the earlier copies have all been handed on."""
-    c = stuck_consumer(broker, 40006, rdy=500, msg_timeout=1000)
+    c = stuck_consumer(inproc_broker, 40006, rdy=500, msg_timeout=1000)
     publisher(bodies(500))
     clock.advance(2)
-    scan(broker)  # all 500 time out while (nearly) all their frames are still held
-    assert broker.topic("t").channel("c").timeout_count == 500
+    scan(inproc_broker)  # all 500 time out while (nearly) all their frames are still held
+    assert inproc_broker.topic("t").channel("c").timeout_count == 500
     seen: list[bytes] = []
     while True:
         frames = c.take(BUFFER_SIZE // 4)

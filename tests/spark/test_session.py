@@ -15,6 +15,7 @@ import pytest
 
 from mqd.nsqd.snapshot_format import read_manifest
 from spark_bridge import jvm_archive, python_launcher
+from spark_bridge import session as spark_session
 from spark_bridge.__main__ import _shut_down, main
 from spark_bridge.sample import write_sample_snapshot
 from spark_bridge.session import JAVA_OPTIONS, PUSHDOWN_CONF, session_conf
@@ -100,23 +101,28 @@ def test_no_launcher_when_spark_home_is_another_spark(cache, monkeypatch, tmp_pa
 def test_shutting_down_stops_spark_then_ends_the_jvm_it_launched(monkeypatch):
     # The JVM pyspark launches exits at EOF on its stdin; a stand-in that
     # does the same shows the CLI closes it and waits for it.
-    from pyspark import SparkContext
-
     jvm = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                            stdin=subprocess.PIPE)
-    monkeypatch.setattr(SparkContext, "_gateway", type("Gateway", (), {"proc": jvm})())
     calls = []
 
     class Session:
+        sparkContext = object()
+
         def stop(self):
             calls.append(jvm.poll())
 
-    _shut_down(Session())
+    session = Session()
+    monkeypatch.setitem(spark_session._LAUNCHED, id(session.sparkContext), jvm)
+    _shut_down(session)
     assert calls == [None] and jvm.returncode == 0
     # Under spark-submit the JVM is our parent, not our child: only stop.
-    monkeypatch.setattr(SparkContext, "_gateway", type("Gateway", (), {"proc": None})())
     _shut_down(Session())
     assert len(calls) == 2
+
+
+def test_the_session_knows_the_jvm_it_launched(spark):
+    jvm = spark_session.launched_jvm(spark)
+    assert jvm is not None and jvm.poll() is None
 
 
 def test_spark_workers_import_the_installed_pyspark(spark):

@@ -37,13 +37,13 @@ def stored_keys(store: LmdbStore, queue: LmdbQueue) -> set[bytes]:
                     break
                 keys.add(bytes(key))
     # The commit applies drops, then deletes, then puts and rewrites (LmdbStore._write).
-    for drop_qid, bound in store._drops:
+    for drop_qid, bound in store._writes.drops:
         if drop_qid == qid:
             stop = KEY.pack(qid, bound)
             keys = {k for k in keys if k >= stop}
-    keys -= store._dels
-    keys.update(k for k in store._puts if k.startswith(prefix))
-    keys.update(k for k in store._updates if k.startswith(prefix))
+    keys -= store._writes.dels
+    keys.update(k for k in store._writes.puts if k.startswith(prefix))
+    keys.update(k for k in store._writes.updates if k.startswith(prefix))
     return keys
 
 

@@ -63,7 +63,7 @@ def crash(broker: Broker, **flags) -> Broker:
     """The process dies after its last commit: no close(), no flush of memory."""
     broker.clock.advance(0)
     assert not broker.store._pending()
-    broker._unlock_data_path()
+    broker.metadata.close()
     broker.store.env.close()
     return lmdb_broker(broker.data_path, same_time(broker.clock), **flags)
 

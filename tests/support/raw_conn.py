@@ -29,7 +29,33 @@ def command(line: str | bytes, body: bytes | None = None) -> bytes:
     return data
 
 
-class RawConn:
+class FrameReader:
+    """Reading V2 frames from whatever `_read_exactly` and `send` are (a socket, a StringTransport)."""
+
+    def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _read_exactly(self, n: int) -> bytes:
+        raise NotImplementedError
+
+    def read_frame(self, skip_heartbeats: bool = True) -> tuple[int, bytes]:
+        while True:
+            size, frame_type = struct.unpack(">ii", self._read_exactly(8))
+            payload = self._read_exactly(size - 4)
+            if skip_heartbeats and frame_type == FRAME_RESPONSE and payload == b"_heartbeat_":
+                self.send(b"NOP\n")
+                continue
+            return frame_type, payload
+
+    def read_message(self) -> tuple[int, int, bytes, bytes]:
+        """(timestamp, attempts, id, body) of the next frame, which must be a message."""
+        frame_type, payload = self.read_frame()
+        assert frame_type == FRAME_MESSAGE, (frame_type, payload)
+        ts, attempts = struct.unpack(">qH", payload[:10])
+        return ts, attempts, payload[10:26], payload[26:]
+
+
+class RawConn(FrameReader):
     """A blocking socket speaking V2 by hand, for what pynsq cannot show."""
 
     def __init__(self, broker: BrokerProcess, magic: bytes | None = MAGIC_V2,
@@ -55,22 +81,6 @@ class RawConn:
             self._buf += self._decode(chunk)
         data, self._buf = self._buf[:n], self._buf[n:]
         return data
-
-    def read_frame(self, skip_heartbeats: bool = True) -> tuple[int, bytes]:
-        while True:
-            size, frame_type = struct.unpack(">ii", self._read_exactly(8))
-            payload = self._read_exactly(size - 4)
-            if skip_heartbeats and frame_type == FRAME_RESPONSE and payload == b"_heartbeat_":
-                self.send(b"NOP\n")
-                continue
-            return frame_type, payload
-
-    def read_message(self) -> tuple[int, int, bytes, bytes]:
-        """(timestamp, attempts, id, body) of the next frame, which must be a message."""
-        frame_type, payload = self.read_frame()
-        assert frame_type == FRAME_MESSAGE, (frame_type, payload)
-        ts, attempts = struct.unpack(">qH", payload[:10])
-        return ts, attempts, payload[10:26], payload[26:]
 
     def expect_closed(self) -> None:
         """The broker closes the connection (EOF, or a reset) within the timeout."""

@@ -16,10 +16,10 @@ from tests.support.v2_frames import MAGIC, Frame, Msg, cmd, identify, mpub, ok, 
 class Client:
     """A V2 connection to `broker` over a StringTransport."""
 
-    def __init__(self, broker: Broker, *, magic: bool = True, port: int = 12345) -> None:
+    def __init__(self, broker: Broker, *, magic: bool = True, port: int = 12345, tls=None) -> None:
         self.broker = broker
         addr = IPv4Address("TCP", "127.0.0.1", port)
-        self.proto = V2Factory(broker).buildProtocol(addr)
+        self.proto = V2Factory(broker, tls=tls).buildProtocol(addr)
         self.transport = StringTransport(peerAddress=addr)
         self.proto.makeConnection(self.transport)
         self.lost = False
@@ -117,8 +117,8 @@ class TLSStringTransport(StringTransport):
 
 def tls_client(broker, required="false") -> Client:
     """A client of `broker` (its TLS policy set to `required`) on a transport that records startTLS."""
-    broker.tls = ServerTLS(context=None, required=required)  # startTLS is faked: no context needed
-    c = Client(broker, magic=False)
+    tls = ServerTLS(context=None, required=required)  # startTLS is faked: no context needed
+    c = Client(broker, magic=False, tls=tls)
     c.transport = TLSStringTransport(peerAddress=c.transport.getPeer())
     c.proto.makeConnection(c.transport)
     c.send(b"  V2")

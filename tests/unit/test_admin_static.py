@@ -62,6 +62,7 @@ def test_nothing_is_fetched_from_elsewhere():
         assert "@import" not in body, name
 
 
+@pytest.mark.slow  # runs node, which only the default tox env sets up
 def test_app_js_parses():
     node = shutil.which("node")
     if node is None:

@@ -127,7 +127,7 @@ def test_ephemeral_channel_overflow_dropped(make_broker):
 
 
 class FailingQueue(MemoryQueue):
-    def put(self, messages):
+    def put(self, messages, fresh=False):
         raise BackendError("disk full")
 
 

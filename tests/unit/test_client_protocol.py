@@ -356,11 +356,11 @@ class Pair:
 
 @pytest.mark.parametrize("options", [{}, {"snappy": True}, {"deflate": True, "deflate_level": 1}],
                          ids=["plain", "snappy", "deflate"])
-def test_against_the_broker(broker, clock, options):
-    pair = Pair(broker, clock, max_in_flight=10, **options)
+def test_against_the_broker(inproc_broker, clock, options):
+    pair = Pair(inproc_broker, clock, max_in_flight=10, **options)
     pair.pump()
     assert pair.results == [pair.client], pair.results
-    assert pair.client.server["max_rdy_count"] == broker.options.max_rdy_count
+    assert pair.client.server["max_rdy_count"] == inproc_broker.options.max_rdy_count
     if options:
         assert pair.client.compression == next(iter(options))
     published = [pair.client.pub("t", b"m%d" % i) for i in range(3)]
@@ -376,15 +376,15 @@ def test_against_the_broker(broker, clock, options):
     for m in msgs:
         m.finish()
     pair.pump()
-    assert broker.topics["t"].channels["c"].in_flight_count() == 0
+    assert inproc_broker.topics["t"].channels["c"].in_flight_count() == 0
     assert "error" not in pair.delegate.kinds()
     closed = pair.client.cls()
     pair.pump()
     assert outcome(closed) == b"CLOSE_WAIT"
 
 
-def test_against_the_broker_errors(broker, clock):
-    pair = Pair(broker, clock)
+def test_against_the_broker_errors(inproc_broker, clock):
+    pair = Pair(inproc_broker, clock)
     pair.pump()
     pair.client.sub("t", "c")
     pair.client.fin(b"f" * 16)  # not in flight: non-fatal

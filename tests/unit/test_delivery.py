@@ -36,7 +36,7 @@ def test_nothing_flows_before_rdy(connect, publish):
     assert c.raw() == b""
 
 
-def test_rdy_is_a_window(connect, publish, broker):
+def test_rdy_is_a_window(connect, publish, inproc_broker):
     c = connect()
     c.sub()
     publish(*[b"%d" % i for i in range(6)])
@@ -53,7 +53,7 @@ def test_rdy_is_a_window(connect, publish, broker):
     c.send(cmd("RDY", 0))
     c.fin(m1)
     assert c.raw() == b""
-    assert channel_of(broker).in_flight_count() == 1
+    assert channel_of(inproc_broker).in_flight_count() == 1
     publish(b"late")
     assert c.raw() == b""
     # A bigger window lets the rest flow at once.
@@ -90,7 +90,7 @@ def test_message_frame_fields(connect, publish, clock):
 # -- attempts and requeue -------------------------------------------------------------------
 
 
-def test_attempts_increment_on_each_redelivery(connect, publish, broker):
+def test_attempts_increment_on_each_redelivery(connect, publish, inproc_broker):
     c = connect()
     c.sub(rdy=1)
     publish(b"x")
@@ -102,24 +102,24 @@ def test_attempts_increment_on_each_redelivery(connect, publish, broker):
         assert (m2.id, m2.body, m2.timestamp) == (m.id, m.body, m.timestamp)
         seen.append(m2.attempts)
     assert seen == [1, 2, 3, 4, 5]
-    assert channel_of(broker).requeue_count == 4
+    assert channel_of(inproc_broker).requeue_count == 4
     assert c.proto.requeue_count == 4
 
 
-def test_req_with_delay_is_deferred(connect, publish, broker, clock):
+def test_req_with_delay_is_deferred(connect, publish, inproc_broker, clock):
     c = connect()
     c.sub(rdy=1)
     publish(b"x")
     [m] = c.messages()
     c.req(m, 5000)
-    channel = channel_of(broker)
+    channel = channel_of(inproc_broker)
     assert (channel.deferred_count(), channel.in_flight_count(), channel.depth()) == (1, 0, 0)
     assert c.proto.in_flight_count == 0
     clock.advance(4.999)
-    assert scan(broker) == 0
+    assert scan(inproc_broker) == 0
     assert c.raw() == b""
     clock.advance(0.001)
-    assert scan(broker) == 1
+    assert scan(inproc_broker) == 1
     assert c.messages() == [Msg(m.timestamp, 2, m.id, b"x")]
     assert channel.deferred_count() == 0
 
@@ -165,7 +165,7 @@ def test_fin_after_timeout_fails(make_broker, clock):
     assert not c.closed
 
 
-def test_identify_msg_timeout_applies(connect, publish, broker, clock):
+def test_identify_msg_timeout_applies(connect, publish, inproc_broker, clock):
     c = connect()
     assert c.request(identify(msg_timeout=1000)) == [ok()]
     c.sub(rdy=1)
@@ -174,12 +174,12 @@ def test_identify_msg_timeout_applies(connect, publish, broker, clock):
     publish(b"x")
     [m] = c.messages()
     clock.advance(0.999)
-    scan(broker)
+    scan(inproc_broker)
     assert c.raw() == b""
     clock.advance(0.001)
-    scan(broker)
+    scan(inproc_broker)
     assert c.messages()[0].attempts == 2
-    assert channel_of(broker).timeout_count == 1
+    assert channel_of(inproc_broker).timeout_count == 1
 
 
 def test_touch_postpones_timeout(make_broker, clock):
@@ -231,19 +231,19 @@ def test_many_timeouts_in_one_scan(make_broker, clock):
 # -- DPUB ------------------------------------------------------------------------------------------
 
 
-def test_dpub_delivered_after_delay(connect, broker, clock):
+def test_dpub_delivered_after_delay(connect, inproc_broker, clock):
     c = connect()
     c.sub(rdy=5)
     p = connect()
     assert p.request(dpub("t", 2000, b"later") + pub("t", b"now")) == [ok(), ok()]
     assert bodies(c.messages()) == [b"now"]
-    channel = channel_of(broker)
+    channel = channel_of(inproc_broker)
     assert (channel.deferred_count(), channel.depth(), channel.message_count) == (1, 0, 2)
     clock.advance(1.999)
-    scan(broker)
+    scan(inproc_broker)
     assert c.raw() == b""
     clock.advance(0.001)
-    scan(broker)
+    scan(inproc_broker)
     [m] = c.messages()
     assert (m.body, m.attempts) == (b"later", 1)
     assert channel.deferred_count() == 0
@@ -256,31 +256,31 @@ def test_dpub_zero_is_immediate(connect):
     assert bodies(c.messages()) == [b"x"]
 
 
-def test_dpub_to_topic_without_channel_keeps_due_time(connect, broker, clock):
+def test_dpub_to_topic_without_channel_keeps_due_time(connect, inproc_broker, clock):
     p = connect()
     assert p.request(dpub("t", 2000, b"later")) == [ok()]
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
     clock.advance(1)
     c = connect()
     c.sub(rdy=1)
     assert c.raw() == b""
-    assert channel_of(broker).deferred_count() == 1
+    assert channel_of(inproc_broker).deferred_count() == 1
     clock.advance(0.999)
-    scan(broker)
+    scan(inproc_broker)
     assert c.raw() == b""
     clock.advance(0.001)
-    scan(broker)
+    scan(inproc_broker)
     assert bodies(c.messages()) == [b"later"]
 
 
-def test_dpub_reaches_every_channel(connect, broker, clock):
+def test_dpub_reaches_every_channel(connect, inproc_broker, clock):
     a = connect()
     a.sub("t", "a", rdy=1)
     b = connect()
     b.sub("t", "b", rdy=1)
     assert connect().request(dpub("t", 1000, b"x")) == [ok()]
     clock.advance(1)
-    scan(broker)
+    scan(inproc_broker)
     [ma], [mb] = a.messages(), b.messages()
     assert ma.id == mb.id
 
@@ -308,7 +308,7 @@ def test_every_channel_gets_every_message(connect, publish):
     assert b.raw() == b""
 
 
-def test_a_fin_on_one_channel_leaves_the_other_channels_copy_in_flight(connect, publish, broker):
+def test_a_fin_on_one_channel_leaves_the_other_channels_copy_in_flight(connect, publish, inproc_broker):
     a = connect()
     a.sub("t", "a", rdy=10)
     b = connect()
@@ -318,17 +318,17 @@ def test_a_fin_on_one_channel_leaves_the_other_channels_copy_in_flight(connect, 
     for m in ma:
         a.fin(m)
     assert a.raw() == b""
-    assert (channel_of(broker, channel="a").in_flight_count(),
-            channel_of(broker, channel="b").in_flight_count()) == (0, 2)
+    assert (channel_of(inproc_broker, channel="a").in_flight_count(),
+            channel_of(inproc_broker, channel="b").in_flight_count()) == (0, 2)
     a.fin(ma[0])  # gone from a, whatever b still holds under the same id
     assert b"E_FIN_FAILED" in a.raw()
     for m in reversed(mb):
         b.fin(m)
     assert b.raw() == b""
-    assert channel_of(broker, channel="b").in_flight_count() == 0
+    assert channel_of(inproc_broker, channel="b").in_flight_count() == 0
 
 
-def test_clients_of_a_channel_share_its_messages(connect, publish, broker):
+def test_clients_of_a_channel_share_its_messages(connect, publish, inproc_broker):
     a = connect()
     a.sub(rdy=200)
     b = connect()
@@ -342,7 +342,7 @@ def test_clients_of_a_channel_share_its_messages(connect, publish, broker):
     assert len(got_a) + len(got_b) == 200
     assert len(ids_a | ids_b) == 200
     assert 70 <= len(got_a) <= 130
-    assert channel_of(broker).in_flight_count() == 200
+    assert channel_of(inproc_broker).in_flight_count() == 200
 
 
 def test_shared_channel_respects_each_window(connect, publish):
@@ -355,10 +355,10 @@ def test_shared_channel_respects_each_window(connect, publish):
     assert len(b.messages()) == 3
 
 
-def test_topic_without_channel_holds_messages(connect, publish, broker):
+def test_topic_without_channel_holds_messages(connect, publish, inproc_broker):
     publish(b"1")
     publish(b"2", b"3")
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert topic.depth() == 3
     assert topic.message_count == 3
     c = connect()
@@ -367,7 +367,7 @@ def test_topic_without_channel_holds_messages(connect, publish, broker):
     assert topic.depth() == 0
 
 
-def test_new_channel_gets_only_later_messages(connect, publish, broker):
+def test_new_channel_gets_only_later_messages(connect, publish, inproc_broker):
     a = connect()
     a.sub("t", "a")
     publish(b"old")
@@ -375,13 +375,13 @@ def test_new_channel_gets_only_later_messages(connect, publish, broker):
     b.sub("t", "b", rdy=5)
     publish(b"new")
     assert bodies(b.messages()) == [b"new"]
-    assert channel_of(broker, "t", "a").depth() == 2
+    assert channel_of(inproc_broker, "t", "a").depth() == 2
 
 
-def test_paused_channel_stops_delivery(connect, publish, broker):
+def test_paused_channel_stops_delivery(connect, publish, inproc_broker):
     c = connect()
     c.sub(rdy=5)
-    channel = channel_of(broker)
+    channel = channel_of(inproc_broker)
     channel.pause()
     publish(b"1", b"2")
     assert c.raw() == b""
@@ -390,10 +390,10 @@ def test_paused_channel_stops_delivery(connect, publish, broker):
     assert bodies(c.messages()) == [b"1", b"2"]
 
 
-def test_paused_topic_holds_messages(connect, publish, broker):
+def test_paused_topic_holds_messages(connect, publish, inproc_broker):
     c = connect()
     c.sub(rdy=5)
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     topic.pause()
     publish(b"1", b"2")
     assert c.raw() == b""
@@ -414,7 +414,7 @@ def test_three_channels_first_delivery_attempts(connect, publish):
         assert [(m.body, m.attempts) for m in c.messages()] == [(b"x", 1), (b"y", 1), (b"z", 1)]
 
 
-def test_no_delivery_after_a_fatal_error(connect, publish, broker):
+def test_no_delivery_after_a_fatal_error(connect, publish, inproc_broker):
     c = connect()
     c.sub()
     publish(b"1", b"2")
@@ -422,7 +422,7 @@ def test_no_delivery_after_a_fatal_error(connect, publish, broker):
     # connection: nothing may follow the error frame.
     assert c.request(cmd("RDY", 5) + cmd("FOO")) == [err("E_INVALID invalid command FOO")]
     assert c.proto.in_flight_count == 0
-    channel = channel_of(broker)
+    channel = channel_of(inproc_broker)
     assert channel.depth() == 2
     c.lose()
     d = connect()
@@ -430,7 +430,7 @@ def test_no_delivery_after_a_fatal_error(connect, publish, broker):
     assert [(m.body, m.attempts) for m in d.messages()] == [(b"1", 1), (b"2", 1)]
 
 
-def test_timed_out_client_not_fed_while_closing(connect, publish, broker, clock):
+def test_timed_out_client_not_fed_while_closing(connect, publish, inproc_broker, clock):
     c = connect()
     c.sub(rdy=5)
     clock.pump([10] * 6)
@@ -438,43 +438,43 @@ def test_timed_out_client_not_fed_while_closing(connect, publish, broker, clock)
     c.read()
     publish(b"x")  # connectionLost has not run yet
     assert c.raw() == b""
-    assert channel_of(broker).depth() == 1
+    assert channel_of(inproc_broker).depth() == 1
 
 
 # -- ephemeral -----------------------------------------------------------------------------------------
 
 
-def test_ephemeral_channel_deleted_with_last_client(connect, broker):
+def test_ephemeral_channel_deleted_with_last_client(connect, inproc_broker):
     a = connect()
     a.sub("t", "c#ephemeral", rdy=1)
     b = connect()
     b.sub("t", "c#ephemeral", rdy=1)
     assert connect().request(mpub("t", [b"1", b"2", b"3"])) == [ok()]
     a.lose()
-    assert "c#ephemeral" in broker.topics["t"].channels
+    assert "c#ephemeral" in inproc_broker.topics["t"].channels
     b.lose()
-    assert "c#ephemeral" not in broker.topics["t"].channels
-    assert "t" in broker.topics  # a normal topic stays
+    assert "c#ephemeral" not in inproc_broker.topics["t"].channels
+    assert "t" in inproc_broker.topics  # a normal topic stays
 
 
-def test_ephemeral_topic_deleted_with_last_channel(connect, broker):
+def test_ephemeral_topic_deleted_with_last_channel(connect, inproc_broker):
     c = connect()
     c.sub("t#ephemeral", "c#ephemeral")
     c.lose()
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
-def test_ephemeral_topic_with_durable_channel_stays(connect, broker):
+def test_ephemeral_topic_with_durable_channel_stays(connect, inproc_broker):
     c = connect()
     c.sub("t#ephemeral", "c")
     c.lose()
-    assert list(broker.topics) == ["t#ephemeral"]
-    assert list(broker.topics["t#ephemeral"].channels) == ["c"]
+    assert list(inproc_broker.topics) == ["t#ephemeral"]
+    assert list(inproc_broker.topics["t#ephemeral"].channels) == ["c"]
 
 
-def test_ephemeral_topic_without_channel_stays(connect, broker):
+def test_ephemeral_topic_without_channel_stays(connect, inproc_broker):
     assert connect().request(pub("t#ephemeral", b"x")) == [ok()]
-    assert list(broker.topics) == ["t#ephemeral"]
+    assert list(inproc_broker.topics) == ["t#ephemeral"]
 
 
 def test_ephemeral_overflow_dropped(make_broker):
@@ -489,7 +489,7 @@ def test_ephemeral_overflow_dropped(make_broker):
     assert bodies(c.messages()) == [b"0", b"1", b"2", b"3", b"4"]
 
 
-def test_resubscribe_after_ephemeral_channel_deleted(connect, broker):
+def test_resubscribe_after_ephemeral_channel_deleted(connect, inproc_broker):
     a = connect()
     a.sub("t", "c#ephemeral")
     a.lose()
@@ -499,10 +499,10 @@ def test_resubscribe_after_ephemeral_channel_deleted(connect, broker):
     assert bodies(b.messages()) == [b"x"]
 
 
-def test_deleted_channel_disconnects_clients(connect, broker):
+def test_deleted_channel_disconnects_clients(connect, inproc_broker):
     c = connect()
     c.sub(rdy=1)
-    broker.topics["t"].delete_channel("c")
+    inproc_broker.topics["t"].delete_channel("c")
     assert c.closed
     assert c.proto.channel is None
     c.lose()
@@ -511,7 +511,7 @@ def test_deleted_channel_disconnects_clients(connect, broker):
 # -- sampling ----------------------------------------------------------------------------------------------
 
 
-def test_sample_rate_roughly_respected(connect, publish, broker):
+def test_sample_rate_roughly_respected(connect, publish, inproc_broker):
     random.seed(20240101)
     c = connect()
     assert c.request(identify(sample_rate=30)) == [ok()]
@@ -520,7 +520,7 @@ def test_sample_rate_roughly_respected(connect, publish, broker):
     got = c.messages()
     # (s + 1) % are kept: about 620 of 2000.
     assert 500 <= len(got) <= 740
-    channel = channel_of(broker)
+    channel = channel_of(inproc_broker)
     assert channel.in_flight_count() == len(got)
     assert channel.depth() == 0  # the rest are consumed, not requeued
     assert c.proto.message_count == len(got)

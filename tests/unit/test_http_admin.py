@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mqd.nsqd.broker import METADATA_FILE
+from mqd.nsqd.metadata import METADATA_FILE
 from tests.support.http_client import HTTPClient, error
 from tests.support.inprocess_broker import new_broker
 from tests.support.v2_client import Client, consumer
@@ -66,70 +66,70 @@ CHANNEL_ENDPOINTS = ["create", "delete", "empty", "pause", "unpause"]
     ("?topic=t&channel=c&x=%", (400, "INVALID_REQUEST")),
     ("?topic=nope&channel=c", (404, "TOPIC_NOT_FOUND")),
 ])
-def test_channel_argument_errors(http, broker, action, query, expected):
-    broker.topic("t")
+def test_channel_argument_errors(http, inproc_broker, action, query, expected):
+    inproc_broker.topic("t")
     assert error(http.post(f"/channel/{action}{query}")) == expected
-    assert "nope" not in broker.topics
+    assert "nope" not in inproc_broker.topics
 
 
 @pytest.mark.parametrize("action", ["delete", "empty", "pause", "unpause"])
-def test_unknown_channel_is_404(http, broker, action):
-    broker.topic("t")
+def test_unknown_channel_is_404(http, inproc_broker, action):
+    inproc_broker.topic("t")
     assert error(http.post(f"/channel/{action}?topic=t&channel=c")) == (404, "CHANNEL_NOT_FOUND")
 
 
 # -- create -----------------------------------------------------------------------------------
 
 
-def test_topic_and_channel_create(http, broker, clock):
+def test_topic_and_channel_create(http, inproc_broker, clock):
     assert ok(http.post("/topic/create?topic=t"))
     assert ok(http.post("/topic/create?topic=t"))
     assert ok(http.post("/channel/create?topic=t&channel=c"))
     assert ok(http.post("/channel/create?topic=t&channel=c"))
-    assert list(broker.topics) == ["t"] and list(broker.topics["t"].channels) == ["c"]
+    assert list(inproc_broker.topics) == ["t"] and list(inproc_broker.topics["t"].channels) == ["c"]
     clock.advance(0)
-    assert metadata(broker)["topics"] == [
+    assert metadata(inproc_broker)["topics"] == [
         {"name": "t", "paused": False, "channels": [{"name": "c", "paused": False}]}]
 
 
-def test_channel_create_gets_the_topic_backlog(http, broker):
+def test_channel_create_gets_the_topic_backlog(http, inproc_broker):
     http.post("/topic/create?topic=t")
-    publish(broker, b"a", b"b")
-    assert broker.topics["t"].depth() == 2
+    publish(inproc_broker, b"a", b"b")
+    assert inproc_broker.topics["t"].depth() == 2
     http.post("/channel/create?topic=t&channel=c")
-    assert broker.topics["t"].depth() == 0
-    assert broker.topics["t"].channels["c"].depth() == 2
+    assert inproc_broker.topics["t"].depth() == 0
+    assert inproc_broker.topics["t"].channels["c"].depth() == 2
 
 
 # -- pause ----------------------------------------------------------------------------------------
 
 
-def test_topic_pause_holds_messages_at_the_topic(http, broker):
-    c = consumer(broker)
+def test_topic_pause_holds_messages_at_the_topic(http, inproc_broker):
+    c = consumer(inproc_broker)
     assert ok(http.post("/topic/pause?topic=t"))
-    assert metadata(broker)["topics"][0]["paused"] is True  # written before the answer
-    publish(broker, b"a", b"b")
-    topic = broker.topics["t"]
+    assert metadata(inproc_broker)["topics"][0]["paused"] is True  # written before the answer
+    publish(inproc_broker, b"a", b"b")
+    topic = inproc_broker.topics["t"]
     assert (topic.depth(), topic.channels["c"].depth()) == (2, 0)
     assert c.read() == []
     assert ok(http.post("/topic/unpause?topic=t"))
-    assert metadata(broker)["topics"][0]["paused"] is False
+    assert metadata(inproc_broker)["topics"][0]["paused"] is False
     assert [m.body for m in c.messages()] == [b"a", b"b"]
     assert topic.depth() == 0
 
 
-def test_channel_pause_holds_messages_at_the_channel(http, broker):
-    c = consumer(broker, rdy=1)
-    publish(broker, b"a")
+def test_channel_pause_holds_messages_at_the_channel(http, inproc_broker):
+    c = consumer(inproc_broker, rdy=1)
+    publish(inproc_broker, b"a")
     [first] = c.messages()
     assert ok(http.post("/channel/pause?topic=t&channel=c"))
-    meta = metadata(broker)["topics"][0]["channels"][0]
+    meta = metadata(inproc_broker)["topics"][0]["channels"][0]
     assert meta == {"name": "c", "paused": True}
-    publish(broker, b"b", b"c")
+    publish(inproc_broker, b"b", b"c")
     # In flight can still be finished; nothing new is sent while paused.
     c.fin(first)
     assert c.read() == []
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert (channel.depth(), channel.in_flight_count()) == (2, 0)
     # Unpausing resumes without the client sending RDY again.
     assert ok(http.post("/channel/unpause?topic=t&channel=c"))
@@ -155,13 +155,13 @@ def test_paused_flags_survive_restart(tmp_path, clock):
 # -- empty ----------------------------------------------------------------------------------------
 
 
-def test_topic_empty_drops_only_what_waits_at_the_topic(http, broker):
-    c = consumer(broker, rdy=0)
-    publish(broker, b"at-channel")
+def test_topic_empty_drops_only_what_waits_at_the_topic(http, inproc_broker):
+    c = consumer(inproc_broker, rdy=0)
+    publish(inproc_broker, b"at-channel")
     http.post("/topic/pause?topic=t")
-    publish(broker, b"at-topic-1", b"at-topic-2")
+    publish(inproc_broker, b"at-topic-1", b"at-topic-2")
     assert ok(http.post("/topic/empty?topic=t"))
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert (topic.depth(), topic.channels["c"].depth()) == (0, 1)
     http.post("/topic/unpause?topic=t")
     c.send(b"RDY 10\n")
@@ -201,39 +201,39 @@ def test_channel_empty_drops_queued_in_flight_and_deferred(make_broker):
 # -- delete ---------------------------------------------------------------------------------------
 
 
-def test_channel_delete_disconnects_its_consumers(http, broker, clock):
-    c = consumer(broker)
-    other = consumer(broker, channel="other")
-    publish(broker, b"a")
+def test_channel_delete_disconnects_its_consumers(http, inproc_broker, clock):
+    c = consumer(inproc_broker)
+    other = consumer(inproc_broker, channel="other")
+    publish(inproc_broker, b"a")
     c.messages()
     other.messages()
     assert ok(http.post("/channel/delete?topic=t&channel=c"))
     assert c.closed and not other.closed
-    assert list(broker.topics["t"].channels) == ["other"]
+    assert list(inproc_broker.topics["t"].channels) == ["other"]
     clock.advance(0)
-    assert [ch["name"] for ch in metadata(broker)["topics"][0]["channels"]] == ["other"]
+    assert [ch["name"] for ch in metadata(inproc_broker)["topics"][0]["channels"]] == ["other"]
     assert error(http.post("/channel/delete?topic=t&channel=c")) == (404, "CHANNEL_NOT_FOUND")
 
 
-def test_channel_delete_of_last_ephemeral_channel_deletes_ephemeral_topic(http, broker):
+def test_channel_delete_of_last_ephemeral_channel_deletes_ephemeral_topic(http, inproc_broker):
     http.post("/topic/create?topic=t%23ephemeral")
     http.post("/channel/create?topic=t%23ephemeral&channel=c")
     assert ok(http.post("/channel/delete?topic=t%23ephemeral&channel=c"))
-    assert "t#ephemeral" not in broker.topics
+    assert "t#ephemeral" not in inproc_broker.topics
 
 
-def test_topic_delete_disconnects_every_consumer_and_a_publish_recreates_it(http, broker, clock):
-    c = consumer(broker)
-    d = consumer(broker, channel="d")
-    publish(broker, b"a")
+def test_topic_delete_disconnects_every_consumer_and_a_publish_recreates_it(http, inproc_broker, clock):
+    c = consumer(inproc_broker)
+    d = consumer(inproc_broker, channel="d")
+    publish(inproc_broker, b"a")
     assert ok(http.post("/topic/delete?topic=t"))
     assert c.closed and d.closed
-    assert "t" not in broker.topics
+    assert "t" not in inproc_broker.topics
     clock.advance(0)
-    assert metadata(broker)["topics"] is None
+    assert metadata(inproc_broker)["topics"] is None
     assert error(http.post("/topic/delete?topic=t")) == (404, "TOPIC_NOT_FOUND")
     assert http.post("/pub?topic=t", b"again").status == 200
-    assert broker.topics["t"].depth() == 1 and not broker.topics["t"].channels
+    assert inproc_broker.topics["t"].depth() == 1 and not inproc_broker.topics["t"].channels
 
 
 def test_channel_empty_on_durable_lmdb_forgets_in_flight_and_deferred(tmp_path, clock):
@@ -248,7 +248,7 @@ def test_channel_empty_on_durable_lmdb_forgets_in_flight_and_deferred(tmp_path, 
     assert ok(http.post("/channel/empty?topic=t&channel=c"))
     clock.advance(0)
     # A crash: no clean close, only what was committed counts.
-    broker._unlock_data_path()
+    broker.metadata.close()
     broker.store.env.close()
     broker = new_broker(tmp_path, clock, backend="lmdb", durable=True)
     channel = broker.topics["t"].channels["c"]

@@ -20,16 +20,16 @@ def test_ping_is_plain_text(http):
     assert not r.v1
 
 
-def test_ping_reports_storage_failure(http, broker):
-    broker.set_health("LMDB write failed: No space left on device")
+def test_ping_reports_storage_failure(http, inproc_broker):
+    inproc_broker.set_health("LMDB write failed: No space left on device")
     r = http.get("/ping")
     assert (r.status, r.body) == (500, b"NOK - LMDB write failed: No space left on device")
     assert not r.v1
-    broker.set_health(None)
+    inproc_broker.set_health(None)
     assert http.get("/ping").body == b"OK"
 
 
-def test_info_has_every_nsqd_key(http, broker):
+def test_info_has_every_nsqd_key(http, inproc_broker):
     r = http.get("/info")
     assert r.status == 200 and r.v1 and r.is_json
     info = r.json()
@@ -39,7 +39,7 @@ def test_info_has_every_nsqd_key(http, broker):
         "hostname": info["hostname"],
         "http_port": 4151,
         "tcp_port": 4150,
-        "start_time": broker.start_time,
+        "start_time": inproc_broker.start_time,
         "max_heartbeat_interval": 60_000_000_000,
         "max_output_buffer_size": 65536,
         "max_output_buffer_timeout": 30_000_000_000,
@@ -51,8 +51,8 @@ def test_info_has_every_nsqd_key(http, broker):
     assert b": " not in r.body and b", " not in r.body
 
 
-def test_info_port_of_a_unix_socket_is_minus_one(broker):
-    info = HTTPClient(broker, ports={"HTTP": 4151}).get("/info").json()
+def test_info_port_of_a_unix_socket_is_minus_one(inproc_broker):
+    info = HTTPClient(inproc_broker, ports={"HTTP": 4151}).get("/info").json()
     assert (info["http_port"], info["tcp_port"]) == (4151, -1)
 
 
@@ -103,10 +103,10 @@ def test_near_miss_paths_redirect_as_httprouter(http, method, path, code, locati
     assert (r.status, r.header("Location")) == (code, location)
 
 
-def test_absolute_form_target_is_routed_by_its_path(http, broker):
+def test_absolute_form_target_is_routed_by_its_path(http, inproc_broker):
     """HTTP/1.1's absolute form (a proxy's request line) reaches the same route as Go's server sends it."""
     assert http.get("http://127.0.0.1:4151/ping").body == b"OK"
-    assert (http.post("HTTP://anything/pub?topic=abs", b"m").status, broker.topics["abs"].message_count) == (200, 1)
+    assert (http.post("HTTP://anything/pub?topic=abs", b"m").status, inproc_broker.topics["abs"].message_count) == (200, 1)
     assert http.get("http://127.0.0.1:4151/PING").header("Location") == "/ping"
     assert error(http.get("http://127.0.0.1:4151")) == (404, "NOT_FOUND")
 
@@ -153,18 +153,18 @@ def test_string_success_is_raw_text_and_empty_success_has_no_type(http):
     assert r.v1
 
 
-def test_unexpected_exception_is_500_internal_error(http, broker, monkeypatch):
+def test_unexpected_exception_is_500_internal_error(http, inproc_broker, monkeypatch):
     def boom(name):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(broker, "topic", boom)
+    monkeypatch.setattr(inproc_broker, "topic", boom)
     assert error(http.post("/topic/create?topic=t")) == (500, "INTERNAL_ERROR")
 
 
 # -- /stats routing -----------------------------------------------------------------------
 
 
-def test_stats_json_and_text(http, broker):
+def test_stats_json_and_text(http, inproc_broker):
     http.post("/pub?topic=t", b"x")
     r = http.get("/stats?format=json")
     assert r.status == 200 and r.v1 and r.is_json

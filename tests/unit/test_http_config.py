@@ -81,12 +81,12 @@ def test_get_unknown_option(http, name):
     assert error(http.get(f"/config/{name}")) == (400, "INVALID_OPTION")
 
 
-def test_put_lookupd_addresses(http, broker):
+def test_put_lookupd_addresses(http, inproc_broker):
     addresses = ["127.0.0.1:4160", "lookupd-2:4160"]
     r = http.put("/config/nsqlookupd_tcp_addresses", json.dumps(addresses).encode())
     assert (r.status, r.json()) == (200, addresses) and r.v1 and r.is_json
     assert value(http, "nsqlookupd_tcp_addresses") == addresses
-    assert broker.options.lookupd_tcp_address == addresses
+    assert inproc_broker.options.lookupd_tcp_address == addresses
     r = http.put("/config/nsqlookupd_tcp_addresses", b" [] ")
     assert r.json() == []
     assert http.put("/config/nsqlookupd_tcp_addresses", b"null").json() == []
@@ -94,15 +94,15 @@ def test_put_lookupd_addresses(http, broker):
 
 @pytest.mark.parametrize("body", [b"not json", b'"127.0.0.1:4160"', b"[1, 2]", b"{}",
                                   b'["a",'])
-def test_put_lookupd_addresses_bad_value(http, broker, body):
+def test_put_lookupd_addresses_bad_value(http, inproc_broker, body):
     assert error(http.put("/config/nsqlookupd_tcp_addresses", body)) == (400, "INVALID_VALUE")
-    assert broker.options.lookupd_tcp_address == []
+    assert inproc_broker.options.lookupd_tcp_address == []
 
 
-def test_put_log_level(http, broker):
+def test_put_log_level(http, inproc_broker):
     r = http.put("/config/log_level", b"debug")
     assert (r.status, r.json()) == (200, 1)
-    assert broker.options.log_level == "debug"
+    assert inproc_broker.options.log_level == "debug"
     assert level_in_force() == LogLevel.debug
     assert value(http, "log_level") == 1
     assert http.put("/config/log_level", b"WARN").json() == 3
@@ -112,9 +112,9 @@ def test_put_log_level(http, broker):
 
 
 @pytest.mark.parametrize("body", [b"bad", b"debug\n", b" info", b"2"])
-def test_put_log_level_bad_value(http, broker, body):
+def test_put_log_level_bad_value(http, inproc_broker, body):
     assert error(http.put("/config/log_level", body)) == (400, "INVALID_VALUE")
-    assert broker.options.log_level == "info"
+    assert inproc_broker.options.log_level == "info"
 
 
 @pytest.mark.parametrize("name", ["log_level", "nsqlookupd_tcp_addresses", "mem_queue_size",
@@ -130,14 +130,14 @@ def test_put_other_options_is_invalid_option(http, name):
     assert error(http.put(f"/config/{name}", b"5")) == (400, "INVALID_OPTION")
 
 
-def test_update_options_checks_before_changing(broker):
+def test_update_options_checks_before_changing(inproc_broker):
     with pytest.raises(ValueError):
-        broker.update_options(log_level="loud")
+        inproc_broker.update_options(log_level="loud")
     with pytest.raises(ValueError):
-        broker.update_options(no_such_option=1)
-    assert broker.options.log_level == "info"
-    broker.update_options(lookupd_tcp_address=["a:1"])
-    assert broker.options.lookupd_tcp_address == ["a:1"]
+        inproc_broker.update_options(no_such_option=1)
+    assert inproc_broker.options.log_level == "info"
+    inproc_broker.update_options(lookupd_tcp_address=["a:1"])
+    assert inproc_broker.options.lookupd_tcp_address == ["a:1"]
 
 
 def test_lookupd_flag_is_repeatable_and_read_back(tmp_path, clock):

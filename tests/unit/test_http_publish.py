@@ -26,17 +26,17 @@ def framed(*bodies: bytes, count: int | None = None) -> bytes:
 # -- /pub -------------------------------------------------------------------------------
 
 
-def test_pub_publishes_one_message(http, broker):
-    c = consumer(broker)
+def test_pub_publishes_one_message(http, inproc_broker):
+    c = consumer(inproc_broker)
     r = http.post("/pub?topic=t", b"hello\nworld")
     assert (r.status, r.body) == (200, b"OK") and r.v1
     assert [m.body for m in c.messages()] == [b"hello\nworld"]
-    assert broker.topics["t"].message_count == 1
+    assert inproc_broker.topics["t"].message_count == 1
 
 
-def test_pub_creates_the_topic(http, broker):
+def test_pub_creates_the_topic(http, inproc_broker):
     http.post("/pub?topic=new", b"x")
-    assert broker.topics["new"].depth() == 1
+    assert inproc_broker.topics["new"].depth() == 1
 
 
 @pytest.mark.parametrize(("path", "body", "headers", "expected"), [
@@ -73,35 +73,35 @@ def test_pub_at_the_size_limit_is_accepted(make_broker):
     assert HTTPClient(broker).post("/pub?topic=t", b"x" * 10).status == 200
 
 
-def test_pub_invalid_defer_still_creates_the_topic(http, broker):
+def test_pub_invalid_defer_still_creates_the_topic(http, inproc_broker):
     assert error(http.post("/pub?topic=made&defer=x", b"x")) == (400, "INVALID_DEFER")
-    assert "made" in broker.topics and broker.topics["made"].depth() == 0
+    assert "made" in inproc_broker.topics and inproc_broker.topics["made"].depth() == 0
 
 
-def test_pub_with_defer_is_held_until_due(http, broker, clock):
-    c = consumer(broker)
+def test_pub_with_defer_is_held_until_due(http, inproc_broker, clock):
+    c = consumer(inproc_broker)
     assert http.post("/pub?topic=t&defer=5000", b"later").status == 200
     assert http.post("/pub?topic=t&defer=0", b"now").status == 200
     assert [m.body for m in c.messages()] == [b"now"]
-    assert broker.topics["t"].channels["c"].deferred_count() == 1
+    assert inproc_broker.topics["t"].channels["c"].deferred_count() == 1
     clock.advance(5)
-    scan(broker)
+    scan(inproc_broker)
     assert [m.body for m in c.messages()] == [b"later"]
 
 
-def test_pub_to_an_exiting_topic_is_503(http, broker):
-    broker.topic("t").exiting = True
+def test_pub_to_an_exiting_topic_is_503(http, inproc_broker):
+    inproc_broker.topic("t").exiting = True
     assert error(http.post("/pub?topic=t", b"x")) == (503, "EXITING")
     assert error(http.post("/mpub?topic=t", b"x\ny")) == (503, "EXITING")
 
 
-def test_pub_backend_failure_is_500_and_unhealthy(http, broker, monkeypatch):
+def test_pub_backend_failure_is_500_and_unhealthy(http, inproc_broker, monkeypatch):
     def refuse(self, msgs):
         raise BackendError("LMDB write failed: No space left on device")
 
-    monkeypatch.setattr(type(broker.topic("t")), "put", refuse)
+    monkeypatch.setattr(type(inproc_broker.topic("t")), "put", refuse)
     assert error(http.post("/pub?topic=t", b"x")) == (500, "INTERNAL_ERROR")
-    assert broker.health == "LMDB write failed: No space left on device"
+    assert inproc_broker.health == "LMDB write failed: No space left on device"
     assert http.get("/ping").body == b"NOK - LMDB write failed: No space left on device"
     assert error(http.post("/mpub?topic=t", b"x")) == (500, "INTERNAL_ERROR")
 
@@ -109,8 +109,8 @@ def test_pub_backend_failure_is_500_and_unhealthy(http, broker, monkeypatch):
 # -- /mpub ---------------------------------------------------------------------------------
 
 
-def test_mpub_text_mode_splits_lines_and_skips_empty_ones(http, broker):
-    c = consumer(broker)
+def test_mpub_text_mode_splits_lines_and_skips_empty_ones(http, inproc_broker):
+    c = consumer(inproc_broker)
     r = http.post("/mpub?topic=t", b"one\ntwo\n\nthree\r\nfour\n")
     assert (r.status, r.body) == (200, b"OK") and r.v1
     assert [m.body for m in c.messages()] == [b"one", b"two", b"three\r", b"four"]
@@ -118,23 +118,23 @@ def test_mpub_text_mode_splits_lines_and_skips_empty_ones(http, broker):
     assert [m.body for m in c.messages()] == [b"five", b"six"]
 
 
-def test_mpub_with_nothing_to_publish_is_ok(http, broker):
+def test_mpub_with_nothing_to_publish_is_ok(http, inproc_broker):
     assert http.post("/mpub?topic=t", b"").body == b"OK"
     assert http.post("/mpub?topic=t", b"\n\n").body == b"OK"
-    assert broker.topics["t"].message_count == 0
+    assert inproc_broker.topics["t"].message_count == 0
 
 
 @pytest.mark.parametrize("flag", ["true", "1", "T", "TRUE", "yes", "bogus", ""])
-def test_mpub_binary_mode(http, broker, flag):
-    c = consumer(broker)
+def test_mpub_binary_mode(http, inproc_broker, flag):
+    c = consumer(inproc_broker)
     r = http.post(f"/mpub?topic=t&binary={flag}", framed(b"a\nb", b"c"))
     assert (r.status, r.body) == (200, b"OK")
     assert [m.body for m in c.messages()] == [b"a\nb", b"c"]
 
 
 @pytest.mark.parametrize("flag", ["false", "0", "f", "False"])
-def test_mpub_binary_false_is_text(http, broker, flag):
-    c = consumer(broker)
+def test_mpub_binary_false_is_text(http, inproc_broker, flag):
+    c = consumer(inproc_broker)
     assert http.post(f"/mpub?topic=t&binary={flag}", b"a\nb").status == 200
     assert [m.body for m in c.messages()] == [b"a", b"b"]
 
@@ -244,9 +244,9 @@ def test_durable_pub_client_gone_before_the_commit(durable, clock):
 
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=xyz"])
-def test_form_content_type_is_still_a_message(http, broker, content_type):
+def test_form_content_type_is_still_a_message(http, inproc_broker, content_type):
     """curl -d labels the body a form; nsqd publishes it as it is, and so does mqd."""
-    c = consumer(broker)
+    c = consumer(inproc_broker)
     r = http.post("/pub?topic=t", b"a=b&c=%zz", headers={"Content-Type": content_type})
     assert r.body == b"OK"
     assert [m.body for m in c.messages()] == [b"a=b&c=%zz"]
@@ -276,9 +276,9 @@ def test_request_body_kept_in_memory_is_bounded(make_broker):
     assert broker.topics["t"].message_count == 2
 
 
-def test_pub_defer_with_leading_zeros_parses_as_go_does(http, broker):
+def test_pub_defer_with_leading_zeros_parses_as_go_does(http, inproc_broker):
     assert http.post("/pub?topic=t&defer=" + "0" * 30 + "5", b"x").status == 200
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
 
 
 # -- --max-defer-timeout (nsq PR #1504) ------------------------------------------------------
@@ -308,14 +308,14 @@ def test_max_defer_timeout_may_pass_max_req_timeout(make_broker):
 
 
 @pytest.mark.parametrize("defer", ["abc", "-1", "", "1.5"])
-def test_mpub_invalid_defer(http, broker, defer):
+def test_mpub_invalid_defer(http, inproc_broker, defer):
     assert error(http.post("/mpub?topic=t&defer=" + defer, b"a\nb")) == (400, "INVALID_DEFER")
-    assert broker.topics["t"].message_count == 0
+    assert inproc_broker.topics["t"].message_count == 0
 
 
 @pytest.mark.parametrize("binary", [False, True])
-def test_mpub_with_defer_is_held_until_due(http, broker, clock, binary):
-    c = consumer(broker)
+def test_mpub_with_defer_is_held_until_due(http, inproc_broker, clock, binary):
+    c = consumer(inproc_broker)
     if binary:
         r = http.post("/mpub?topic=t&binary=true&defer=5000", framed(b"a", b"b"))
     else:
@@ -323,9 +323,9 @@ def test_mpub_with_defer_is_held_until_due(http, broker, clock, binary):
     assert r.body == b"OK"
     assert http.post("/mpub?topic=t&defer=0", b"now").status == 200
     assert [m.body for m in c.messages()] == [b"now"]
-    assert broker.topics["t"].channels["c"].deferred_count() == 2
+    assert inproc_broker.topics["t"].channels["c"].deferred_count() == 2
     clock.advance(5)
-    scan(broker)
+    scan(inproc_broker)
     assert sorted(m.body for m in c.messages()) == [b"a", b"b"]
 
 

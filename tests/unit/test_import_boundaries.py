@@ -30,6 +30,20 @@ def test_the_import_contracts_hold():
     assert "0 broken" in done.stdout
 
 
+def test_no_two_modules_import_each_other_directly_or_through_others():
+    """No import circle: every module can be read, and loaded, before the ones that use it."""
+    import grimp
+
+    graph = grimp.build_graph("mqd", "backends", "spark_bridge", cache_dir=None)
+    circles = set()
+    for module in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(module):
+            back = graph.find_shortest_chain(importer=imported, imported=module)
+            if back:
+                circles.add((module,) + tuple(back))
+    assert sorted(circles) == []
+
+
 def modules_loaded_by(module: str) -> set[str]:
     code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,

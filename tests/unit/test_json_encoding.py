@@ -51,8 +51,8 @@ def test_any_value_decodes_back_to_itself_from_valid_utf8(value):
     assert b"\\b" not in data.replace(b"\\\\", b"") and b"\\f" not in data.replace(b"\\\\", b"")
 
 
-def test_stats_shows_a_clients_user_agent_in_nsqds_bytes(broker, http):
-    c = Client(broker, port=5001)
+def test_stats_shows_a_clients_user_agent_in_nsqds_bytes(inproc_broker, http):
+    c = Client(inproc_broker, port=5001)
     assert c.request(identify(client_id="x", user_agent=AGENT)) == [ok()]
     c.sub("t", "c")
     body = http.get("/stats?format=json&topic=t").body

@@ -93,15 +93,15 @@ def publish(broker, topic, n):
     mpublish(broker, topic, [b"%d" % i for i in range(n)])
 
 
-def test_disabled_by_default(broker, connect):
+def test_disabled_by_default(inproc_broker, connect):
     c = connect()
     c.sub(rdy=1)
-    publish(broker, "t", 1)
+    publish(inproc_broker, "t", 1)
     [m] = c.messages()
     c.fin(m)
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.e2e is None          # FIN's only cost: this test for None
-    s = stats_json(broker)
+    s = stats_json(inproc_broker)
     assert s["topics"][0]["e2e_processing_latency"] == NO_E2E
     assert s["topics"][0]["channels"][0]["e2e_processing_latency"] == NO_E2E
 

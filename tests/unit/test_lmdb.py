@@ -92,9 +92,9 @@ def test_fifo_across_many_puts_and_batch_reads(tmp_path, clock, durable):
 @BOTH
 def test_read_spans_committed_and_uncommitted(tmp_path, clock, durable):
     store, q = queue_t(tmp_path, clock, 3, durable=durable)
-    assert store._commit_call is not None and store._commit_call.active()
+    assert store._writes.commit_call is not None and store._writes.commit_call.active()
     clock.advance(0)
-    assert store._commit_call is None
+    assert store._writes.commit_call is None
     assert [r[2] for r in records(store)] == expected(3)
     q.put(msgs(3, 3))  # not committed yet
     assert q.depth() == 6
@@ -185,7 +185,7 @@ def test_default_read_before_commit_is_never_written(tmp_path, clock):
     assert bodies(q.read(2)) == expected(2)
     clock.advance(0)
     assert [r[2] for r in records(store)] == [b"m2"]
-    assert store._dels == set()
+    assert store._writes.dels == set()
     store = reopen(store, tmp_path, clock)
     assert bodies(store.open_queue("t").read(10)) == [b"m2"]
     store.close()

@@ -16,7 +16,8 @@ import pytest
 
 from backends.lmdb import ENV_DIR
 from mqd.nsqd import topic as topic_module
-from mqd.nsqd.broker import METADATA_FILE, Broker
+from mqd.nsqd.broker import Broker
+from mqd.nsqd.metadata import METADATA_FILE
 from mqd.options import ConfigError
 from tests.support.inprocess_broker import failing_once, scan, settings
 from tests.support.lmdb_stores import FULL, crash, delivered, lmdb_broker, restart, same_time
@@ -277,7 +278,7 @@ def test_corrupt_metadata_stops_start_up_and_releases_data_path(tmp_path, clock)
     broker = Broker(settings(tmp_path, backend="lmdb"), clock=clock)
     with pytest.raises(ConfigError, match="corrupt metadata file"):
         broker.open()
-    assert broker.store is None and broker._lock_fd is None
+    assert broker.store is None and broker.metadata._lock_fd is None
     os.remove(tmp_path / METADATA_FILE)
     broker = lmdb_broker(tmp_path, same_time(clock))
     _, got = consume(broker)

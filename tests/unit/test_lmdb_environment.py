@@ -48,13 +48,13 @@ def test_map_grows_without_error(tmp_path, clock, durable):
 def test_map_waits_for_a_running_copy_before_growing(tmp_path, clock):
     store = lmdb_store(tmp_path, clock, lmdb_map_size=1 << 20)
     q = store.open_queue("t")
-    store.copies = 1  # a snapshot thread is reading the map
+    store.copy_started()  # a snapshot thread is reading the map
     q.put([Message(b"%016d" % j, os.urandom(1024), j) for j in range(3000)])
     clock.advance(0)
     # The commit needs a bigger map but must not resize it under the copy.
     assert store.env.info()["map_size"] == 1 << 20
     assert records(store) == []
-    store.copies = 0
+    store.copy_ended()
     clock.advance(0.05)
     assert store.env.info()["map_size"] > 1 << 20
     assert len(records(store)) == 3000
@@ -187,7 +187,7 @@ def test_group_commit_is_one_transaction_per_turn(tmp_path, clock, monkeypatch):
     real = store._write
 
     def write():
-        writes.append(len(store._puts))
+        writes.append(len(store._writes.puts))
         return real()
 
     monkeypatch.setattr(store, "_write", write)

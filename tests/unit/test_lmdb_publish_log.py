@@ -32,11 +32,7 @@ def durable_store(path, clock) -> LmdbStore:
 def publish(store: LmdbStore, queue, messages) -> list:
     """Put new publishes as Topic.publish does; the list gets the commit's answer."""
     answers: list = []
-    store.publishing = True
-    try:
-        queue.put(messages)
-    finally:
-        store.publishing = False
+    queue.put(messages, fresh=True)
     store.when_durable(answers.append)
     return answers
 
@@ -123,8 +119,8 @@ def test_chunks_taken_while_the_writer_syncs_are_written_together_and_land_in_or
     assert len(tclock.jobs) == 1  # the writer is busy: the second chunk waits in its inbox
     assert tclock.run_threads() == 1
     assert len(appends) == 1  # both chunks, one write and one sync
-    assert [epoch for epoch, _ in parse_chunks((tmp_path / "mqd.lmdb" / LOG_FILE).read_bytes())] == [store._log_epoch - 1,
-                                                                       store._log_epoch]
+    assert [epoch for epoch, _ in parse_chunks((tmp_path / "mqd.lmdb" / LOG_FILE).read_bytes())] == [store._log_writer.epoch - 1,
+                                                                       store._log_writer.epoch]
     tclock.advance(0)
     assert first == [None] and second == [None]
     assert bodies(q.read(10)) == expected(4)
@@ -189,7 +185,7 @@ def test_replay_takes_whole_chunks_and_drops_a_torn_last_one(tmp_path, tclock, c
     synced(tclock)
     extra = msgs(1, 7)
     extra[0].key = KEY.pack(q.qid, 100)
-    chunk = b"".join(encode_chunk(store._log_epoch + 1, [extra], [], []))
+    chunk = b"".join(encode_chunk(store._log_writer.epoch + 1, [extra], [], []))
     with open(tmp_path / "mqd.lmdb" / LOG_FILE, "r+b") as f:
         f.seek(store._log.size)  # right after the live chunks, as a crash mid-write leaves it
         f.write(chunk[:len(chunk) - cut])
@@ -205,7 +201,7 @@ def test_a_checkpoint_empties_the_log_and_replay_skips_older_chunks(tmp_path, tc
     synced(tclock)
     log_path = tmp_path / "mqd.lmdb" / LOG_FILE
     stale = log_path.read_bytes()
-    assert [epoch for epoch, _ in parse_chunks(stale)] == [store._log_epoch]
+    assert [epoch for epoch, _ in parse_chunks(stale)] == [store._log_writer.epoch]
     q.finish(q.read(3))
     tclock.advance(0)
     assert tclock.jobs == []
@@ -289,7 +285,7 @@ def test_close_waits_for_the_chunk_in_flight_and_checkpoints_everything(tmp_path
     tclock.advance(0)
     job = tclock.jobs.pop()
     job[0](*job[1])  # the thread finishes while the reactor is closing
-    store.closing = True
+    store.begin_close()
     store.close()
     assert answers == [None]
     reopened = durable_store(tmp_path, Clock())

@@ -20,7 +20,7 @@ from tests.support.v2_frames import sized
 
 
 @pytest.fixture
-def lookup(broker):
+def lookup(inproc_broker):
     """lookup(*addresses): a started LookupService whose endpoints are FakeEndpoints."""
     endpoints: dict[str, FakeEndpoint] = {}
     services = []
@@ -30,8 +30,8 @@ def lookup(broker):
         return endpoints[address]
 
     def start(*addresses: str):
-        broker.update_options(lookupd_tcp_address=list(addresses))
-        svc = LookupService(broker, PORTS, reactor=broker.clock, endpoint_for=endpoint_for)
+        inproc_broker.update_options(lookupd_tcp_address=list(addresses))
+        svc = LookupService(inproc_broker, PORTS, reactor=inproc_broker.clock, endpoint_for=endpoint_for)
         svc.endpoints = endpoints
         svc.startService()
         services.append(svc)
@@ -51,7 +51,7 @@ def connected(lookup, address="10.0.0.1:4160"):
     return svc, conn
 
 
-def test_identify_announces_broadcast_ports_and_version(broker, lookup):
+def test_identify_announces_broadcast_ports_and_version(inproc_broker, lookup):
     svc = lookup("10.0.0.1:4160")
     conn = svc.endpoints["10.0.0.1:4160"].accept()
     assert conn.identified() == []
@@ -71,9 +71,9 @@ def test_broadcast_port_options_override_bound_ports(make_broker, tmp_path):
     assert (info["tcp_port"], info["http_port"]) == (5150, 5151)
 
 
-def test_connect_registers_existing_topics_and_channels(broker, lookup):
-    broker.topic("lonely")
-    busy = broker.topic("busy")
+def test_connect_registers_existing_topics_and_channels(inproc_broker, lookup):
+    inproc_broker.topic("lonely")
+    busy = inproc_broker.topic("busy")
     busy.channel("a")
     busy.channel("b#ephemeral")
     svc = lookup("10.0.0.1:4160")
@@ -82,16 +82,16 @@ def test_connect_registers_existing_topics_and_channels(broker, lookup):
     assert conn.identified() == [b"REGISTER lonely", b"REGISTER busy a", b"REGISTER busy b#ephemeral"]
 
 
-def test_creation_and_deletion_register_and_unregister(broker, lookup):
+def test_creation_and_deletion_register_and_unregister(inproc_broker, lookup):
     svc = lookup("10.0.0.1:4160", "10.0.0.2:4160")
     conns = [svc.endpoints[a].accept() for a in ("10.0.0.1:4160", "10.0.0.2:4160")]
     for conn in conns:
         conn.identified()
-    topic = broker.topic("t")
+    topic = inproc_broker.topic("t")
     topic.channel("c")
     topic.channel("e#ephemeral")
     topic.delete_channel("c")
-    broker.delete_topic("t")
+    inproc_broker.delete_topic("t")
     for conn in conns:
         assert conn.lines() == [b"REGISTER t", b"REGISTER t c", b"REGISTER t e#ephemeral",
                                 b"UNREGISTER t c", b"UNREGISTER t e#ephemeral", b"UNREGISTER t"]
@@ -99,14 +99,14 @@ def test_creation_and_deletion_register_and_unregister(broker, lookup):
         assert conn.open
 
 
-def test_ping_every_15_seconds(broker, lookup):
+def test_ping_every_15_seconds(inproc_broker, lookup):
     _, conn = connected(lookup)
-    broker.clock.advance(14.9)
+    inproc_broker.clock.advance(14.9)
     assert conn.lines() == []
-    broker.clock.advance(0.1)
+    inproc_broker.clock.advance(0.1)
     assert conn.lines() == [b"PING"]
     conn.ok()
-    broker.clock.advance(15)
+    inproc_broker.clock.advance(15)
     assert conn.lines() == [b"PING"]
     conn.ok()
     assert conn.open
@@ -124,14 +124,14 @@ def _reconnected(svc, address):
     return endpoint.accept()
 
 
-def test_error_response_closes_and_reconnect_registers_everything(broker, lookup):
+def test_error_response_closes_and_reconnect_registers_everything(inproc_broker, lookup):
     svc, conn = connected(lookup)
-    broker.topic("t").channel("c")
+    inproc_broker.topic("t").channel("c")
     assert conn.lines() == [b"REGISTER t", b"REGISTER t c"]
     conn.reply(b"OK", b"E_INVALID something")
     assert not conn.open
     # While disconnected, changes are not sent anywhere ...
-    broker.topic("u")
+    inproc_broker.topic("u")
     # ... the next connection announces the whole state.
     conn2 = _reconnected(svc, "10.0.0.1:4160")
     assert conn2.identified() == [b"REGISTER t c", b"REGISTER u"]
@@ -139,50 +139,50 @@ def test_error_response_closes_and_reconnect_registers_everything(broker, lookup
     assert conn2.open
 
 
-def test_unanswered_command_times_out_after_1s(broker, lookup):
+def test_unanswered_command_times_out_after_1s(inproc_broker, lookup):
     svc, conn = connected(lookup)
-    broker.clock.advance(15)
+    inproc_broker.clock.advance(15)
     assert conn.lines() == [b"PING"]
-    broker.clock.advance(0.99)
+    inproc_broker.clock.advance(0.99)
     assert conn.open
-    broker.clock.advance(0.01)
+    inproc_broker.clock.advance(0.01)
     assert not conn.open
     conn2 = _reconnected(svc, "10.0.0.1:4160")
     assert conn2.identified() == []
 
 
-def test_refused_connection_retries_with_backoff(broker, lookup):
+def test_refused_connection_retries_with_backoff(inproc_broker, lookup):
     svc = lookup("10.0.0.1:4160")
     endpoint = svc.endpoints["10.0.0.1:4160"]
     endpoint.refuse()
-    broker.clock.advance(0.1)
+    inproc_broker.clock.advance(0.1)
     assert len(endpoint.attempts) == 1
-    broker.topic("t")
+    inproc_broker.topic("t")
     conn = _reconnected(svc, "10.0.0.1:4160")
     assert conn.identified() == [b"REGISTER t"]
 
 
-def test_runtime_address_change_drops_removed_and_adds_new(broker, lookup):
+def test_runtime_address_change_drops_removed_and_adds_new(inproc_broker, lookup):
     svc, old = connected(lookup)
-    broker.topic("t")
+    inproc_broker.topic("t")
     old.lines()
-    broker.update_options(lookupd_tcp_address=["10.0.0.2:4160"])
+    inproc_broker.update_options(lookupd_tcp_address=["10.0.0.2:4160"])
     assert not old.open
     assert list(svc.peers) == ["10.0.0.2:4160"]
     new = svc.endpoints["10.0.0.2:4160"].accept()
     assert new.identified() == [b"REGISTER t"]
     # The removed lookupd is not reconnected.
     attempts = len(svc.endpoints["10.0.0.1:4160"].attempts)
-    broker.clock.advance(60)
+    inproc_broker.clock.advance(60)
     assert len(svc.endpoints["10.0.0.1:4160"].attempts) == attempts
 
 
-def test_stop_disconnects_every_peer(broker, lookup):
+def test_stop_disconnects_every_peer(inproc_broker, lookup):
     svc, conn = connected(lookup)
     svc.stopService()
     assert not conn.open
-    assert svc not in broker.observers
-    broker.topic("t")
+    assert svc not in inproc_broker.observers
+    inproc_broker.topic("t")
     assert conn.lines() == []
 
 
@@ -224,7 +224,7 @@ def errors_logged():
     (b'{"broadcast_address": 7}', "broadcast_address"),
     (b"\x00garbage", "Expecting value"),
 ])
-def test_a_bad_identify_answer_closes_with_one_line_and_reconnects(broker, lookup, errors_logged,
+def test_a_bad_identify_answer_closes_with_one_line_and_reconnects(inproc_broker, lookup, errors_logged,
                                                                    payload, why):
     svc = lookup("10.0.0.1:4160")
     conn = svc.endpoints["10.0.0.1:4160"].accept()
@@ -238,7 +238,7 @@ def test_a_bad_identify_answer_closes_with_one_line_and_reconnects(broker, looku
     assert svc.peers["10.0.0.1:4160"].http_address() == "lookup-host:4161"
 
 
-def test_null_identify_answer_is_an_empty_peer_info_as_in_go(broker, lookup, errors_logged):
+def test_null_identify_answer_is_an_empty_peer_info_as_in_go(inproc_broker, lookup, errors_logged):
     svc = lookup("10.0.0.1:4160")
     conn = svc.endpoints["10.0.0.1:4160"].accept()
     _identify_answer(conn, b"null")
@@ -246,7 +246,7 @@ def test_null_identify_answer_is_an_empty_peer_info_as_in_go(broker, lookup, err
     assert svc.peers["10.0.0.1:4160"].http_address() is None
 
 
-def test_an_answer_over_max_body_size_closes_before_it_is_buffered(broker, lookup, errors_logged):
+def test_an_answer_over_max_body_size_closes_before_it_is_buffered(inproc_broker, lookup, errors_logged):
     svc, conn = connected(lookup)
     proto = svc.peers["10.0.0.1:4160"].protocol
     conn.proxy.dataReceived(struct.pack(">I", 5 * 1024 * 1024 + 1) + b"x" * 1000)
@@ -257,7 +257,7 @@ def test_an_answer_over_max_body_size_closes_before_it_is_buffered(broker, looku
     assert conn2.identified() == []
 
 
-def test_an_answer_dripped_a_byte_at_a_time_is_read(broker, lookup):
+def test_an_answer_dripped_a_byte_at_a_time_is_read(inproc_broker, lookup):
     svc = lookup("10.0.0.1:4160")
     conn = svc.endpoints["10.0.0.1:4160"].accept()
     conn.written()

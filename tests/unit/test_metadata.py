@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from mqd.nsqd.broker import METADATA_FILE, Broker
+from mqd.nsqd.broker import Broker
+from mqd.nsqd.metadata import METADATA_FILE
 from mqd.options import ConfigError
 from tests.support.inprocess_broker import new_broker, settings
 from tests.support.v2_client import Client
@@ -38,8 +39,8 @@ def test_data_path_not_creatable(tmp_path, clock):
         broker.open()
 
 
-def test_written_after_creation_on_next_turn(tmp_path, broker, clock):
-    c = Client(broker)
+def test_written_after_creation_on_next_turn(tmp_path, inproc_broker, clock):
+    c = Client(inproc_broker)
     c.sub("t", "c")
     assert c.request(pub("u", b"x")) == [ok()]
     assert read_meta(tmp_path)["topics"] is None  # scheduled, not yet written
@@ -54,61 +55,61 @@ def test_written_after_creation_on_next_turn(tmp_path, broker, clock):
     assert sorted(os.listdir(tmp_path)) == [METADATA_FILE]  # no temp files left
 
 
-def test_one_write_for_many_changes(tmp_path, broker, clock, monkeypatch):
+def test_one_write_for_many_changes(tmp_path, inproc_broker, clock, monkeypatch):
     writes = []
-    original = broker._write_metadata_file
+    original = inproc_broker.metadata._write_file
 
     def counting(data, seq):
         writes.append(1)
         original(data, seq)
 
-    monkeypatch.setattr(broker, "_write_metadata_file", counting)
+    monkeypatch.setattr(inproc_broker.metadata, "_write_file", counting)
     for i in range(5):
-        broker.topic(f"t{i}").channel("c")
+        inproc_broker.topic(f"t{i}").channel("c")
     clock.advance(0)
     assert len(writes) == 1
     assert len(read_meta(tmp_path)["topics"]) == 5
 
 
-def test_ephemeral_excluded(tmp_path, broker, clock):
-    Client(broker).sub("t", "c#ephemeral")
-    Client(broker).sub("t", "c")
-    Client(broker).sub("e#ephemeral", "c")
+def test_ephemeral_excluded(tmp_path, inproc_broker, clock):
+    Client(inproc_broker).sub("t", "c#ephemeral")
+    Client(inproc_broker).sub("t", "c")
+    Client(inproc_broker).sub("e#ephemeral", "c")
     clock.advance(0)
     assert read_meta(tmp_path)["topics"] == [
         {"name": "t", "paused": False, "channels": [{"name": "c", "paused": False}]}
     ]
 
 
-def test_ephemeral_only_changes_schedule_nothing(tmp_path, broker, clock):
-    Client(broker).sub("e#ephemeral", "c#ephemeral")
-    assert broker._persist_call is None
-    assert not any(call.func == broker._write_metadata_async for call in clock.getDelayedCalls())
-    assert broker._metadata_writing is None
+def test_ephemeral_only_changes_schedule_nothing(tmp_path, inproc_broker, clock):
+    Client(inproc_broker).sub("e#ephemeral", "c#ephemeral")
+    assert inproc_broker.metadata._call is None
+    assert not any(call.func == inproc_broker.metadata._write_async for call in clock.getDelayedCalls())
+    assert inproc_broker.metadata.writing is None
 
 
-def test_deletion_rewritten(tmp_path, broker, clock):
-    broker.topic("t").channel("c")
-    broker.topic("u")
+def test_deletion_rewritten(tmp_path, inproc_broker, clock):
+    inproc_broker.topic("t").channel("c")
+    inproc_broker.topic("u")
     clock.advance(0)
-    broker.topics["t"].delete_channel("c")
-    broker.delete_topic("u")
+    inproc_broker.topics["t"].delete_channel("c")
+    inproc_broker.delete_topic("u")
     clock.advance(0)
     assert read_meta(tmp_path)["topics"] == [{"name": "t", "paused": False, "channels": None}]
 
 
-def test_write_is_atomic(tmp_path, broker, clock, monkeypatch):
-    broker.topic("t")
+def test_write_is_atomic(tmp_path, inproc_broker, clock, monkeypatch):
+    inproc_broker.topic("t")
     clock.advance(0)
     before = (tmp_path / METADATA_FILE).read_bytes()
-    broker.topic("u")
+    inproc_broker.topic("u")
 
     def fail(src, dst):
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError):
-        broker.persist_metadata()
+        inproc_broker.metadata.write_now()
     assert (tmp_path / METADATA_FILE).read_bytes() == before
     assert os.listdir(tmp_path) == [METADATA_FILE]
 
@@ -135,7 +136,7 @@ def test_load_restores_topics_channels_and_paused(tmp_path, clock):
     assert set(second.topics["p"].channels) == {"x"}
     assert second.topics["lonely"].channels == {}
     # Loading does not schedule a rewrite of what it just read.
-    assert second._persist_call is None
+    assert second.metadata._call is None
 
 
 def test_restored_topic_delivers_to_restored_channel(tmp_path, clock):
@@ -194,7 +195,7 @@ def test_corrupt_metadata_is_config_error(tmp_path, clock, content):
     assert (tmp_path / METADATA_FILE).read_bytes() == content  # not overwritten
 
 
-def test_close_persists(tmp_path, broker, clock):
-    broker.topic("t").channel("c")
-    broker.close()
+def test_close_persists(tmp_path, inproc_broker, clock):
+    inproc_broker.topic("t").channel("c")
+    inproc_broker.close()
     assert read_meta(tmp_path)["topics"][0]["name"] == "t"

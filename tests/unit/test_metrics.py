@@ -25,34 +25,34 @@ def value(families, family, sample=None, **labels):
     return samples[(sample or family, frozenset(labels.items()))]
 
 
-def test_empty_broker(broker):
-    families = parse(metrics_text(broker))
+def test_empty_broker(inproc_broker):
+    families = parse(metrics_text(inproc_broker))
     assert value(families, "nsq_up") == 1
     assert value(families, "nsq_info", version="1.3.0") == 1
     assert value(families, "nsq_topics") == 0
     assert value(families, "nsq_channels") == 0
     assert value(families, "nsq_clients") == 0
-    assert value(families, "process_start_time_seconds") == broker.start_time
+    assert value(families, "process_start_time_seconds") == inproc_broker.start_time
     assert value(families, "process_resident_memory_bytes") > 0
     # Families without series still carry their HELP and TYPE.
     assert families["nsq_channel_depth"] == ("gauge", {})
     assert "nsq_topic_e2e_processing_latency_seconds" not in families
 
 
-def test_topics_and_channels(broker, clock):
-    c = Client(broker, port=6000)
+def test_topics_and_channels(inproc_broker, clock):
+    c = Client(inproc_broker, port=6000)
     c.sub("t", "c", rdy=3)
-    Client(broker, port=6001).sub("t", "idle")
-    mpublish(broker, "t", [b"a", b"bb", b"ccc", b"dddd"])
+    Client(inproc_broker, port=6001).sub("t", "idle")
+    mpublish(inproc_broker, "t", [b"a", b"bb", b"ccc", b"dddd"])
     m1, m2, _ = c.messages()
     c.fin(m1)                            # m4 goes out in its place
     c.req(m2)                            # and m2 at once again
     m4, m2 = c.messages()
     c.req(m4, 10_000)                    # deferred; nothing left to send
-    broker.topics["t"].channels["idle"].pause()
-    mpublish(broker, "other", [b"x"], port=5001)
+    inproc_broker.topics["t"].channels["idle"].pause()
+    mpublish(inproc_broker, "other", [b"x"], port=5001)
 
-    text = metrics_text(broker)
+    text = metrics_text(inproc_broker)
     families = parse(text)
     assert value(families, "nsq_topics") == 2
     assert value(families, "nsq_channels") == 2
@@ -79,9 +79,9 @@ def test_topics_and_channels(broker, clock):
     assert helps == types and len(set(types)) == len(types)
 
 
-def test_unhealthy(broker):
-    broker.set_health("disk full")
-    assert value(parse(metrics_text(broker)), "nsq_up") == 0
+def test_unhealthy(inproc_broker):
+    inproc_broker.set_health("disk full")
+    assert value(parse(metrics_text(inproc_broker)), "nsq_up") == 0
 
 
 def test_e2e_latency_quantiles(make_broker, clock):
@@ -102,9 +102,9 @@ def test_e2e_latency_quantiles(make_broker, clock):
     assert value(families, "nsq_channel_e2e_processing_latency_samples", topic="t", channel="c") == 2
 
 
-def test_ephemeral_names_are_label_values(broker):
-    Client(broker).sub("t#ephemeral", "c#ephemeral")
-    families = parse(metrics_text(broker))
+def test_ephemeral_names_are_label_values(inproc_broker):
+    Client(inproc_broker).sub("t#ephemeral", "c#ephemeral")
+    families = parse(metrics_text(inproc_broker))
     assert value(families, "nsq_channel_clients", topic="t#ephemeral", channel="c#ephemeral") == 1
 
 
@@ -123,16 +123,16 @@ def test_label_escaping(raw, escaped):
 # -- through the API root -----------------------------------------------------------------------
 
 
-def test_route(broker):
-    broker.start_time = int(START_TIME)
-    response = HTTPClient(broker).get("/metrics")
+def test_route(inproc_broker):
+    inproc_broker.start_time = int(START_TIME)
+    response = HTTPClient(inproc_broker).get("/metrics")
     assert response.status == 200
     assert response.header("Content-Type") == CONTENT_TYPE
     assert CONTENT_TYPE == "text/plain; version=0.0.4; charset=utf-8"
     assert value(parse(response.body.decode()), "process_start_time_seconds") == int(START_TIME)
 
 
-def test_route_wrong_method(broker):
-    response = HTTPClient(broker).post("/metrics")
+def test_route_wrong_method(inproc_broker):
+    response = HTTPClient(inproc_broker).post("/metrics")
     assert response.status == 405
     assert response.body == b'{"message":"METHOD_NOT_ALLOWED"}'

@@ -260,11 +260,11 @@ def test_n_default_and_cap(tmp_path, mode):
     ("?topic=t&channel=c&state=inflight", (400, "INVALID_STATE")),
     ("?topic=t&channel=c&n=0&state=bogus", (400, "INVALID_N")),
 ])
-def test_channel_peek_errors(broker, http, query, expected):
-    Client(broker, port=6000).sub("t", "c", 0)
+def test_channel_peek_errors(inproc_broker, http, query, expected):
+    Client(inproc_broker, port=6000).sub("t", "c", 0)
     assert error(http.get("/channel/peek" + query)) == expected
-    assert sorted(broker.topics) == ["t"]
-    assert sorted(broker.topics["t"].channels) == ["c"]
+    assert sorted(inproc_broker.topics) == ["t"]
+    assert sorted(inproc_broker.topics["t"].channels) == ["c"]
 
 
 @pytest.mark.parametrize(("query", "expected"), [
@@ -279,17 +279,17 @@ def test_channel_peek_errors(broker, http, query, expected):
     ("?topic=t&state=in_flight", (400, "INVALID_STATE")),
     ("?topic=t&state=deferred", (400, "INVALID_STATE")),
 ])
-def test_topic_peek_errors(broker, http, query, expected):
-    Producer(broker)(pub("t", b"x"))
+def test_topic_peek_errors(inproc_broker, http, query, expected):
+    Producer(inproc_broker)(pub("t", b"x"))
     assert error(http.get("/topic/peek" + query)) == expected
-    assert sorted(broker.topics) == ["t"]
-    assert broker.topics["t"].channels == {}
+    assert sorted(inproc_broker.topics) == ["t"]
+    assert inproc_broker.topics["t"].channels == {}
 
 
 @pytest.mark.parametrize("path", ["/channel/peek?topic=t&channel=c", "/topic/peek?topic=t"])
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
-def test_only_get(broker, http, path, method):
-    Client(broker, port=6000).sub("t", "c", 0)
+def test_only_get(inproc_broker, http, path, method):
+    Client(inproc_broker, port=6000).sub("t", "c", 0)
     response = http.request(method, path, b"")
     assert error(response) == (405, "METHOD_NOT_ALLOWED")
     assert response.header("Allow") == "GET, OPTIONS"
@@ -402,9 +402,9 @@ def test_memory_and_dummy_queue_peek():
 
 
 def _state(q) -> tuple:
-    store = q._store
+    writes = q._writes
     return (q._read_seq, q._depth, q._next_seq, [m.key for m in q._tail], set(q._held),
-            dict(store._puts), dict(store._updates), set(store._dels), store._commit_call)
+            dict(writes.puts), dict(writes.updates), set(writes.dels), writes.commit_call)
 
 
 def _peek_then_read(q, n: int) -> list[Message]:

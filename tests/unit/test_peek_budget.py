@@ -137,14 +137,14 @@ def test_max_body_asks_less_up_to_the_cap(tmp_path, query, shown):
 
 
 @pytest.mark.parametrize("value", ["", "-1", "x", "1.5", "0x10", "1e3", "%201", "+1"])
-def test_max_body_not_a_number_is_invalid(broker, http, value):
-    broker.topic("t").channel("c")
+def test_max_body_not_a_number_is_invalid(inproc_broker, http, value):
+    inproc_broker.topic("t").channel("c")
     assert error(http.get(f"/channel/peek?topic=t&channel=c&max_body={value}")) == (400, "INVALID_MAX_BODY")
     assert error(http.get(f"/topic/peek?topic=t&max_body={value}")) == (400, "INVALID_MAX_BODY")
 
 
-def test_max_body_comes_after_n_and_state(broker, http):
-    broker.topic("t").channel("c")
+def test_max_body_comes_after_n_and_state(inproc_broker, http):
+    inproc_broker.topic("t").channel("c")
     assert error(http.get("/channel/peek?topic=t&channel=c&max_body=x&n=0")) == (400, "INVALID_N")
     assert error(http.get("/channel/peek?topic=t&channel=c&max_body=x&state=no")) == (400, "INVALID_STATE")
 
@@ -255,7 +255,7 @@ def test_a_large_peek_is_built_in_slices_while_a_publisher_is_served(tmp_path):
     # Each slice is about SLICE_COST of JSON: as many turns as that takes, give or take one.
     per_message = len(json.dumps(answer["messages"][0], separators=(",", ":"))) + MESSAGE_COST
     assert turns >= len(answer["messages"]) * per_message // SLICE_COST - 1 >= 5
-    assert broker.peeks.held == 0
+    assert http.site.state.peeks.held == 0
     broker.close()
 
 
@@ -321,13 +321,13 @@ def test_past_the_bound_a_peek_is_refused_and_the_count_returns_to_zero(tmp_path
     big_backlog(broker, 100, MB)
     building = [http.send("GET", "/channel/peek?topic=t&channel=c&n=100") for _ in range(PEEK_ANSWERS)]
     assert all(parse_response(t.value()) is None for t in building)
-    assert broker.peeks.held == PEEK_ANSWERS * 4 * MB
+    assert http.site.state.peeks.held == PEEK_ANSWERS * 4 * MB
     busy = http.get("/topic/peek?topic=t")
     assert error(busy) == (503, "PEEK_BUSY")
     while any(parse_response(t.value()) is None for t in building):
         broker.clock.advance(0)
     assert all(parse_response(t.value()).status == 200 for t in building)
-    assert broker.peeks.held == 0
+    assert http.site.state.peeks.held == 0
     assert http.turned("GET", "/channel/peek?topic=t&channel=c&n=1").status == 200
     broker.close()
 
@@ -339,14 +339,14 @@ def test_an_answer_waiting_for_a_slow_client_stays_counted(tmp_path):
     transport = slow_get(http, "/channel/peek?topic=t&channel=c&n=50")
     broker.clock.advance(0)
     first = transport.drain()  # as far as the client read before its window closed
-    held = broker.peeks.held
+    held = http.site.state.peeks.held
     assert 0 < held < 4 * MB, "the reservation shrinks to what the answer still holds"
     length = int(parse_response(first + b"x" * 10**7).headers["content-length"])
     head = first.index(b"\r\n\r\n") + 4
     # Not counted: what sits in the transport's buffer (up to its limit and one more write).
     assert held <= length - (len(first) - head) <= held + 64 * KIB + WRITE_CHUNK
     body = first[head:]
-    while broker.peeks.held:
+    while http.site.state.peeks.held:
         body += transport.drain()
     body += transport.drain()
     assert len(body) == length and json.loads(body)["total"] == 50
@@ -364,14 +364,14 @@ def test_a_client_gone_gives_its_bytes_back(tmp_path):
     transport.protocol.connectionLost(Failure(ConnectionDone()))
     for _ in range(100):
         broker.clock.advance(0)
-    assert broker.peeks.held == 0
+    assert http.site.state.peeks.held == 0
     # ... and while it is written.
     transport = slow_get(http, "/channel/peek?topic=t&channel=c&n=100")
     broker.clock.advance(0)
     transport.drain()
-    assert 0 < broker.peeks.held < 4 * MB
+    assert 0 < http.site.state.peeks.held < 4 * MB
     transport.protocol.connectionLost(Failure(ConnectionDone()))
-    assert broker.peeks.held == 0
+    assert http.site.state.peeks.held == 0
     broker.close()
 
 

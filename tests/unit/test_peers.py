@@ -39,17 +39,17 @@ def test_host_port_brackets_ipv6_only():
     assert join_host_port("2001:db8::1", 3) == "[2001:db8::1]:3"
 
 
-def test_broker_connection_of_a_mapped_ipv4_client(broker):
+def test_broker_connection_of_a_mapped_ipv4_client(inproc_broker):
     addr = IPv6Address("TCP", "::ffff:10.0.0.1", 4242)
-    proto = V2Factory(broker).buildProtocol(addr)
+    proto = V2Factory(inproc_broker).buildProtocol(addr)
     proto.makeConnection(StringTransport(peerAddress=addr))
     proto.dataReceived(MAGIC)
     assert (proto.remote_address, proto.client_id, proto.hostname) == ("10.0.0.1:4242", "10.0.0.1", "10.0.0.1")
 
 
-def test_broker_connection_of_an_ipv6_client(broker):
+def test_broker_connection_of_an_ipv6_client(inproc_broker):
     addr = IPv6Address("TCP", "::1", 4243)
-    proto = V2Factory(broker).buildProtocol(addr)
+    proto = V2Factory(inproc_broker).buildProtocol(addr)
     proto.makeConnection(StringTransport(peerAddress=addr))
     assert (proto.remote_address, proto.client_id) == ("[::1]:4243", "::1")
 

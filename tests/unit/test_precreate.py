@@ -43,19 +43,19 @@ def lookupd_http():
 
 
 @pytest.fixture
-def lookup(broker, lookupd_http):
+def lookup(inproc_broker, lookupd_http):
     """lookup(*addresses, identify=True): a started LookupService, each lookupd connected (and identified)."""
     services = []
 
     def start(*addresses: str, identify: bool = True) -> LookupService:
-        broker.update_options(lookupd_tcp_address=list(addresses))
+        inproc_broker.update_options(lookupd_tcp_address=list(addresses))
         endpoints: dict[str, FakeEndpoint] = {}
 
         def endpoint_for(address):
             endpoints[address] = FakeEndpoint(address)
             return endpoints[address]
 
-        svc = LookupService(broker, PORTS, reactor=broker.clock, endpoint_for=endpoint_for,
+        svc = LookupService(inproc_broker, PORTS, reactor=inproc_broker.clock, endpoint_for=endpoint_for,
                             fetch=lookupd_http)
         svc.startService()
         services.append(svc)
@@ -78,112 +78,112 @@ def depths(broker, topic="t") -> dict[str, int]:
     return {name: ch.depth() for name, ch in broker.topics[topic].channels.items()}
 
 
-def test_listed_channels_get_every_message_from_the_first(broker, lookup, lookupd_http, publish):
+def test_listed_channels_get_every_message_from_the_first(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
     # The topic's creation asked lookupd, at the HTTP address its IDENTIFY gave.
     assert [(u, m, p) for u, m, p, _ in lookupd_http.queries] == [
         ("http://lookup0:4161/channels", "get", {"topic": "t"})]
     publish(b"m2", b"m3")
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert topic.held and topic.depth() == 3 and not topic.channels
 
     lookupd_http.answer(0, "a", "b")
 
     assert not topic.held and topic.depth() == 0
-    assert depths(broker) == {"a": 3, "b": 3}
+    assert depths(inproc_broker) == {"a": 3, "b": 3}
     publish(b"m4")
-    assert depths(broker) == {"a": 4, "b": 4}
+    assert depths(inproc_broker) == {"a": 4, "b": 4}
     for channel in ("a", "b"):
-        c = consumer(broker, channel=channel)
+        c = consumer(inproc_broker, channel=channel)
         assert [m.body for m in c.messages()] == [b"m1", b"m2", b"m3", b"m4"]
 
 
-def test_channel_subscribed_while_held_waits_with_the_listed_ones(broker, lookup, lookupd_http, publish):
+def test_channel_subscribed_while_held_waits_with_the_listed_ones(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
-    c = consumer(broker, channel="c")
+    c = consumer(inproc_broker, channel="c")
     publish(b"m2")
     assert c.messages() == []  # nothing handed out before lookupd answered
 
     lookupd_http.answer(0, "a")
 
     assert [m.body for m in c.messages()] == [b"m1", b"m2"]
-    assert depths(broker) == {"c": 0, "a": 2}
+    assert depths(inproc_broker) == {"c": 0, "a": 2}
 
 
-def test_every_lookupd_is_asked_and_the_topic_waits_for_all(broker, lookup, lookupd_http, publish):
+def test_every_lookupd_is_asked_and_the_topic_waits_for_all(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160", "10.0.0.2:4160")
     publish(b"m1")
     assert sorted(u for u, *_ in lookupd_http.queries) == [
         "http://lookup0:4161/channels", "http://lookup1:4162/channels"]
     lookupd_http.answer(0, "a", "b")
-    assert broker.topics["t"].held and not broker.topics["t"].channels
+    assert inproc_broker.topics["t"].held and not inproc_broker.topics["t"].channels
     lookupd_http.answer(1, "b", "c")
-    assert depths(broker) == {"a": 1, "b": 1, "c": 1}
+    assert depths(inproc_broker) == {"a": 1, "b": 1, "c": 1}
 
 
-def test_a_failed_lookupd_is_skipped(broker, lookup, lookupd_http, publish):
+def test_a_failed_lookupd_is_skipped(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160", "10.0.0.2:4160")
     publish(b"m1")
     lookupd_http.fail(0, defer.TimeoutError("no answer"))
     lookupd_http.answer(1, "a")
-    assert depths(broker) == {"a": 1}
+    assert depths(inproc_broker) == {"a": 1}
 
 
-def test_no_answer_at_all_releases_the_topic(broker, lookup, lookupd_http, publish):
+def test_no_answer_at_all_releases_the_topic(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
     lookupd_http.queries[0][3].callback(b"not json")
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert not topic.held and not topic.channels and topic.depth() == 1
-    c = consumer(broker, channel="c")
+    c = consumer(inproc_broker, channel="c")
     assert [m.body for m in c.messages()] == [b"m1"]
 
 
-def test_ephemeral_and_invalid_names_are_not_created(broker, lookup, lookupd_http, publish):
+def test_ephemeral_and_invalid_names_are_not_created(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
     lookupd_http.answer(0, "a#ephemeral", "bad name", "x" * 65, "ok")
-    assert depths(broker) == {"ok": 1}
+    assert depths(inproc_broker) == {"ok": 1}
 
 
-def test_ephemeral_topic_is_not_held(broker, lookup, lookupd_http, publish):
+def test_ephemeral_topic_is_not_held(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
-    c = consumer(broker, topic="e#ephemeral", channel="c")
+    c = consumer(inproc_broker, topic="e#ephemeral", channel="c")
     publish(b"m1", topic="e#ephemeral")
     assert lookupd_http.queries == []
     assert [m.body for m in c.messages()] == [b"m1"]
 
 
-def test_lookupd_not_identified_yet_is_not_asked(broker, lookup, lookupd_http, publish):
+def test_lookupd_not_identified_yet_is_not_asked(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160", identify=False)
-    c = consumer(broker, channel="c")
+    c = consumer(inproc_broker, channel="c")
     publish(b"m1")
     assert lookupd_http.queries == []
-    assert not broker.topics["t"].held
+    assert not inproc_broker.topics["t"].held
     assert [m.body for m in c.messages()] == [b"m1"]
 
 
-def test_topic_deleted_while_held_gets_no_channels(broker, lookup, lookupd_http, publish):
+def test_topic_deleted_while_held_gets_no_channels(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
-    topic = broker.topics["t"]
-    broker.delete_topic("t")
+    topic = inproc_broker.topics["t"]
+    inproc_broker.delete_topic("t")
     lookupd_http.answer(0, "a")
-    assert not topic.channels and "t" not in broker.topics
+    assert not topic.channels and "t" not in inproc_broker.topics
 
 
-def test_existing_topic_is_not_asked_again(broker, lookup, lookupd_http, publish):
+def test_existing_topic_is_not_asked_again(inproc_broker, lookup, lookupd_http, publish):
     lookup("10.0.0.1:4160")
     publish(b"m1")
     lookupd_http.answer(0, "a")
     publish(b"m2")
-    Client(broker).sub(channel="z")
+    Client(inproc_broker).sub(channel="z")
     assert len(lookupd_http.queries) == 1
 
 
-def test_http_address_of_an_ipv6_lookupd(broker, lookup):
+def test_http_address_of_an_ipv6_lookupd(inproc_broker, lookup):
     svc = lookup("10.0.0.1:4160")
     peer = svc.peers["10.0.0.1:4160"]
     peer.protocol.lookupd_info = {"broadcast_address": "::1", "http_port": 4161}

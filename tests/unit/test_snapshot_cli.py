@@ -1,6 +1,6 @@
 """`python -m spark_bridge snapshot`: its flags, the running-broker check and the summary.
 
-The running broker's lock is the one `Broker._lock_data_path` takes (an
+The running broker's lock is the one `MetadataFile.open` takes (an
 exclusive flock on the data-path directory), held here by the test on a
 descriptor of its own: flock locks belong to the open file, so the CLI's
 attempt in the same process conflicts with it as with a broker's.

@@ -95,8 +95,8 @@ class FakeHandle:
     ("TLSv1", "ECDHE-ECDSA-AES128-SHA", "TLS1.0", "TLS_ECDHE_ECDSA_WITH_AES_128_CBC_SHA"),
     ("TLSv1.3", "TLS_AES_128_GCM_SHA256", "TLS1.3", "TLS_AES_128_GCM_SHA256"),
 ])
-def test_handshake_records_nsqd_names_for_stats(broker, version, cipher, want_version, want_cipher):
-    c = tls_client(broker)
+def test_handshake_records_nsqd_names_for_stats(inproc_broker, version, cipher, want_version, want_cipher):
+    c = tls_client(inproc_broker)
     c.send(identify(feature_negotiation=True, tls_v1=True))
     c.transport.getHandle = lambda: FakeHandle(version, cipher)
     c.proto.handshakeCompleted()

@@ -54,8 +54,26 @@ class Consumer:
     def ready(self) -> int:
         return self.rdy - self.in_flight_count
 
+    def sending_messages(self, count) -> None:
+        self.in_flight_count += count
+        self.message_count += count
+
     def send_messages(self, messages) -> None:
         self.got += [m.body for m in messages]
+
+    def finished_messages(self, count) -> None:
+        self.in_flight_count -= count
+        self.finish_count += count
+
+    def requeued_message(self) -> None:
+        self.in_flight_count -= 1
+        self.requeue_count += 1
+
+    def timed_out_messages(self, count) -> None:
+        self.in_flight_count -= count
+
+    def in_flight_cleared(self) -> None:
+        self.in_flight_count = 0
 
     def channel_gone(self) -> None:
         self.gone = True
@@ -86,9 +104,9 @@ def parts(tmp_path, clock) -> Parts:
     return Parts(tmp_path, clock)
 
 
-def test_the_broker_is_the_topics_lifecycle_listener(broker):
-    assert verifyObject(ITopicLifecycle, broker)
-    topic = broker.topic("t")
+def test_the_broker_is_the_topics_lifecycle_listener(inproc_broker):
+    assert verifyObject(ITopicLifecycle, inproc_broker)
+    topic = inproc_broker.topic("t")
     assert verifyObject(IChannelLifecycle, topic)
 
 
@@ -214,8 +232,8 @@ def test_channels_are_built_with_the_topics_current_options(parts):
     assert topic.channel("b").e2e is not None
 
 
-def test_the_broker_gives_new_options_to_its_topics(broker):
-    topic = broker.topic("t")
-    broker.update_options(e2e_processing_latency_percentile=[0.5])
-    assert topic.options is broker.options
+def test_the_broker_gives_new_options_to_its_topics(inproc_broker):
+    topic = inproc_broker.topic("t")
+    inproc_broker.update_options(e2e_processing_latency_percentile=[0.5])
+    assert topic.options is inproc_broker.options
     assert topic.channel("c").e2e is not None

@@ -152,29 +152,29 @@ def test_byte_by_byte_equals_one_chunk(tmp_path, clock):
     ]
 
 
-def test_crlf_line_endings(connect, broker):
+def test_crlf_line_endings(connect, inproc_broker):
     c = connect()
     assert c.request(b"PUB t\r\n" + b"\x00\x00\x00\x01x") == [ok()]
     assert c.request(b"NOP\r\n") == []
     assert c.request(b"SUB t c\r\n") == [ok()]
-    assert list(broker.topics["t"].channels) == ["c"]
+    assert list(inproc_broker.topics["t"].channels) == ["c"]
     c.send(b"RDY 1\r\n")
     [m] = c.messages()
     assert m.body == b"x"
     c.send(b"FIN " + m.id + b"\r\n")
     assert c.raw() == b""
-    assert broker.topics["t"].channels["c"].in_flight_count() == 0
+    assert inproc_broker.topics["t"].channels["c"].in_flight_count() == 0
 
 
-def test_several_commands_in_one_chunk(connect, broker):
+def test_several_commands_in_one_chunk(connect, inproc_broker):
     c = connect()
     frames = c.request(pub("t", b"1") + cmd("NOP") + pub("t", b"2") + mpub("t", [b"3", b"4"]) + pub("u", b"5"))
     assert frames == [ok(), ok(), ok(), ok()]
-    assert broker.topics["t"].depth() == 4
-    assert broker.topics["u"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 4
+    assert inproc_broker.topics["u"].depth() == 1
 
 
-def test_incomplete_command_waits_for_more(connect, broker):
+def test_incomplete_command_waits_for_more(connect, inproc_broker):
     c = connect()
     c.send(b"PU")
     c.send(b"B t")
@@ -182,10 +182,10 @@ def test_incomplete_command_waits_for_more(connect, broker):
     c.send(b"\n\x00\x00")
     c.send(b"\x00\x03ab")
     assert c.raw() == b""
-    assert "t" not in broker.topics or broker.topics["t"].depth() == 0
+    assert "t" not in inproc_broker.topics or inproc_broker.topics["t"].depth() == 0
     c.send(b"c" + cmd("NOP"))
     assert c.read() == [ok()]
-    [msg] = list(broker.topics["t"]._queue.mem)
+    [msg] = list(inproc_broker.topics["t"]._queue.mem)
     assert msg.body == b"abc"
 
 
@@ -212,13 +212,13 @@ def test_unknown_command_is_fatal(connect, line, word):
     assert c.closed
 
 
-def test_nothing_after_a_fatal_error_is_processed(connect, broker):
+def test_nothing_after_a_fatal_error_is_processed(connect, inproc_broker):
     c = connect()
     assert c.request(pub("t", b"1") + cmd("FOO") + pub("t", b"2")) == [ok(), err("E_INVALID invalid command FOO")]
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
     c.send(pub("t", b"3"))
     assert c.raw() == b""
-    assert broker.topics["t"].depth() == 1
+    assert inproc_broker.topics["t"].depth() == 1
 
 
 def test_overlong_line_closes_without_a_frame(connect):
@@ -349,7 +349,7 @@ def test_no_heartbeats_after_connection_lost(connect, clock):
     assert c.proto not in c.broker.clients
 
 
-def test_timed_out_consumer_messages_go_to_another_subscriber(connect, broker, clock):
+def test_timed_out_consumer_messages_go_to_another_subscriber(connect, inproc_broker, clock):
     a = connect()
     a.sub(rdy=1)
     clock.advance(10)
@@ -369,7 +369,7 @@ def test_timed_out_consumer_messages_go_to_another_subscriber(connect, broker, c
     a.lose()  # the reactor's connectionLost after the close
     got = [f for f in b.read() if f != HEARTBEAT]
     assert got == [Msg(m.timestamp, 2, m.id, b"m")]
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.in_flight_count() == 1
     assert a.proto not in channel.clients
     b.fin(m)
@@ -378,36 +378,36 @@ def test_timed_out_consumer_messages_go_to_another_subscriber(connect, broker, c
     assert channel.depth() == 0
 
 
-def test_disconnected_consumer_messages_requeued_at_once(connect, broker):
+def test_disconnected_consumer_messages_requeued_at_once(connect, inproc_broker):
     a = connect()
     a.sub(rdy=5)
     assert connect().request(mpub("t", [b"1", b"2", b"3"])) == [ok()]
     assert [f.body for f in a.messages()] == [b"1", b"2", b"3"]
     a.lose()
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.in_flight_count() == 0
     assert channel.depth() == 3
     assert a.proto.in_flight_count == 0
     b = connect()
     b.sub(rdy=5)
     assert [(m.body, m.attempts) for m in b.messages()] == [(b"1", 2), (b"2", 2), (b"3", 2)]
-    assert scan(broker) == 0
+    assert scan(inproc_broker) == 0
 
 
 # -- half-close ----------------------------------------------------------------------
 
 
-def test_a_half_closed_client_is_answered_then_closed(connect, broker):
+def test_a_half_closed_client_is_answered_then_closed(connect, inproc_broker):
     c = connect()
     c.send(pub("t", b"x") + cmd("NOP"))
     assert not c.closed
     c.proto.readConnectionLost()
     assert c.read() == [ok()]
     assert c.closed
-    assert broker.topics["t"].message_count == 1
+    assert inproc_broker.topics["t"].message_count == 1
 
 
-def test_a_half_close_during_a_big_mpub_closes_once_it_is_answered(connect, broker, clock):
+def test_a_half_close_during_a_big_mpub_closes_once_it_is_answered(connect, inproc_broker, clock):
     bodies = [b"%06d" % i for i in range(5000)]
     c = connect()
     c.send(mpub("t", bodies) + pub("t", b"tail"))
@@ -416,7 +416,7 @@ def test_a_half_close_during_a_big_mpub_closes_once_it_is_answered(connect, brok
     clock.advance(0)
     assert c.read() == [ok(), ok()]
     assert c.closed
-    assert broker.topics["t"].message_count == 5001
+    assert inproc_broker.topics["t"].message_count == 5001
 
 
 # What nsqd 1.3.0 answers when the input ends inside a command's body,
@@ -443,17 +443,17 @@ _CUT_SHORT = [
 
 
 @pytest.mark.parametrize(("sent", "error"), _CUT_SHORT)
-def test_a_body_cut_short_by_a_half_close_gets_nsqds_error(connect, broker, sent, error):
+def test_a_body_cut_short_by_a_half_close_gets_nsqds_error(connect, inproc_broker, sent, error):
     """`nc -N` with a truncated command: the client learns why nothing was published."""
     c = connect()
     c.send(pub("t", b"before") + sent)
     c.proto.readConnectionLost()
     assert c.read() == [ok(), err(error)]
     assert c.closed
-    assert broker.topics["t"].message_count == 1
+    assert inproc_broker.topics["t"].message_count == 1
 
 
-def test_a_body_cut_short_over_several_reads_gets_nsqds_error(connect, broker):
+def test_a_body_cut_short_over_several_reads_gets_nsqds_error(connect, inproc_broker):
     data = mpub("t", [b"abc", b"de"])[:-1]
     c = connect()
     for i in range(len(data)):
@@ -461,7 +461,7 @@ def test_a_body_cut_short_over_several_reads_gets_nsqds_error(connect, broker):
     c.proto.readConnectionLost()
     assert c.read() == [err("E_BAD_MESSAGE MPUB failed to read message body")]
     assert c.closed
-    assert broker.topics["t"].message_count == 0
+    assert inproc_broker.topics["t"].message_count == 0
 
 
 @pytest.mark.parametrize("sent", [b"SUB t c", cmd("NOP") + b"PUB", b"  V"])
@@ -473,7 +473,7 @@ def test_a_command_line_cut_short_by_a_half_close_is_closed_without_a_word(conne
     assert c.closed
 
 
-def test_a_half_closed_consumer_is_sent_nothing_more(connect, broker):
+def test_a_half_closed_consumer_is_sent_nothing_more(connect, inproc_broker):
     a = connect()
     a.sub(rdy=5)
     a.proto.readConnectionLost()

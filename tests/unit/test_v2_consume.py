@@ -23,28 +23,28 @@ def consumer(connect):
 # -- SUB ---------------------------------------------------------------------------
 
 
-def test_sub_ok(connect, broker):
+def test_sub_ok(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("SUB", "t", "c")) == [ok()]
     assert c.proto.state == STATE_SUBSCRIBED
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.clients == [c.proto]
     assert c.proto.channel is channel
     assert c.proto.ready_count == 0
 
 
-def test_sub_extra_params_ignored(connect, broker):
+def test_sub_extra_params_ignored(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("SUB", "t", "c", "extra", "more")) == [ok()]
-    assert list(broker.topics["t"].channels) == ["c"]
+    assert list(inproc_broker.topics["t"].channels) == ["c"]
 
 
 @pytest.mark.parametrize("line", [cmd("SUB"), cmd("SUB", "t")])
-def test_sub_insufficient_params(connect, broker, line):
+def test_sub_insufficient_params(connect, inproc_broker, line):
     c = connect()
     assert c.request(line) == [err("E_INVALID SUB insufficient number of parameters")]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 @pytest.mark.parametrize(
@@ -59,18 +59,18 @@ def test_sub_insufficient_params(connect, broker, line):
         (b"caf\xc3\xa9", '"café"'),
     ],
 )
-def test_sub_bad_topic(connect, broker, topic, quoted):
+def test_sub_bad_topic(connect, inproc_broker, topic, quoted):
     c = connect()
     assert c.request(b"SUB " + topic + b" c\n") == [err(f"E_BAD_TOPIC SUB topic name {quoted} is not valid")]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
-def test_sub_bad_channel(connect, broker):
+def test_sub_bad_channel(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("SUB", "t", "bad!")) == [err('E_BAD_CHANNEL SUB channel name "bad!" is not valid')]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 def test_sub_topic_checked_before_channel(connect):
@@ -78,13 +78,13 @@ def test_sub_topic_checked_before_channel(connect):
     assert c.request(cmd("SUB", "bad!", "bad?")) == [err('E_BAD_TOPIC SUB topic name "bad!" is not valid')]
 
 
-def test_sub_name_limits(connect, broker):
+def test_sub_name_limits(connect, inproc_broker):
     name = "a" * 64
     c = connect()
     assert c.request(cmd("SUB", name, "x.y_z-1")) == [ok()]
     c = connect()
     assert c.request(cmd("SUB", "t#ephemeral", "c#ephemeral")) == [ok()]
-    assert set(broker.topics) == {name, "t#ephemeral"}
+    assert set(inproc_broker.topics) == {name, "t#ephemeral"}
 
 
 def test_second_sub_is_fatal(consumer):
@@ -112,9 +112,9 @@ def test_max_channel_consumers(make_broker):
     Client(broker).sub("t", "c")
 
 
-def test_subscribed_connection_may_publish(consumer, broker):
+def test_subscribed_connection_may_publish(consumer, inproc_broker):
     assert consumer.request(pub("other", b"x")) == [ok()]
-    assert broker.topics["other"].depth() == 1
+    assert inproc_broker.topics["other"].depth() == 1
 
 
 # -- RDY ---------------------------------------------------------------------------
@@ -238,11 +238,11 @@ def test_not_owner_is_not_fatal(connect, publish, verb, args):
     assert owner.proto.in_flight_count == 0
 
 
-def test_fin_success(consumer, publish, broker):
+def test_fin_success(consumer, publish, inproc_broker):
     publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.in_flight_count() == 1
     assert consumer.request(cmd("FIN", m.id)) == []
     assert channel.in_flight_count() == 0
@@ -256,7 +256,7 @@ def test_fin_success(consumer, publish, broker):
     assert not consumer.closed
 
 
-def test_fin_batch_in_one_chunk(consumer, publish, broker):
+def test_fin_batch_in_one_chunk(consumer, publish, inproc_broker):
     publish(*[b"%d" % i for i in range(6)])
     consumer.send(cmd("RDY", 3))
     first = consumer.messages()
@@ -269,12 +269,12 @@ def test_fin_batch_in_one_chunk(consumer, publish, broker):
 # -- REQ ---------------------------------------------------------------------------
 
 
-def test_req_zero_redelivers_at_once(consumer, publish, broker):
+def test_req_zero_redelivers_at_once(consumer, publish, inproc_broker):
     publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     assert consumer.request(cmd("REQ", m.id, 0)) == [Msg(m.timestamp, 2, m.id, b"x")]
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.requeue_count == 1
     assert consumer.proto.requeue_count == 1
     assert channel.in_flight_count() == 1
@@ -307,13 +307,13 @@ def test_req_timeout_clamped_to_max(make_broker, clock):
     assert channel.deferred_count() == 0
 
 
-def test_req_default_max_is_one_hour(consumer, publish, broker, clock):
+def test_req_default_max_is_one_hour(consumer, publish, inproc_broker, clock):
     publish(b"x")
     consumer.send(cmd("RDY", 1))
     [m] = consumer.messages()
     consumer.send(cmd("REQ", m.id, 3_600_001))
     assert consumer.raw() == b""
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.peek("deferred", 1)[0][1] == pytest.approx(clock.seconds() + 3600)
 
 
@@ -337,7 +337,7 @@ def test_cls_before_sub(connect):
     assert c.closed
 
 
-def test_cls_then_rdy_ignored_fin_allowed(consumer, publish, broker):
+def test_cls_then_rdy_ignored_fin_allowed(consumer, publish, inproc_broker):
     publish(b"1", b"2", b"3")
     consumer.send(cmd("RDY", 2))
     m1, m2 = consumer.messages()
@@ -355,7 +355,7 @@ def test_cls_then_rdy_ignored_fin_allowed(consumer, publish, broker):
     assert consumer.request(cmd("REQ", m2.id, 0)) == []
     publish(b"4")
     assert consumer.raw() == b""
-    channel = broker.topics["t"].channels["c"]
+    channel = inproc_broker.topics["t"].channels["c"]
     assert channel.in_flight_count() == 0
     assert channel.depth() == 3
     assert consumer.request(cmd("FIN", UNKNOWN_ID)) == [
@@ -386,7 +386,7 @@ def test_nop_in_every_state(connect):
     assert not c.closed
 
 
-def test_fin_run_with_failures_between_answers_each_in_place(consumer, publish, broker):
+def test_fin_run_with_failures_between_answers_each_in_place(consumer, publish, inproc_broker):
     """One read alternating FINs that succeed and fail: every failure gets its
     error where it stood, every success counts, and the deliveries the
     successes made room for come before the first error."""

@@ -21,43 +21,43 @@ def queued(broker, topic="t") -> list[bytes]:
 # -- PUB ---------------------------------------------------------------------------------
 
 
-def test_pub_ok_creates_topic(connect, broker):
+def test_pub_ok_creates_topic(connect, inproc_broker):
     c = connect()
     assert c.request(pub("t", b"hello")) == [ok()]
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert topic.depth() == 1
     assert (topic.message_count, topic.message_bytes) == (1, 5)
-    assert queued(broker) == [b"hello"]
+    assert queued(inproc_broker) == [b"hello"]
     assert c.proto.pub_counts == {"t": 1}
 
 
-def test_pub_binary_body(connect, broker):
+def test_pub_binary_body(connect, inproc_broker):
     body = bytes(range(256)) + b"\n\r\n\x00"
     c = connect()
     assert c.request(pub("t", body)) == [ok()]
-    assert queued(broker) == [body]
+    assert queued(inproc_broker) == [body]
 
 
 @pytest.mark.parametrize("line", [cmd("PUB"), b"PUB\r\n"])
-def test_pub_no_topic(connect, broker, line):
+def test_pub_no_topic(connect, inproc_broker, line):
     c = connect()
     assert c.request(line + sized(b"x")) == [err("E_INVALID PUB insufficient number of parameters")]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 @pytest.mark.parametrize("topic, quoted", [(b"bad!", '"bad!"'), (b"", '""'), (b"a" * 65, '"' + "a" * 65 + '"')])
-def test_pub_bad_topic(connect, broker, topic, quoted):
+def test_pub_bad_topic(connect, inproc_broker, topic, quoted):
     c = connect()
     assert c.request(b"PUB " + topic + b"\n" + sized(b"x")) == [
         err(f"E_BAD_TOPIC PUB topic name {quoted} is not valid")
     ]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 @pytest.mark.parametrize("size", [0, -1, -100])
-def test_pub_size_not_positive(connect, broker, size):
+def test_pub_size_not_positive(connect, inproc_broker, size):
     c = connect()
     assert c.request(cmd("PUB", "t") + I32.pack(size)) == [
         err(f"E_BAD_MESSAGE PUB invalid message body size {size}")
@@ -81,23 +81,23 @@ def test_pub_too_big_vs_max_msg_size(make_broker):
     assert broker.topics["t"].depth() == 1
 
 
-def test_pub_big_body_in_many_chunks(connect, broker):
+def test_pub_big_body_in_many_chunks(connect, inproc_broker):
     body = bytes(i % 251 for i in range(1024 * 1024))
     data = pub("t", body) + pub("t", b"after")
     c = connect()
     for i in range(0, len(data), 4093):
         c.send(data[i : i + 4093])
     assert c.read() == [ok(), ok()]
-    assert queued(broker) == [body, b"after"]
+    assert queued(inproc_broker) == [body, b"after"]
 
 
-def test_pub_max_size_body_accepted(connect, broker):
+def test_pub_max_size_body_accepted(connect, inproc_broker):
     c = connect()
     assert c.request(pub("t", b"z" * 1048576)) == [ok()]
-    assert broker.topics["t"].message_bytes == 1048576
+    assert inproc_broker.topics["t"].message_bytes == 1048576
 
 
-def test_pub_responses_in_order(connect, broker):
+def test_pub_responses_in_order(connect, inproc_broker):
     c = connect()
     frames = c.request(pub("a", b"1") + pub("b", b"2") + pub("bad!", b"3"))
     assert frames == [ok(), ok(), err('E_BAD_TOPIC PUB topic name "bad!" is not valid')]
@@ -106,24 +106,24 @@ def test_pub_responses_in_order(connect, broker):
 # -- DPUB ---------------------------------------------------------------------------------
 
 
-def test_dpub_ok(connect, broker):
+def test_dpub_ok(connect, inproc_broker):
     c = connect()
     assert c.request(dpub("t", 1000, b"later")) == [ok()]
-    assert broker.topics["t"].message_count == 1
+    assert inproc_broker.topics["t"].message_count == 1
 
 
 @pytest.mark.parametrize("line", [cmd("DPUB"), cmd("DPUB", "t")])
-def test_dpub_insufficient_params(connect, broker, line):
+def test_dpub_insufficient_params(connect, inproc_broker, line):
     c = connect()
     assert c.request(line + sized(b"x")) == [err("E_INVALID DPUB insufficient number of parameters")]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
-def test_dpub_bad_topic(connect, broker):
+def test_dpub_bad_topic(connect, inproc_broker):
     c = connect()
     assert c.request(dpub("bad!", 10, b"x")) == [err('E_BAD_TOPIC DPUB topic name "bad!" is not valid')]
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5", "1s"])
@@ -133,11 +133,11 @@ def test_dpub_could_not_parse(connect, value):
     assert c.closed
 
 
-def test_dpub_out_of_range(connect, broker):
+def test_dpub_out_of_range(connect, inproc_broker):
     c = connect()
     assert c.request(dpub("t", 3600001, b"x")) == [err("E_INVALID DPUB timeout 3600001 out of range 0-3600000")]
     assert c.closed
-    assert "t" not in broker.topics
+    assert "t" not in inproc_broker.topics
 
 
 def test_dpub_range_is_inclusive(connect):
@@ -159,44 +159,44 @@ def test_dpub_body_errors(make_broker):
     assert c.request(dpub("t", 5, b"x" * 11)) == [err("E_BAD_MESSAGE DPUB message too big 11 > 10")]
 
 
-def test_dpub_body_in_chunks(connect, broker):
+def test_dpub_body_in_chunks(connect, inproc_broker):
     data = dpub("t", 100, b"d" * 5000)
     c = connect()
     for i in range(0, len(data), 3):
         c.send(data[i : i + 3])
     assert c.read() == [ok()]
-    assert queued(broker) == [b"d" * 5000]
+    assert queued(inproc_broker) == [b"d" * 5000]
 
 
 # -- MPUB ------------------------------------------------------------------------------------
 
 
-def test_mpub_ok(connect, broker):
+def test_mpub_ok(connect, inproc_broker):
     c = connect()
     bodies = [b"one", b"two", b"three"]
     assert c.request(mpub("t", bodies)) == [ok()]
-    topic = broker.topics["t"]
+    topic = inproc_broker.topics["t"]
     assert topic.depth() == 3
     assert (topic.message_count, topic.message_bytes) == (3, 11)
-    assert queued(broker) == bodies
+    assert queued(inproc_broker) == bodies
     assert c.proto.pub_counts == {"t": 3}
     ids = [m.id for m in topic._queue.mem]
     assert len(set(ids)) == 3
 
 
-def test_mpub_no_topic(connect, broker):
+def test_mpub_no_topic(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("MPUB") + sized(mpub_body([b"x"]))) == [
         err("E_INVALID MPUB insufficient number of parameters")
     ]
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
-def test_mpub_bad_topic_doubles_the_code(connect, broker):
+def test_mpub_bad_topic_doubles_the_code(connect, inproc_broker):
     c = connect()
     assert c.request(mpub("bad!", [b"x"])) == [err('E_BAD_TOPIC E_BAD_TOPIC MPUB topic name "bad!" is not valid')]
     assert c.closed
-    assert broker.topics == {}
+    assert inproc_broker.topics == {}
 
 
 @pytest.mark.parametrize("size", [0, -1])
@@ -221,11 +221,11 @@ def test_mpub_body_too_big_vs_max_body_size(make_broker):
     assert c.request(cmd("MPUB", "t") + sized(big)) == [err("E_BAD_BODY MPUB body too big 102 > 100")]
 
 
-def test_mpub_creates_topic_before_body_is_validated(connect, broker):
+def test_mpub_creates_topic_before_body_is_validated(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("MPUB", "t") + I32.pack(0)) == [err("E_BAD_BODY MPUB invalid body size 0")]
-    assert "t" in broker.topics
-    assert broker.topics["t"].depth() == 0
+    assert "t" in inproc_broker.topics
+    assert inproc_broker.topics["t"].depth() == 0
 
 
 @pytest.mark.parametrize("count", [0, -1])
@@ -246,12 +246,12 @@ def test_mpub_count_above_limit(make_broker):
     assert c.request(mpub("t", [b"x"] * 20)) == [ok()]
 
 
-def test_mpub_message_size_zero(connect, broker):
+def test_mpub_message_size_zero(connect, inproc_broker):
     c = connect()
     body = I32.pack(3) + sized(b"a") + I32.pack(0) + sized(b"c")
     assert c.request(cmd("MPUB", "t") + sized(body)) == [err("E_BAD_MESSAGE MPUB invalid message(1) body size 0")]
     assert c.closed
-    assert broker.topics["t"].depth() == 0  # nothing queued: validated before queueing
+    assert inproc_broker.topics["t"].depth() == 0  # nothing queued: validated before queueing
 
 
 def test_mpub_message_too_big(make_broker):
@@ -261,7 +261,7 @@ def test_mpub_message_too_big(make_broker):
     assert broker.topics["t"].depth() == 0
 
 
-def test_mpub_count_larger_than_body(connect, broker):
+def test_mpub_count_larger_than_body(connect, inproc_broker):
     # nsqd reads the messages from the stream, not from the declared body:
     # it waits for the third message (it fails only if the stream ends).
     c = connect()
@@ -269,33 +269,33 @@ def test_mpub_count_larger_than_body(connect, broker):
     assert c.request(cmd("MPUB", "t") + sized(body)) == []
     assert not c.closed
     assert c.request(sized(b"c")) == [ok()]
-    assert queued(broker) == [b"a", b"b", b"c"]
+    assert queued(inproc_broker) == [b"a", b"b", b"c"]
 
 
-def test_mpub_message_overruns_body(connect, broker):
+def test_mpub_message_overruns_body(connect, inproc_broker):
     c = connect()
     body = I32.pack(1) + I32.pack(10) + b"abc"
     assert c.request(cmd("MPUB", "t") + sized(body)) == []
     assert not c.closed
     assert c.request(b"defghij") == [ok()]
-    assert queued(broker) == [b"abcdefghij"]
+    assert queued(inproc_broker) == [b"abcdefghij"]
 
 
-def test_mpub_body_without_count(connect, broker):
+def test_mpub_body_without_count(connect, inproc_broker):
     # A declared size of 1-3 is in range for nsqd (it only refuses <= 0):
     # the count is read from the stream.
     c = connect()
     assert c.request(cmd("MPUB", "t") + sized(b"\x00\x00")) == []
     assert not c.closed
     assert c.request(b"\x00\x01" + sized(b"x")) == [ok()]
-    assert queued(broker) == [b"x"]
+    assert queued(inproc_broker) == [b"x"]
 
 
-def test_mpub_bytes_inside_declared_size_after_the_messages_are_commands(connect, broker):
+def test_mpub_bytes_inside_declared_size_after_the_messages_are_commands(connect, inproc_broker):
     c = connect()
     body = mpub_body([b"a"]) + pub("t", b"b")
     assert c.request(cmd("MPUB", "t") + sized(body)) == [ok(), ok()]
-    assert queued(broker) == [b"a", b"b"]
+    assert queued(inproc_broker) == [b"a", b"b"]
 
 
 def messages_only(bodies: list[bytes]) -> bytes:
@@ -303,45 +303,45 @@ def messages_only(bodies: list[bytes]) -> bytes:
     return cmd("MPUB", "t") + I32.pack(sum(map(len, bodies))) + mpub_body(bodies)
 
 
-def test_mpub_declared_size_of_message_bytes_only(connect, broker):
+def test_mpub_declared_size_of_message_bytes_only(connect, inproc_broker):
     c = connect()
     bodies = [b"hello", b"world", b"!"]
     assert c.request(messages_only(bodies) + pub("t", b"tail")) == [ok(), ok()]
-    assert queued(broker) == bodies + [b"tail"]
+    assert queued(inproc_broker) == bodies + [b"tail"]
     assert c.proto.pub_counts == {"t": 4}
 
 
 @pytest.mark.parametrize("form", ["whole", "messages"])
-def test_mpub_both_size_forms_byte_by_byte(connect, broker, form):
+def test_mpub_both_size_forms_byte_by_byte(connect, inproc_broker, form):
     bodies = [b"m%d" % i for i in range(30)]
     data = mpub("t", bodies) if form == "whole" else messages_only(bodies)
     c = connect()
     c.send_bytewise(data + pub("t", b"tail"))
     assert c.read() == [ok(), ok()]
-    assert queued(broker) == bodies + [b"tail"]
+    assert queued(inproc_broker) == bodies + [b"tail"]
 
 
 @pytest.mark.parametrize("declared", [1, 2, 3, 4])
-def test_mpub_declared_size_below_the_count_size(connect, broker, declared):
+def test_mpub_declared_size_below_the_count_size(connect, inproc_broker, declared):
     c = connect()
     assert c.request(cmd("MPUB", "t") + I32.pack(declared) + mpub_body([b"a", b"b"])) == [ok()]
-    assert queued(broker) == [b"a", b"b"]
+    assert queued(inproc_broker) == [b"a", b"b"]
 
 
-def test_mpub_declared_larger_than_what_follows_is_answered_once_the_messages_are_in(connect, broker):
+def test_mpub_declared_larger_than_what_follows_is_answered_once_the_messages_are_in(connect, inproc_broker):
     c = connect()
     assert c.request(cmd("MPUB", "t") + I32.pack(5242880) + mpub_body([b"a"])) == [ok()]
     assert c.request(pub("t", b"b")) == [ok()]
-    assert queued(broker) == [b"a", b"b"]
+    assert queued(inproc_broker) == [b"a", b"b"]
 
 
-def test_mpub_bad_message_arriving_later_publishes_nothing(connect, broker):
+def test_mpub_bad_message_arriving_later_publishes_nothing(connect, inproc_broker):
     c = connect()
     first = cmd("MPUB", "t") + sized(mpub_body([b"a", b"b", b"c"]))[:4] + I32.pack(3) + sized(b"a")
     assert c.request(first) == []
     assert c.request(I32.pack(0)) == [err("E_BAD_MESSAGE MPUB invalid message(1) body size 0")]
     assert c.closed
-    assert broker.topics["t"].depth() == 0
+    assert inproc_broker.topics["t"].depth() == 0
 
 
 def test_mpub_messages_over_max_body_size_refused_before_they_arrive(make_broker):
@@ -357,7 +357,7 @@ def test_mpub_messages_over_max_body_size_refused_before_they_arrive(make_broker
     assert broker.topics["t"].depth() == 2  # the first client's
 
 
-def test_mpub_message_bytes_form_at_max_body_size_is_not_cut_off(connect, broker, clock):
+def test_mpub_message_bytes_form_at_max_body_size_is_not_cut_off(connect, inproc_broker, clock):
     # Over max-body-size bytes follow the declared size: the input kept
     # meanwhile must not trip the connection's input bound.
     bodies = [b"%07d" % i + b"." * 45 for i in range(100_000)]  # 5.2 MB of messages, 5.6 MB in all
@@ -369,10 +369,10 @@ def test_mpub_message_bytes_form_at_max_body_size_is_not_cut_off(connect, broker
     assert not c.closed
     clock.advance(0)  # a big MPUB is published a chunk per reactor turn
     assert c.read() == [ok()]
-    assert broker.topics["t"].message_count == 100_000
+    assert inproc_broker.topics["t"].message_count == 100_000
 
 
-def test_mpub_large_batch_in_many_chunks(connect, broker, clock):
+def test_mpub_large_batch_in_many_chunks(connect, inproc_broker, clock):
     bodies = [b"%06d" % i + b"." * (i % 97) for i in range(5000)]
     data = mpub("t", bodies) + pub("t", b"tail")
     c = connect()
@@ -380,8 +380,8 @@ def test_mpub_large_batch_in_many_chunks(connect, broker, clock):
         c.send(data[i : i + 1500])
     clock.advance(0)  # a big MPUB is published a chunk per reactor turn
     assert c.read() == [ok(), ok()]
-    assert queued(broker) == bodies + [b"tail"]
-    assert broker.topics["t"].message_count == 5001
+    assert queued(inproc_broker) == bodies + [b"tail"]
+    assert inproc_broker.topics["t"].message_count == 5001
 
 
 def test_dpub_range_follows_max_defer_timeout(make_broker):

@@ -83,9 +83,9 @@ def test_compressed_bytes_in_the_identify_read(connect):
     _, rest = split_first_frame(c.raw())
     assert rest == b""
     c.send(codec.compress(pub("t", b"later")))  # before the compression starts: kept
-    assert c.raw() == b"" and c.proto._reading_paused
+    assert c.raw() == b"" and c.proto._gate.reading_paused
     assert parse_frames(codec.decompress(compressed_start(c))) == [ok(), ok(), ok()]
-    assert not c.proto._reading_paused
+    assert not c.proto._gate.reading_paused
     assert c.broker.topics["t"].message_count == 2
     assert not c.closed
 
@@ -132,8 +132,8 @@ def test_codecs_round_trip_large_batches():
 # -- TLS ---------------------------------------------------------------------------------
 
 
-def test_tls_upgrade_order(broker):
-    c = tls_client(broker)
+def test_tls_upgrade_order(inproc_broker):
+    c = tls_client(inproc_broker)
     c.send(identify(feature_negotiation=True, tls_v1=True, deflate=True))
     data = c.transport.value()
     answer, _ = split_first_frame(data)
@@ -153,26 +153,26 @@ def test_tls_upgrade_order(broker):
     assert c.proto.tls and c.proto.deflate
 
 
-def test_tls_required_rejects_commands_before_upgrade(broker):
-    c = tls_client(broker, required="true")
+def test_tls_required_rejects_commands_before_upgrade(inproc_broker):
+    c = tls_client(inproc_broker, required="true")
     assert c.request(pub("t", b"x")) == [err("E_INVALID cannot PUB in current state (TLS required)")]
     assert c.closed
 
 
-def test_tls_required_rejects_unknown_commands_alike(broker):
-    c = tls_client(broker, required="tcp-https")
+def test_tls_required_rejects_unknown_commands_alike(inproc_broker):
+    c = tls_client(inproc_broker, required="tcp-https")
     assert c.request(cmd("BOGUS")) == [err("E_INVALID cannot BOGUS in current state (TLS required)")]
 
 
-def test_tls_required_allows_identify_then_commands_after_upgrade(broker):
-    c = tls_client(broker, required="true")
+def test_tls_required_allows_identify_then_commands_after_upgrade(inproc_broker):
+    c = tls_client(inproc_broker, required="true")
     c.send(identify(feature_negotiation=True, tls_v1=True))
     c.raw()
     assert c.request(pub("t", b"x")) == [ok()]
 
 
-def test_tls_required_identify_without_tls_then_fails(broker):
-    c = tls_client(broker, required="true")
+def test_tls_required_identify_without_tls_then_fails(inproc_broker):
+    c = tls_client(inproc_broker, required="true")
     c.send(identify(feature_negotiation=True))
     answer, _ = split_first_frame(c.raw())
     assert answer["tls_v1"] is False
@@ -213,19 +213,19 @@ def test_bad_tls_required_value(tmp_path):
 # -- the compression's start: a write of its own ---------------------------------------
 
 
-def test_tls_with_compression_waits_for_the_handshake_keeping_input(broker):
+def test_tls_with_compression_waits_for_the_handshake_keeping_input(inproc_broker):
     """Reading goes on for the handshake; input decrypted before the codec is on waits for it."""
-    c = tls_client(broker)
+    c = tls_client(inproc_broker)
     c.send(identify(feature_negotiation=True, tls_v1=True, snappy=True))
     data = c.raw()
-    assert not c.proto._reading_paused  # the TLS handshake needs reading
+    assert not c.proto._gate.reading_paused  # the TLS handshake needs reading
     c.proto.handshakeCompleted()
-    assert c.proto._reading_paused and not c.proto.snappy
+    assert c.proto._gate.reading_paused and not c.proto.snappy
     codec = SnappyClient()
     c.send(codec.compress(pub("t", b"pipelined")))  # what the TLS layer decrypted meanwhile
     assert c.raw() == b""
     assert parse_frames(codec.decompress(compressed_start(c))) == [ok(), ok()]
-    assert c.proto.snappy and not c.proto._reading_paused
+    assert c.proto.snappy and not c.proto._gate.reading_paused
     assert data.endswith(struct.pack(">ii", 6, 0) + b"OK")
 
 
@@ -235,7 +235,7 @@ def test_connection_lost_before_compression_starts(connect):
     c.raw()
     c.lose()
     assert compressed_start(c) == b""
-    assert c.proto._codec is None and not c.proto.deflate
+    assert c.proto._upgrades.codec is None and not c.proto.deflate
 
 
 # What nsqd (Go 1.19's compress/flate, Write then Flush) sends for the

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.interfaces import ISSLTransport
@@ -45,6 +45,8 @@ from mqd.logs import get_logger
 from mqd.peers import peer_host
 
 if TYPE_CHECKING:
+    from OpenSSL.crypto import X509
+
     from mqd.nsqd.auth import AuthClient, AuthState
     from mqd.nsqd.topic import Topic
 
@@ -88,7 +90,8 @@ def _common_name(request: Request) -> str:
     if transport is None or not ISSLTransport.providedBy(transport):
         return ""
     try:
-        cert = transport.getPeerCertificate()
+        # Twisted's TLS transport hands pyOpenSSL's certificate (typed `object` by its interface).
+        cert = cast("X509 | None", transport.getPeerCertificate())
         return (cert.get_subject().CN or "") if cert is not None else ""
     except Exception as e:  # noqa: BLE001 - no name is what the auth server is then told
         log.debug("no TLS client certificate name: {error}", error=str(e))

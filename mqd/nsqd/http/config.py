@@ -49,7 +49,7 @@ _TLS_REQUIRED = {"false": 0, "tcp-https": 1, "true": 2}
 class Config(Endpoint):
     """`/config/:opt`; unknown names answer `400 INVALID_OPTION`."""
 
-    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+    def __init__(self, broker: Any, ports: Mapping[str, int]) -> None:
         super().__init__(broker)
         # Bound ports, filled in once the listeners are up (port 0 picks one).
         self.ports = ports
@@ -64,6 +64,7 @@ class Config(Endpoint):
         body = read_body(request, limit)
         if not body or len(body) == limit:
             raise ApiError(413, "INVALID_VALUE")
+        changes: dict[str, Any]
         if name == "nsqlookupd_tcp_addresses":
             changes = {"lookupd_tcp_address": addresses_of(body)}
         elif name == "log_level":

@@ -19,6 +19,8 @@ from mqd.http.endpoint import Endpoint
 from mqd.nsqd.stats import memory_stats, stats_json
 
 if TYPE_CHECKING:
+    from twisted.web.server import Request
+
     from mqd.nsqd.broker import Broker
 
 __all__ = ["CONTENT_TYPE", "Metrics", "metrics_text"]
@@ -174,6 +176,6 @@ class Metrics(Endpoint):
     sniffed text/plain, so scrapers parse it as format 0.0.4.
     """
 
-    def handle_GET(self, request, params: Mapping[str, str]) -> str:
+    def handle_GET(self, request: Request, params: Mapping[str, str]) -> str:
         request.setHeader(b"Content-Type", CONTENT_TYPE.encode())
         return metrics_text(self.broker)

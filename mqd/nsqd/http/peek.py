@@ -69,12 +69,13 @@ from mqd.http.endpoint import LATER, client_gone, finish_v1
 from mqd.http.response import JSON_CONTENT_TYPE, ApiError, dumps, respond_v1
 from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES as STATES
-from mqd.nsqd.http.authorization import require_grant
+from mqd.nsqd.http.authorization import AuthCache, require_grant
 from mqd.nsqd.http.topics import ChannelEndpoint, TopicEndpoint
 
 if TYPE_CHECKING:
     from mqd.message import Message
     from mqd.nsqd.auth import AuthState
+    from mqd.options import Settings
 
 __all__ = [
     "ChannelPeek",
@@ -155,7 +156,11 @@ def _one_step() -> Any:
 
 
 class PeekWork:
-    """What every peek answer in progress holds, and the Cooperator that builds them (one per broker)."""
+    """What every peek answer in progress holds, and the Cooperator that builds them.
+
+    One per broker, held by its HTTP sites (mqd.nsqd.http.state), so the
+    bound counts the answers of every site together.
+    """
 
     def __init__(self, clock) -> None:
         self.held = 0
@@ -328,12 +333,10 @@ class _Writer:
             self.left = 0
 
 
-def _start(endpoint, request: Request, head: dict[str, Any], pieces: Iterator[list[Entry]],
-           max_body: int) -> object:
+def _start(work: PeekWork, opts: Settings, request: Request, head: dict[str, Any],
+           pieces: Iterator[list[Entry]], max_body: int) -> object:
     """Reserve the answer's budget (503 PEEK_BUSY past the bound) and build it."""
-    opts = endpoint.broker.options
     budget = opts.peek_max_bytes
-    work = endpoint.broker.peeks
     work.reserve(budget, PEEK_ANSWERS * budget)
     return _Answer(request, work, head, pieces, max_body, budget).start()
 
@@ -343,10 +346,19 @@ def _queued(pieces: Iterator[list[tuple[Message, int]]]) -> Iterator[list[Entry]
 
 
 class ChannelPeek(ChannelEndpoint):
-    """`GET /channel/peek?topic=T&channel=C[&n=N][&state=S][&max_body=B]`: a channel's first messages in one state."""
+    """`GET /channel/peek?topic=T&channel=C[&n=N][&state=S][&max_body=B]`: a channel's first messages in one state.
+
+    `auth` checks bearer secrets when auth is configured; `work` counts
+    what the answers in progress hold (both shared by the broker's sites).
+    """
+
+    def __init__(self, broker: Any, auth: AuthCache, work: PeekWork) -> None:
+        super().__init__(broker)
+        self.auth = auth
+        self.work = work
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> object:
-        return self.broker.http_auth.guard(request, lambda auth: self.peek(request, auth))
+        return self.auth.guard(request, lambda auth: self.peek(request, auth))
 
     def peek(self, request: Request, auth: AuthState | None) -> object:
         query = query_of(request)
@@ -367,14 +379,22 @@ class ChannelPeek(ChannelEndpoint):
             pieces = iter([[(msg, len(msg.body), None, timeout, client)
                             for msg, timeout, client in channel.peek(state, count)]])
         head = {"topic": channel.topic_name, "channel": channel.name, "state": state, "total": total}
-        return _start(self, request, head, pieces, max_body)
+        return _start(self.work, self.broker.options, request, head, pieces, max_body)
 
 
 class TopicPeek(TopicEndpoint):
-    """`GET /topic/peek?topic=T[&n=N][&max_body=B]`: what waits at the topic for its channels (only `queued`)."""
+    """`GET /topic/peek?topic=T[&n=N][&max_body=B]`: what waits at the topic for its channels (only `queued`).
+
+    `auth` and `work` as for ChannelPeek.
+    """
+
+    def __init__(self, broker: Any, auth: AuthCache, work: PeekWork) -> None:
+        super().__init__(broker)
+        self.auth = auth
+        self.work = work
 
     def handle_GET(self, request: Request, params: Mapping[str, str]) -> object:
-        return self.broker.http_auth.guard(request, lambda auth: self.peek(request, auth))
+        return self.auth.guard(request, lambda auth: self.peek(request, auth))
 
     def peek(self, request: Request, auth: AuthState | None) -> object:
         query = query_of(request)
@@ -386,4 +406,5 @@ class TopicPeek(TopicEndpoint):
         state = state_arg(query, ("queued",))
         max_body = max_body_arg(query, self.broker.options.peek_max_body_bytes)
         head = {"topic": topic.name, "channel": None, "state": state, "total": topic.depth()}
-        return _start(self, request, head, _queued(topic.peek_queued(count, max_body)), max_body)
+        return _start(self.work, self.broker.options, request, head,
+                      _queued(topic.peek_queued(count, max_body)), max_body)

@@ -5,6 +5,8 @@ The endpoints themselves live in one module per concept: status.py
 topics.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
 (/snapshot, the broker's whole queue state for the Spark bridge), peek.py
 (/channel/peek, /topic/peek: mqd's look at messages without consuming them).
+What those last two keep between requests is an `HttpState`
+(mqd.nsqd.http.state), given to the site or built by it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from mqd.nsqd.http.metrics import Metrics
 from mqd.nsqd.http.peek import ChannelPeek, TopicPeek
 from mqd.nsqd.http.publish import Mpub, Pub
 from mqd.nsqd.http.snapshot import Snapshot
+from mqd.nsqd.http.state import HttpState
 from mqd.nsqd.http.status import Info, Ping, Stats
 from mqd.nsqd.http.topics import (
     ChannelCreate,
@@ -39,9 +42,13 @@ _CONFIG_PREFIX = "/config/"
 
 
 class NsqdAPI(Router):
-    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules."""
+    """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules.
 
-    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+    `state` is what the body endpoints (peek, snapshot) keep between requests.
+    """
+
+    def __init__(self, broker, ports: Mapping[str, int], state: HttpState) -> None:
+        auth = state.auth
         super().__init__({
             "/ping": Ping(broker),
             "/info": Info(broker, ports),
@@ -59,9 +66,9 @@ class NsqdAPI(Router):
             "/channel/empty": ChannelEmpty(broker),
             "/channel/pause": ChannelPause(broker, paused=True),
             "/channel/unpause": ChannelPause(broker, paused=False),
-            "/channel/peek": ChannelPeek(broker),
-            "/topic/peek": TopicPeek(broker),
-            "/snapshot": Snapshot(broker),
+            "/channel/peek": ChannelPeek(broker, auth, state.peeks),
+            "/topic/peek": TopicPeek(broker, auth, state.peeks),
+            "/snapshot": Snapshot(broker, auth, state.snapshots),
         })
         self.config = Config(broker, ports)
 
@@ -83,13 +90,20 @@ class NsqdAPI(Router):
 
 
 class NsqdSite(ApiSite):
-    """The HTTP factory serving an NsqdAPI."""
+    """The HTTP factory serving an NsqdAPI.
+
+    The HTTP and HTTPS sites of one broker share one `state` (its bounds
+    are the broker's); without one, the site builds its own.
+    """
 
     def __init__(self, broker, ports: Mapping[str, int], reactor=None, *,
-                 tls_required: bool = False) -> None:
-        super().__init__(NsqdAPI(broker, ports), reactor)
+                 tls_required: bool = False, state: HttpState | None = None) -> None:
+        if state is None:
+            state = HttpState(broker.auth, broker.clock)
+        super().__init__(NsqdAPI(broker, ports, state), reactor)
         self.broker = broker
         self.ports = ports
+        self.state = state
         # The plain-HTTP site of a broker run with --tls-required=true
         # turns every request away, pointing at the HTTPS port (go-nsq's
         # HTTP client retries there).

@@ -43,6 +43,7 @@ import stat
 import time
 from collections.abc import Collection, Mapping
 from datetime import UTC, datetime
+from typing import Any
 
 from twisted.internet import threads
 from twisted.internet.defer import Deferred
@@ -54,10 +55,19 @@ from mqd.http.response import ApiError
 from mqd.logs import get_logger
 from mqd.nsqd.auth import AuthState
 from mqd.nsqd.capture import StoreNotReady, capture
-from mqd.nsqd.http.authorization import require_grant, sees_every_queue
+from mqd.nsqd.http.authorization import AuthCache, require_grant, sees_every_queue
 from mqd.nsqd.snapshot_format import Manifest, SnapshotError, SnapshotExists
 from mqd.nsqd.snapshot_live import LiveState, snapshot_estimate, write_live_snapshot
-from mqd.nsqd.snapshot_space import Limits, SnapshotLimit, Survey, disk_use, remove_all, survey
+from mqd.nsqd.snapshot_space import (
+    Limits,
+    SnapshotLimit,
+    SnapshotSpace,
+    Survey,
+    disk_use,
+    remove_all,
+    survey,
+)
+from mqd.options import Settings
 
 __all__ = ["Snapshot", "SnapshotLimit", "disk_use", "snapshot_into"]
 
@@ -108,14 +118,13 @@ def snapshot_into(state: LiveState, env, txn, base: str, name: str,
     return write_live_snapshot(state, out, env=env, txn=txn, broker_id=broker_id, node_id=node_id)
 
 
-async def admit_and_write(broker, state: LiveState, env, txn, base: str, name: str) -> Manifest:
-    """Admit the snapshot (mqd.nsqd.snapshot_space), write it in a thread, then apply retention.
+async def admit_and_write(space: SnapshotSpace, opts: Settings, state: LiveState, env, txn, base: str,
+                          name: str) -> Manifest:
+    """Admit the snapshot in `space` (mqd.nsqd.snapshot_space), write it in a thread, then apply retention.
 
     `txn` is aborted whatever happens, here if the snapshot is refused.
-    Nothing here touches the broker but its options and its SnapshotSpace.
+    Nothing here touches the broker: `opts` are its options as the capture saw them.
     """
-    space = broker.snapshots
-    opts = broker.options
     limits = Limits.of(opts)
 
     def remove(names: list[str]):
@@ -142,9 +151,20 @@ async def admit_and_write(broker, state: LiveState, env, txn, base: str, name: s
 
 
 class Snapshot(Endpoint):
+    """`POST /snapshot`: see the module doc.
+
+    `auth` checks bearer secrets when auth is configured; `space` admits
+    the snapshots (both shared by the broker's sites).
+    """
+
+    def __init__(self, broker: Any, auth: AuthCache, space: SnapshotSpace) -> None:
+        super().__init__(broker)
+        self.auth = auth
+        self.space = space
+
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         # With auth configured, a secret granted every queue's bodies first (mqd.nsqd.http.authorization).
-        return self.broker.http_auth.guard(request, lambda auth: self.take(request, auth))
+        return self.auth.guard(request, lambda auth: self.take(request, auth))
 
     def take(self, request: Request, auth: AuthState | None) -> object:
         """The snapshot, for a request authenticated as `auth` (None: auth is not configured)."""
@@ -172,9 +192,11 @@ class Snapshot(Endpoint):
         # Everything the threads need is taken now: they must not touch the broker.
         # The store must not resize its map while a thread reads it.
         if env is not None:
-            store.copies += 1
-        d = Deferred.fromCoroutine(admit_and_write(broker, state, env, txn, os.path.abspath(base), name))
-        broker.background.add(d)
+            store.copy_started()
+        d = Deferred.fromCoroutine(admit_and_write(self.space, broker.options, state, env, txn,
+                                                   os.path.abspath(base), name))
+        # The broker closes the store only once the copy is done.
+        broker.hold_store(d)
 
         def done(manifest) -> None:
             log.info("snapshot {path}: {n} messages in {q} queues", path=out,
@@ -196,9 +218,8 @@ class Snapshot(Endpoint):
             finish_v1(request, 500, "SNAPSHOT_FAILED")
 
         def settled(_) -> None:
-            broker.background.discard(d)
             if env is not None:
-                store.copies -= 1
+                store.copy_ended()
 
         d.addCallbacks(done, failed)
         d.addBoth(settled)

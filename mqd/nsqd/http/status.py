@@ -33,7 +33,7 @@ class Ping(PlainTextEndpoint):
 class Info(Endpoint):
     """`GET /info`: what nsqadmin and lookupd-less tools read to identify a broker."""
 
-    def __init__(self, broker, ports: Mapping[str, int]) -> None:
+    def __init__(self, broker: Any, ports: Mapping[str, int]) -> None:
         super().__init__(broker)
         # Bound ports, filled in once the listeners are up (port 0 picks one).
         self.ports = ports

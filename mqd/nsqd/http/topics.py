@@ -56,7 +56,7 @@ def _answer_once_persisted(broker, request: Request) -> object:
     def failed(failure) -> None:
         log.error("failed to persist metadata: {error}", error=failure.value)
 
-    d = broker.metadata_written()
+    d = broker.metadata.written()
     d.addErrback(failed)
     if d.called:  # written inline (a test clock has no threads)
         return None

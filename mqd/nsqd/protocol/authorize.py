@@ -1,86 +1,111 @@
-"""AUTH for V2 connections: asking the auth server, and checking SUB and PUB against its answer.
+"""A V2 connection's AUTH: the auth server's answer, the secret, and the checks of SUB and PUB.
 
 The auth server is reached through the broker's client of it
-(mqd.nsqd.auth); a query never blocks the reactor: parsing and reading
-stop until it answers, with the input that came meanwhile kept, then the
-commands that waited run in order. An answer that has expired is asked
-again before the next command it must allow.
+(mqd.nsqd.auth); a query never blocks the reactor: the protocol stops
+parsing and reading until it answers, with the input that came meanwhile
+kept, then runs the commands that waited in order. An answer that has
+expired is asked again before the next command it must allow.
 
-A mixin of V2Protocol: it uses the connection's state set up there.
+`AuthGate` owns the last answer, the secret to ask again with, whether
+AUTH succeeded, and which query is due (AUTH's own, or the re-query of an
+expired answer); the protocol asks it when a pass over the input is done
+and acts on the outcome.
 """
 
 from __future__ import annotations
 
-from mqd.logs import get_logger
+from typing import TYPE_CHECKING, Any
+
 from mqd.nsqd.protocol.params import PAUSED
 from mqd.wire.errors import fatal
-from mqd.wire.framing import FRAME_TYPE_RESPONSE, frame
-from mqd.wire.json_encoding import encode_json
 
-__all__ = ["AuthorizeMixin"]
+if TYPE_CHECKING:
+    from twisted.internet.defer import Deferred
 
-# The V2 protocol logs under one namespace, whichever module a line comes from.
-log = get_logger("mqd.nsqd.protocol.v2")
+    from mqd.nsqd.auth import AuthClient, AuthState
+
+__all__ = ["AUTHORIZED", "AuthGate", "RECHECKED", "REFUSED"]
+
+# What an answer meant (AuthGate.answered).
+AUTHORIZED = "authorized"  # AUTH's own query, with authorizations
+REFUSED = "refused"  # AUTH's own query, without any
+RECHECKED = "rechecked"  # the re-query of an expired answer
+
+_AUTH = "auth"
+_RECHECK = "recheck"
 
 
-class AuthorizeMixin:
-    """Auth server queries and authorization checks for V2Protocol."""
+class AuthGate:
+    """AUTH state of one V2 connection."""
 
-    def _check_auth(self, verb: str, topic: str, channel: str):
+    __slots__ = ("state", "authorized", "_auth", "_secret", "_due", "_asking")
+
+    def __init__(self, auth: AuthClient) -> None:
+        """`auth` is the broker's client of the auth server (mqd.nsqd.auth.AuthClient)."""
+        # The auth server's last answer (mqd.nsqd.auth.AuthState); read-only outside.
+        self.state: AuthState | None = None
+        # AUTH succeeded (its answer had authorizations); read-only outside.
+        self.authorized = False
+        self._auth = auth
+        self._secret = ""
+        # The query to make once the current pass over the input is done,
+        # and the one being made.
+        self._due: str | None = None
+        self._asking: str | None = None
+
+    @property
+    def has_grants(self) -> bool:
+        """An answer with authorizations is in: AUTH may not be sent again."""
+        return self.state is not None and bool(self.state.grants)
+
+    @property
+    def query_due(self) -> bool:
+        """A command waits for the auth server: query() once the pass over the input is done."""
+        return self._due is not None
+
+    def authenticate(self, secret: str) -> None:
+        """AUTH: ask the auth server with `secret` (once the pass is done)."""
+        self._secret = secret
+        self._due = _AUTH
+
+    def check(self, verb: str, topic: str, channel: str, now: float) -> int | None:
         """nsqd's CheckAuth: None when allowed, PAUSED while an expired answer is fetched again.
 
         Raises the fatal errors nsqd sends. A re-query pauses parsing and
         runs this same command again once the new answer is in.
         """
-        state = self.auth_state
+        state = self.state
         if state is None or not self.authorized:
             raise fatal("E_AUTH_FIRST", f"AUTH required before {verb}")
-        if self.clock.seconds() >= state.expires:
-            self._resume_at = -1
-            self._after_auth = self._resume
+        if now >= state.expires:
+            self._due = _RECHECK
             return PAUSED
         if not state.allows(topic, channel):
             raise fatal("E_UNAUTHORIZED", f'AUTH failed for {verb} on "{topic}" "{channel}"')
         return None
 
-    def _query_auth(self, then) -> None:
-        """Ask the auth server(s) without blocking; `then()` runs once auth_state holds the answer."""
-        # tls_common_name is set by handshakeCompleted, which runs before
-        # any byte read over TLS reaches dataReceived.
-        # Parsing waits for the answer, and so does reading (nsqd's read loop
-        # is blocked in the query): what the client streams meanwhile stays
-        # in the kernel's buffers, not ours.
-        self._auth_waiting = True
-        d = self.broker.auth.query(self._remote_ip, bool(self.tls),
-                                   self._auth_secret, self.tls_common_name)
-        d.addCallbacks(self._auth_answer, self._auth_failed, callbackArgs=(then,))
-        d.addErrback(lambda f: log.failure("AUTH answer handling failed", f))
-        self._update_reading()  # unless answered already
+    def query(self, remote_ip: str, tls: bool, tls_common_name: str) -> Deferred[AuthState]:
+        """Ask the auth server the due query without blocking: a Deferred of its answer (an AuthState).
 
-    def _auth_answer(self, state, then) -> None:
-        self._auth_waiting = False
-        if self._closed:
-            return
-        self.auth_state = state
-        then()  # _authed or _resume: both end in _resume, which reads on (or the connection closes)
+        The connection hands the answer to answered(), unless it closed meanwhile.
+        """
+        self._asking, self._due = self._due, None
+        return self._auth.query(remote_ip, tls, self._secret, tls_common_name)
 
-    def _auth_failed(self, failure) -> None:
-        self._auth_waiting = False
-        if self._closed:
-            return
-        # The reason stays in the log: nsqd never tells untrusted clients
-        # what went wrong with the auth server.
-        log.warn("client {remote}: AUTH failed - {error}", remote=self.remote_address,
-                 error=failure.getErrorMessage())
-        self._fail(fatal("E_AUTH_FAILED", "AUTH failed"))
-
-    def _authed(self) -> None:
-        state = self.auth_state
+    def answered(self, state: AuthState) -> str:
+        """Take the auth server's answer: AUTHORIZED, REFUSED or RECHECKED."""
+        self.state = state
+        asking, self._asking = self._asking, None
+        if asking != _AUTH:
+            return RECHECKED
         if not state.grants:
-            self._fail(fatal("E_UNAUTHORIZED", "AUTH no authorizations found"))
-            return
+            return REFUSED
         self.authorized = True
-        body = {"identity": state.identity, "identity_url": state.identity_url,
+        return AUTHORIZED
+
+    def identity(self) -> dict[str, Any]:
+        """AUTH's answer to the client: who the auth server says it is."""
+        state = self.state
+        assert state is not None  # asked only once AUTH is answered
+        return {"identity": state.identity, "identity_url": state.identity_url,
                 "permission_count": state.permission_count}
-        self._write_frame(frame(FRAME_TYPE_RESPONSE, encode_json(body)))
-        self._resume()

@@ -1,4 +1,4 @@
-"""MPUB is read as nsqd reads it (raw sockets against a real broker).
+"""MPUB is read as nsqd reads it (raw V2 bytes, frame by frame, to an in-process broker).
 
 nsqd range-checks MPUB's declared body size (<= 0 and > --max-body-size are
 fatal E_BAD_BODY) and then reads the message count and each message from
@@ -6,6 +6,9 @@ the stream, however many bytes that takes. Clients declare either the whole
 body (go-nsq, pynsq) or the messages' bytes only (squeaky, npm's nsq): both
 get OK. The answers asserted here are nsqd's, except the last test (mqd's
 own bound on what a pending MPUB may hold, which nsqd does not have).
+
+The connections are tests/support/inproc_conn.py's: RawConn's calls on a
+StringTransport, the broker's clock standing in for waiting.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import struct
 
 import pytest
 
-from tests.support.processes import FAST_SCAN
-from tests.support.raw_conn import RawConn, command
+from tests.support.inproc_conn import InprocConn, get
+from tests.support.raw_conn import command
 from tests.support.v2_frames import mpub_body
 
 I32 = struct.Struct(">i")
@@ -24,8 +27,8 @@ MAX_MSG = 100
 
 
 @pytest.fixture
-def small_broker(start_broker):
-    return start_broker(f"--max-msg-size={MAX_MSG}", f"--max-body-size={MAX_BODY}", *FAST_SCAN)
+def small_broker(make_broker):
+    return make_broker(max_msg_size=MAX_MSG, max_body_size=MAX_BODY)
 
 
 def mpub_declared(topic: str, bodies: list[bytes], declared: int) -> bytes:
@@ -34,7 +37,7 @@ def mpub_declared(topic: str, bodies: list[bytes], declared: int) -> bytes:
 
 def consume(broker, topic: str, n: int) -> list[bytes]:
     """The bodies of the next `n` messages of `topic` (a new channel sees the topic's backlog)."""
-    with RawConn(broker) as conn:
+    with InprocConn(broker) as conn:
         conn.send(command(f"SUB {topic} c") + command(f"RDY {n}"))
         assert conn.read_frame() == (0, b"OK")
         got = []
@@ -57,7 +60,7 @@ def message_bytes(bodies: list[bytes]) -> int:
 def test_both_size_forms_get_ok(small_broker, name, size_of):
     topic = name()
     bodies = [b"one", b"two", b"three"]
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(topic, bodies, size_of(bodies)) + command(f"PUB {topic}", b"tail"))
         assert conn.read_frame() == (0, b"OK")
         assert conn.read_frame() == (0, b"OK")
@@ -71,7 +74,7 @@ def test_both_size_forms_arriving_in_pieces(small_broker, name, size_of):
     topic = name()
     bodies = [b"a" * 90, b"b" * 90, b"c"]
     data = mpub_declared(topic, bodies, size_of(bodies))
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(data[:40])
         conn.expect_silence(0.2)
         conn.send(data[40:150])
@@ -85,7 +88,7 @@ def test_both_size_forms_arriving_in_pieces(small_broker, name, size_of):
 def test_declared_smaller_than_what_follows_within_limits(small_broker, name, declared):
     """nsqd only refuses a declared size <= 0 (1-3 included): the count comes from the stream."""
     topic = name()
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(topic, [b"x" * 50, b"y"], declared))
         assert conn.read_frame() == (0, b"OK")
         conn.send(command("NOP") + command(f"PUB {topic}", b"z"))
@@ -97,7 +100,7 @@ def test_declared_smaller_than_what_follows_within_limits(small_broker, name, de
 def test_declared_larger_than_what_follows_within_limits(small_broker, name, declared):
     """Answered once the messages are in, without waiting for the declared bytes."""
     topic = name()
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(topic, [b"m"], declared))
         assert conn.read_frame() == (0, b"OK")
         conn.send(command(f"PUB {topic}", b"n"))
@@ -108,7 +111,7 @@ def test_declared_larger_than_what_follows_within_limits(small_broker, name, dec
 def test_bytes_inside_the_declared_size_after_the_messages_are_commands(small_broker, name):
     topic = name()
     body = mpub_body([b"m"]) + command(f"PUB {topic}", b"n")
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(command(f"MPUB {topic}", body))
         assert conn.read_frame() == (0, b"OK")
         assert conn.read_frame() == (0, b"OK")
@@ -117,7 +120,7 @@ def test_bytes_inside_the_declared_size_after_the_messages_are_commands(small_br
 
 @pytest.mark.parametrize("declared", [0, -1])
 def test_declared_not_positive_is_fatal(small_broker, name, declared):
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(name(), [b"m"], declared))
         assert conn.read_frame() == (1, b"E_BAD_BODY MPUB invalid body size %d" % declared)
         conn.expect_closed()
@@ -125,7 +128,7 @@ def test_declared_not_positive_is_fatal(small_broker, name, declared):
 
 def test_declared_beyond_max_body_size_is_fatal(small_broker, name):
     """Refused on the size alone, however few bytes follow."""
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(name(), [b"m"], MAX_BODY + 1))
         assert conn.read_frame() == (1, b"E_BAD_BODY MPUB body too big 1001 > 1000")
         conn.expect_closed()
@@ -133,7 +136,7 @@ def test_declared_beyond_max_body_size_is_fatal(small_broker, name):
 
 def test_whole_body_beyond_max_body_size_is_fatal(small_broker, name):
     bodies = [b"w" * 90] * 11
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(name(), bodies, whole(bodies)))
         assert conn.read_frame() == (1, b"E_BAD_BODY MPUB body too big 1038 > 1000")
         conn.expect_closed()
@@ -141,7 +144,7 @@ def test_whole_body_beyond_max_body_size_is_fatal(small_broker, name):
 
 def test_message_count_beyond_limit_is_fatal(small_broker, name):
     # (max-body-size - 4) / 5 = 199 messages at most.
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(f"MPUB {name()}\n".encode() + I32.pack(8) + I32.pack(200))
         assert conn.read_frame() == (1, b"E_BAD_BODY MPUB invalid message count 200")
         conn.expect_closed()
@@ -151,18 +154,18 @@ def test_bad_message_read_later_is_fatal_and_publishes_nothing(small_broker, nam
     """All or nothing: the first message was read, the second's size is refused as it arrives."""
     topic = name()
     bodies = [b"a", b"b"]
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(f"MPUB {topic}\n".encode() + I32.pack(message_bytes(bodies)) + I32.pack(2)
                   + I32.pack(1) + b"a")
         conn.expect_silence(0.2)
         conn.send(I32.pack(0))
         assert conn.read_frame() == (1, b"E_BAD_MESSAGE MPUB invalid message(1) body size 0")
         conn.expect_closed()
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(topic, [b"a", b"x" * (MAX_MSG + 1)], 2))
         assert conn.read_frame() == (1, b"E_BAD_MESSAGE MPUB message too big 101 > 100")
         conn.expect_closed()
-    status, stats = small_broker.get(f"/stats?format=json&topic={topic}")
+    status, stats = get(small_broker, f"/stats?format=json&topic={topic}")
     assert status == 200
     assert [t["depth"] for t in stats["topics"] if t["topic_name"] == topic] == [0]
 
@@ -172,7 +175,7 @@ def test_message_bytes_form_at_max_body_size(small_broker, name):
     topic = name()
     bodies = [b"%03d" % i + b"." * 7 for i in range(100)]  # 1000 bytes of messages, 1404 in all
     assert message_bytes(bodies) == MAX_BODY
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         conn.send(mpub_declared(topic, bodies, MAX_BODY))
         assert conn.read_frame() == (0, b"OK")
     assert consume(small_broker, topic, 100) == bodies
@@ -182,7 +185,7 @@ def test_mqd_bound_messages_over_max_body_size(small_broker, name):
     """mqd's own bound (nsqd reads up to count x (4 + max-msg-size)): a pending MPUB's
     messages may take max-body-size bytes, i.e. 4 + 4 x count + max-body-size after
     the declared size; past it is fatal E_BAD_BODY, refused before the bytes arrive."""
-    with RawConn(small_broker) as conn:
+    with InprocConn(small_broker) as conn:
         # 11 messages of 91 bytes: 1001 bytes of messages.
         conn.send(f"MPUB {name()}\n".encode() + I32.pack(4) + I32.pack(11)
                   + (I32.pack(91) + b"x" * 91) * 10 + I32.pack(91))
