@@ -50,6 +50,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                 "fuzz, kill -9 and abuse a broker, longer than CI does"),
     "lmdb-layout": ("bench.experiments.lmdb_layout", "main",
                     "(experiment) LMDB with a named database per queue vs one shared"),
+    "channel-create": ("bench.experiments.channel_create", "main",
+                       "POST /channel/create on a broker with N topics (one metadata change)"),
 }
 
 

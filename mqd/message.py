@@ -11,10 +11,10 @@ import hashlib
 import socket
 import struct
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Message", "IdFactory", "channel_copies", "new_messages", "default_node_id", "frame_message", "FRAME_HEAD",
-           "ID_SIZE"]
+__all__ = ["Message", "IdFactory", "IdTimeLease", "channel_copies", "new_messages", "default_node_id",
+           "frame_message", "id_time", "id_time_span", "FRAME_HEAD", "ID_SIZE"]
 
 # [size][frame type 2][timestamp ns][attempts]: a message frame up to its id,
 # packed in one call on the delivery path; the id and body follow as they
@@ -206,6 +206,31 @@ _SEQ_BITS = 12
 _NODE_BITS = 10
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 _SEQ_HEX = [b"%03x" % seq for seq in range(_SEQ_MASK + 1)]
+# A limit no id time reaches: a factory without a lease is never stopped by one.
+_NO_LIMIT = 1 << 64
+
+
+def id_time(now_ns: int) -> int:
+    """The time field of an id made at `now_ns` (ns since the Unix epoch): pseudo-ms since twepoch."""
+    return (now_ns >> 20) - _TWEPOCH
+
+
+def id_time_span(seconds: float) -> int:
+    """How many id time units (pseudo-ms, 2**20 ns) make `seconds`."""
+    return int(seconds * 1e9) >> 20
+
+
+class IdTimeLease(Protocol):
+    """What keeps an IdFactory's times persisted ahead of the ids it issues (the broker's id lease)."""
+
+    def extend(self, ids: IdFactory, end: int) -> None:
+        """Ids up to time `end` are about to be issued: have a limit above it granted (`ids.grant`).
+
+        When `end` is below the factory's limit this may happen later, in
+        the background; otherwise it must be done (persisted and granted)
+        before returning, or raise: the factory issues nothing at or past
+        a limit not granted.
+        """
 
 
 class IdFactory:
@@ -215,28 +240,78 @@ class IdFactory:
     run out and retries later; here the factory borrows the next
     pseudo-millisecond instead, so ids stay unique and increasing without
     ever failing a publish.
+
+    An id's time is the clock's or, when the clock is behind the last id
+    issued (stepped back, or its pseudo-ms used up), the last id's: ids
+    never go backwards within a run, whatever the clock does. Across runs
+    a lease (`IdTimeLease`) keeps that true: the factory issues ids only
+    below the limit the lease has granted (persisted), asks for more
+    before reaching it, and the next run starts at or above the limit
+    (`start_at`). Without a lease (a topic built alone, in tests) there is
+    no limit.
     """
 
-    __slots__ = ("_node", "_last_ts", "_seq")
+    __slots__ = ("_node", "_last_ts", "_seq", "_renew_at", "_limit", "_lease")
 
-    def __init__(self, node_id: int) -> None:
+    def __init__(self, node_id: int, lease: IdTimeLease | None = None) -> None:
         if not 0 <= node_id < (1 << _NODE_BITS):
             raise ValueError(f"node-id must be in [0,1024), got {node_id}")
         self._node = node_id << _SEQ_BITS
         self._last_ts = 0
         self._seq = 0
+        self._lease = lease
+        # Ids are issued only below _limit; from _renew_at on each batch asks
+        # the lease for more (in the background until _limit is reached).
+        self._limit = self._renew_at = _NO_LIMIT if lease is None else 0
+
+    def held_by(self, lease: IdTimeLease) -> None:
+        """From now on ids are issued only below what `lease` grants (nothing yet)."""
+        self._lease = lease
+        self._limit = self._renew_at = 0
+
+    def start_at(self, floor: int) -> None:
+        """No id from now on has a time below `floor` (a restart: the last run's bound)."""
+        if floor > self._last_ts:
+            self._last_ts = floor
+            self._seq = 0
+
+    def grant(self, limit: int, renew_at: int) -> None:
+        """Ids may have times below `limit` (persisted); from `renew_at` on, the lease is asked for more.
+
+        It may lower the limit too: at shutdown nothing more is issued.
+        """
+        self._limit = limit
+        self._renew_at = min(renew_at, limit)
+
+    @property
+    def limit(self) -> int:
+        """Every id issued so far, and until the next grant, has a time below this."""
+        return self._limit
+
+    @property
+    def issued_below(self) -> int:
+        """A time above every id issued so far: what the next run must start at (at least)."""
+        return self._last_ts + 1
 
     def new_ids(self, count: int, now_ns: int) -> list[bytes]:
-        """`count` fresh ids: one call per publish batch, not per message."""
+        """`count` fresh ids: one call per publish batch, not per message.
+
+        Raises what the lease raises when it cannot extend a limit the
+        batch would reach (nothing is issued then).
+        """
         ts = (now_ns >> 20) - _TWEPOCH
         if ts > self._last_ts:
             self._last_ts = ts
             self._seq = 0
         seq = self._seq
-        if count == 1 and seq <= _SEQ_MASK:
+        if count == 1 and seq <= _SEQ_MASK and self._last_ts < self._renew_at:
             # A PUB's one id, without the batch machinery.
             self._seq = seq + 1
             return [b"%016x" % ((self._last_ts << (_SEQ_BITS + _NODE_BITS)) | self._node | seq)]
+        # The time of the batch's last id: a sequence run out borrows the next pseudo-ms.
+        end = self._last_ts + ((seq + count - 1) >> _SEQ_BITS)
+        if end >= self._renew_at:
+            self._extend(end)
         ids: list[bytes] = []
         while count:
             room = _SEQ_MASK + 1 - self._seq
@@ -254,3 +329,12 @@ class IdFactory:
             self._seq = seq + take
             count -= take
         return ids
+
+    def _extend(self, end: int) -> None:
+        """The batch reaches `end`: ask the lease for more; past the limit, only once it is granted."""
+        lease = self._lease
+        if lease is None:
+            raise RuntimeError("id factory without a lease has a limit")
+        lease.extend(self, end)
+        if end >= self._limit:
+            raise RuntimeError(f"id lease not extended past {end} (limit {self._limit})")

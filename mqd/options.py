@@ -24,6 +24,8 @@ from mqd.message import default_node_id
 
 __all__ = [
     "ConfigError",
+    "check_http_auth",
+    "http_client_auth_secret",
     "Option",
     "Settings",
     "parse_duration",
@@ -265,6 +267,45 @@ _LISTEN_BACKLOG = Option(
     "queue of not-yet-accepted connections of every listener (default: the system's "
     "net.core.somaxconn, as nsqd; 4096 if unknown)", _between(1, 65535))
 
+# mqd's own (nsqd's HTTP API has no authentication): both daemons take it.
+_HTTP_AUTH_REQUIRED = Option(
+    "http-auth-required", "bool", False,
+    "every HTTP(S) endpoint but /ping and /info needs `Authorization: Bearer <secret>` with the grant "
+    "docs/security.md lists, asked of the --auth-http-address servers as AUTH asks them")
+
+
+def check_http_auth(settings: Settings) -> None:
+    """ConfigError when `--http-auth-required` is given without `--auth-http-address`.
+
+    Without an auth server every secret would be refused: a daemon that
+    answers 401 to everything is a mistake to report at start, not to run.
+    """
+    if settings.http_auth_required and not settings.auth_http_address:
+        raise ConfigError("--http-auth-required needs --auth-http-address (the auth server to ask)")
+
+
+def http_client_auth_secret(settings: Settings) -> str:
+    """The secret a daemon sends to lookupds (and brokers): --http-client-auth-secret, or its file's.
+
+    `--http-client-auth-secret-file` is read here, once, at start-up; both
+    given, a missing or empty file, or a secret no header can carry is a
+    ConfigError of one line that never shows the secret. "" when neither
+    is given.
+    """
+    from mqd.clusterinfo.bearer import check_secret, read_secret_file
+
+    secret = settings.http_client_auth_secret or ""
+    path = settings.http_client_auth_secret_file or ""
+    if secret and path:
+        raise ConfigError("use --http-client-auth-secret or --http-client-auth-secret-file not both")
+    try:
+        if path:
+            return read_secret_file(path, "--http-client-auth-secret-file")
+        return check_secret(secret, "--http-client-auth-secret")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 MQD_OPTIONS: tuple[Option, ...] = (
     _LOG_LEVEL,
     Option("node-id", "int", None, "unique part of message ids, 0-1023 (default: from the hostname, as nsqd)",
@@ -278,11 +319,17 @@ MQD_OPTIONS: tuple[Option, ...] = (
            aliases=("auth_http_addresses",)),
     Option("auth-http-request-method", "str", "get", "how the auth server is asked: get or post",
            _one_of("get", "post")),
+    _HTTP_AUTH_REQUIRED,
     Option("http-client-connect-timeout", "duration", 2.0,
            "connect timeout of requests to the auth server and of lookupd /channels queries", _positive_duration),
     Option("http-client-request-timeout", "duration", 5.0,
            "whole-request timeout of requests to the auth server and of lookupd /channels queries",
            _positive_duration),
+    Option("http-client-auth-secret", "str", "",
+           "secret sent as 'Authorization: Bearer' with the lookupd /channels queries, for lookupds "
+           "run with --http-auth-required"),
+    Option("http-client-auth-secret-file", "str", "",
+           "file holding --http-client-auth-secret (read at start-up), so it is not on the command line"),
     Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
     Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
     Option("broadcast-http-port", "int", 0, "HTTP port announced to lookupd (0: the bound port)", _between(0, 65535)),
@@ -394,6 +441,17 @@ LOOKUPD_OPTIONS: tuple[Option, ...] = (
            _positive_duration),
     Option("tombstone-lifetime", "duration", 45.0,
            "how long a tombstoned producer of a topic is left out of /lookup", _at_least(0)),
+    Option("auth-http-address", "list", [],
+           "auth server asked about the bearer secrets of --http-auth-required: HOST:PORT "
+           "(http://HOST:PORT/auth) or a full URL (repeatable)",
+           aliases=("auth_http_addresses",)),
+    Option("auth-http-request-method", "str", "get", "how the auth server is asked: get or post",
+           _one_of("get", "post")),
+    _HTTP_AUTH_REQUIRED,
+    Option("http-client-connect-timeout", "duration", 2.0,
+           "connect timeout of requests to the auth server", _positive_duration),
+    Option("http-client-request-timeout", "duration", 5.0,
+           "whole-request timeout of requests to the auth server", _positive_duration),
 )
 
 
@@ -474,6 +532,11 @@ MQADMIN_OPTIONS: tuple[Option, ...] = (
     Option("http-client-tls-root-ca-file", "str", "", "CA bundle (PEM) HTTPS lookupds and brokers are verified against"),
     Option("http-client-tls-cert", "str", "", "client certificate (PEM) for HTTPS lookupds and brokers"),
     Option("http-client-tls-key", "str", "", "key (PEM) of --http-client-tls-cert"),
+    Option("http-client-auth-secret", "str", "",
+           "secret sent as 'Authorization: Bearer' to lookupds and brokers that require one "
+           "(--http-auth-required); a request's own bearer header is passed on instead"),
+    Option("http-client-auth-secret-file", "str", "",
+           "file holding --http-client-auth-secret (read at start-up), so it is not on the command line"),
     Option("acl-http-header", "str", "X-Forwarded-User",
            "HTTP header naming the user a reverse proxy authenticated"),
     Option("admin-user", "list", [],
@@ -523,7 +586,9 @@ class Settings:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     def __repr__(self) -> str:
-        return f"Settings({self.as_dict()!r})"
+        # A secret (--http-client-auth-secret) is never shown, wherever this is printed.
+        shown = {k: "<hidden>" if k.endswith("_secret") and v else v for k, v in self.as_dict().items()}
+        return f"Settings({shown!r})"
 
 
 def load_yaml(path: str) -> dict[str, Any]:

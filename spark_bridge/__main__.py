@@ -190,8 +190,15 @@ def _snapshot_from_broker(args: argparse.Namespace) -> int:
     url = f"{base}/snapshot"
     if args.out is not None:
         url += "?" + urllib.parse.urlencode({"out": args.out})
+    from mqd.clusterinfo.bearer import SECRET_ENV, check_secret, env_secret
+
     try:
-        path, manifest = _request_snapshot(url, timeout)
+        secret = args.http_auth_secret or env_secret(SECRET_ENV)
+        headers = {"Authorization": f"Bearer {check_secret(secret, '--http-auth-secret')}"} if secret else {}
+    except ValueError as e:
+        args.usage_error(str(e))
+    try:
+        path, manifest = _request_snapshot(url, timeout, headers)
     except _RequestFailed as e:
         print(f"snapshot failed: {url}: {e}", file=sys.stderr)
         return 1
@@ -218,9 +225,10 @@ def _broker_url(value: str) -> str | None:
     return text.rstrip("/")
 
 
-def _request_snapshot(url: str, timeout: float) -> tuple[str, Manifest]:
+def _request_snapshot(url: str, timeout: float,
+                      headers: dict[str, str] | None = None) -> tuple[str, Manifest]:
     """POST /snapshot and wait for the broker's answer: (the snapshot's path there, its manifest)."""
-    request = urllib.request.Request(url, data=b"", method="POST")
+    request = urllib.request.Request(url, data=b"", method="POST", headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             body = response.read()
@@ -274,6 +282,10 @@ def parser() -> argparse.ArgumentParser:
                            "(what it holds in memory, in flight or deferred is then missing)")
     snap.add_argument("--timeout", type=float, metavar="SECONDS",
                       help=f"with --broker: how long to wait for the answer (default: {BROKER_TIMEOUT:g})")
+    snap.add_argument("--http-auth-secret", metavar="SECRET",
+                      help="with --broker: the secret sent as Authorization: Bearer, for a broker "
+                           "that asks who is calling (--auth-http-address); default: "
+                           "$MQ_HTTP_AUTH_SECRET")
     snap.add_argument("--broker-id",
                       help="with --data-path: broker id recorded in the manifest (default: this host's name)")
     snap.set_defaults(run=_snapshot, usage_error=snap.error)

@@ -19,7 +19,10 @@ Each Spark task (one `write` call) opens its own txnsq `Producer` on the
 process's reactor thread (reactor_thread.py) to one broker: the `nsqd`
 option's addresses, or every broker lookupd's `/nodes` lists when only
 `lookupd` is given, picked round robin by partition id (a retried attempt
-takes the next one). Rows become MPUBs of at most `batchSize` messages and
+takes the next one; the `auth_secret` option, the secret sent with AUTH,
+also goes to lookupd as `Authorization: Bearer`, for lookupds run with
+`--http-auth-required`, and a lookupd refusing it fails the task with one
+line naming it). Rows become MPUBs of at most `batchSize` messages and
 `batchBytes` bytes per topic, up to `maxOutstanding` of them on the wire at
 once; the task ends when every command has been answered, and fails (so
 that Spark retries it) unless every MPUB and DPUB got OK. The producer is
@@ -64,6 +67,13 @@ from pyspark.sql.types import (
 )
 
 from mqd.client.discovery import ACCEPT, LookupdError, lookup_answer
+from mqd.clusterinfo.bearer import (
+    REFUSALS,
+    bearer_headers,
+    check_secret,
+    refusal_hint,
+    refusal_text,
+)
 from mqd.names import is_valid_name
 from spark_bridge import reactor_thread
 from spark_bridge.stream_options import (
@@ -159,6 +169,11 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
     timeout = option_duration(options, "publishTimeout", DEFAULT_PUBLISH_TIMEOUT)
     plain = {str(k): str(v) for k, v in options.items() if v is not None}
     client_config(plain)  # fails here, on the driver, with the option's name
+    if lookupd:
+        try:
+            check_secret(_auth_secret(plain), "mqd: option auth_secret")  # it goes in an HTTP header too
+        except ValueError as e:
+            raise StreamOptionError(str(e)) from None
     return _Plan(
         nsqd=nsqd, lookupd=lookupd, topic=topic,
         body=body.name, body_is_string=isinstance(body.dataType, StringType),
@@ -175,19 +190,37 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
 # -- brokers ---------------------------------------------------------------------------
 
 
-def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT) -> list[str]:
-    """Every broker (`host:tcp_port`) the lookupds' `/nodes` list, sorted; SinkError if none answers."""
+def _auth_secret(options: Mapping[str, str]) -> str:
+    """The `auth_secret` option (Spark's option keys are case-insensitive), or ""."""
+    return next((v for k, v in options.items() if k.lower() == "auth_secret"), "")
+
+
+def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT, auth_secret: str = "") -> list[str]:
+    """Every broker (`host:tcp_port`) the lookupds' `/nodes` list, sorted; SinkError if none answers.
+
+    `auth_secret` goes as `Authorization: Bearer`; a lookupd refusing it
+    (401/403) is a SinkError at once, naming it: a wrong secret is wrong
+    whatever the other lookupds say.
+    """
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     found: set[str] = set()
     errors: list[str] = []
     answered = False
+    headers = {"Accept": ACCEPT.decode()}
+    headers.update({k.decode(): v[0].decode() for k, v in bearer_headers(auth_secret).items()})
     for address in lookupds:
         url = lookupd_url(address, "nodes")
-        request = urllib.request.Request(url, headers={"Accept": ACCEPT.decode()})
+        request = urllib.request.Request(url, headers=headers)
         try:
             with opener.open(request, timeout=timeout) as response:
                 found |= lookup_answer(response.read(16 * 1024 * 1024))
             answered = True
+        except urllib.error.HTTPError as e:
+            if e.code in REFUSALS:
+                body = e.read(4096)
+                raise SinkError(f"mqd: {refusal_text('nsqlookupd', url, e.code, body)}: "
+                                f"{refusal_hint(e.code, body, 'option auth_secret')}") from None
+            errors.append(f"{url}: {e.reason or e}")
         except (OSError, LookupdError) as e:
             errors.append(f"{url}: {getattr(e, 'reason', None) or e}")
     if not answered:
@@ -211,7 +244,7 @@ def _task_position() -> tuple[int, int]:
 
 
 def _pick_broker(plan: _Plan) -> str:
-    brokers = list(plan.nsqd) or lookupd_brokers(plan.lookupd)
+    brokers = list(plan.nsqd) or lookupd_brokers(plan.lookupd, auth_secret=_auth_secret(plan.options))
     partition, attempt = _task_position()
     return brokers[(partition + attempt) % len(brokers)]
 

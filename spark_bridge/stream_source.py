@@ -35,6 +35,12 @@ consumers to every broker (by default enough for `maxInFlight`, twice
 `maxMessagesPerTrigger`): one batch being processed while the next one
 arrives.
 
+HTTP auth. The `auth_secret` option, the secret sent with AUTH, is also
+sent as `Authorization: Bearer` with the consumers' lookupd queries, for
+lookupds run with `--http-auth-required`; a lookupd that refuses it
+(401/403) fails the query with one line naming it, as a broker refusing
+AUTH does.
+
 Not supported: asynchronous progress tracking (Spark then commits offsets
 before batches end), and Spark's continuous processing mode.
 """
@@ -70,7 +76,7 @@ from spark_bridge.stream_options import (
     option_int,
     topic_name,
 )
-from spark_bridge.stream_wal import RECORD_DTYPE, WalDirectory, WalError, foreign_checkpoint
+from spark_bridge.stream_wal import RECORD_DTYPE, WalDirectory, foreign_checkpoint, lost_offsets
 
 if TYPE_CHECKING:
     from twisted.internet.task import LoopingCall
@@ -178,7 +184,14 @@ class TopicStreamReader(DataSourceStreamReader):
 
         feed = self._started()
         if offset > self._committed:
-            cast(WalDirectory, self._wal).set_committed(offset)  # set by _started
+            wal = cast(WalDirectory, self._wal)  # set by _started
+            # A batch is removed only once committed here, so offsets past the last
+            # marker are in a file still, unless mqd-source/ was lost: then stop, before
+            # a marker in the new one makes the next run go on from offsets it never held.
+            held = max([self._committed, *(end for _start, end in wal.spans())])
+            if offset > held:
+                raise lost_offsets(wal.path, held, offset)
+            wal.set_committed(offset)
             self._committed = offset
             post(feed.settle, offset)
 
@@ -236,9 +249,7 @@ class TopicStreamReader(DataSourceStreamReader):
                 break
             at = e
         if at != hi:
-            raise WalError(
-                f"mqd: the write-ahead log under {wal.path} does not hold offsets {lo}-{hi} "
-                "(the checkpoint's mqd-source directory was lost or altered)")
+            raise lost_offsets(wal.path, lo, hi)
         batches = [wal.read(s, e) for s, e in spans]
         parts = max(1, min(self.partitions_wanted, (hi - lo) // MIN_ROWS_PER_PARTITION))
         out: list[InputPartition] = []
@@ -360,11 +371,16 @@ class ChannelFeed:
         from twisted.internet.task import LoopingCall
 
         self.recover()
+        lookupd_http = None
+        if self.lookupd:
+            from mqd.clusterinfo.bearer import BearerHTTP
+
+            lookupd_http = BearerHTTP(self.config.auth_secret, reactor=self.clock, on_refused=self._http_refused)
         for _ in range(self.connection_count):
             consumer = _SourceConsumer(self, self.topic, self.channel, self._delivered,
                                        lookupd_http_addresses=self.lookupd,
                                        config=self.config.copy(), reactor=self.clock,
-                                       on_fatal=self._fatal)
+                                       on_fatal=self._fatal, lookupd_http=lookupd_http)
             self.consumers.append(consumer)
         # Before startService: each address's first attempt is reported to these.
         first = [c.connect_to_nsqd(address) for c in self.consumers for address in self.nsqd]
@@ -393,8 +409,16 @@ class ChannelFeed:
         return d.addCallback(fail)
 
     def _fatal(self, address: str, error: Exception) -> None:
-        # A broker refused the consumer for good (AUTH): the query fails with it.
+        # A broker refused the consumer for good (AUTH or IDENTIFY refused, or a handshake
+        # answer the client cannot use): the query fails with it.
         self.fatal = f"mqd: {address} refused the consumer: {error}"
+
+    def _http_refused(self, error: Exception) -> None:
+        # A lookupd refused the HTTP auth secret (option auth_secret): the query fails with it.
+        from mqd.clusterinfo.bearer import refusal_hint
+
+        code, body = getattr(error, "code", 401), getattr(error, "body", b"")
+        self.fatal = f"mqd: {error}: {refusal_hint(code, body, 'option auth_secret')}"
 
     def recover(self) -> None:
         """The ledger rebuilt from the WAL: every batch a crash left, committed or not."""

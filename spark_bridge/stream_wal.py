@@ -45,6 +45,7 @@ __all__ = [
     "WalError",
     "encode_batch",
     "foreign_checkpoint",
+    "lost_offsets",
 ]
 
 MAGIC = b"MQDWAL01"
@@ -65,6 +66,23 @@ def foreign_checkpoint(checkpoint: object, theirs: dict, topic: str, channel: st
         f"mqd: checkpoint {checkpoint} belongs to topic {theirs.get('topic')!r} channel "
         f"{theirs.get('channel')!r}, not topic {topic!r} channel {channel!r}: "
         "give this query its own checkpointLocation")
+
+
+def lost_offsets(path: object, lo: int, hi: int) -> WalError:
+    """The error for offsets the query's checkpoint has read and the write-ahead log does not hold.
+
+    That happens when `mqd-source/` was deleted or replaced while the rest
+    of the checkpoint was kept. The source stops rather than carry on by
+    itself: those batches can no longer be replayed with the rows they
+    had, and offsets it handed out again would not match Spark's. Starting
+    afresh is the operator's choice, made with a new checkpointLocation.
+    """
+    return WalError(
+        f"mqd: the write-ahead log under {path} does not hold offsets {lo}-{hi}, which the "
+        "query's checkpoint has already read: its mqd-source directory was lost or altered "
+        "since, so those batches cannot be replayed as they were. To start afresh on purpose, "
+        "run the query with a new checkpointLocation (messages not yet FINished are delivered "
+        "again; rows the sink already has may appear twice)")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """``python -m bench memory peaks``: how much one request or one kind of client makes a broker grow.
 
-Each scenario on a fresh broker with a topic and a channel: one huge TCP MPUB
+Each scenario on a fresh broker with a topic and a channel (``--channels N``:
+N channels for the huge publishes, each keeping a copy): one huge TCP MPUB
 (the most one-byte messages a default max-body-size holds), one huge text
 ``/mpub``, consumers that never read. Reported: the peak RSS over the RSS
 before (the kernel's own peak, VmHWM, reset first where allowed), the peak
@@ -183,12 +184,18 @@ def _peak_broker(name: str, scenario: str, args: argparse.Namespace) -> Broker:
     return Broker(args.backend, mem_queue, extra=extra)
 
 
+def channel_names(count: int) -> list[str]:
+    """The channels a huge publish's topic has (`--channels`): c, c2, c3, ..."""
+    return ["c" if i == 0 else f"c{i + 1}" for i in range(count)]
+
+
 def peak_run(name: str, scenario: str, args: argparse.Namespace) -> PeakRun:
     """One fresh broker (`name`: mqd or nsqd), one scenario; its RSS before, at the peak and after."""
     broker = _peak_broker(name, scenario, args)
     with broker:
         topic = "stuck" if scenario == "stuck" else "big"
-        wire.create_topic_channel(broker.address, topic, "c")
+        for channel in channel_names(1 if scenario == "stuck" else args.channels):
+            wire.create_topic_channel(broker.address, topic, channel)
         time.sleep(0.5)
         exact = clear_peak(broker.pid)
         before = proc_memory(broker.pid)
@@ -214,6 +221,7 @@ def peaks_report(runs: list[PeakRun], args: argparse.Namespace) -> str:
         heading("Memory peaks")
         + f"; mqd --backend={args.backend} --mem-queue-size={args.mem_queue_size}"
         + (f", nsqd {args.nsqd} --mem-queue-size={args.mem_queue_size}" if args.nsqd else "")
+        + f"; {args.channels} channel{'s' if args.channels > 1 else ''} for mpub and text"
         + f"; median of {args.repeat}",
         "",
         "| scenario | broker | RSS before (MB) | peak RSS growth (MB) | peak RssAnon growth (MB) "
@@ -251,6 +259,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mem-queue-size", type=int, default=10000, help="both brokers'")
     p.add_argument("--peak-count", type=int, help="messages of the huge publish (default: as big as "
                    "max-body-size allows: 1,048,575 by MPUB, 2.6 M lines by /mpub)")
+    p.add_argument("--channels", type=int, default=1,
+                   help="channels of the huge publish's topic, mpub and text (each keeps a copy)")
     p.add_argument("--stuck", type=int, default=50, help="consumers that never read")
     p.add_argument("--stuck-messages", type=int, default=200_000)
     p.add_argument("--broker-arg", action="append", default=[], metavar="ARG", help="mqd only")
@@ -260,6 +270,8 @@ def main(argv: list[str]) -> int:
         args.nsqd = find_nsqd(args.nsqd)
     except ValueError as exc:
         p.error(f"--nsqd-bin: {exc}")
+    if args.channels < 1:
+        p.error("--channels: at least 1")
     args.scenarios = [s for s in args.scenario.split(",") if s]
     if not args.scenarios or set(args.scenarios) - set(PEAK_SCENARIOS):
         p.error(f"--scenario: comma-separated, of {', '.join(PEAK_SCENARIOS)}")

@@ -25,7 +25,13 @@ nsqadmin's `"message"` (empty, or `WARNING: ...` naming each failure) and,
 an mqd addition, `"results"`: one `{"target", "address", "path", "ok",
 "error"}` per request made, so one broker down does not hide that the
 others did what was asked. Only when nothing succeeded and something failed
-is the answer `502 UPSTREAM_ERROR: ...`, as nsqadmin answers a total failure.
+is the answer `502 UPSTREAM_ERROR: ...`, as nsqadmin answers a total failure
+(401 or 403 when a target refused the secret, each refusal naming its node).
+
+Every request to a broker or lookupd carries the request's own
+`Authorization: Bearer` header when it has one (a reverse proxy's, for
+its user), else mqadmin's `--http-client-auth-secret`, if any
+(endpoint.AdminEndpoint.upstream_for).
 
 Writes are privileged as nsqadmin's: with any `--admin-user` set, the user
 a reverse proxy names in `--acl-http-header` must be one of them, else
@@ -35,10 +41,10 @@ failing the action.
 
 mqd additions: `GET /api/peek/:topic/:channel` (every producer's
 `/channel/peek`, per node; reads nothing away) and `POST /api/snapshot/:node`
-(the broker's `/snapshot`, whose answer or error is passed on). Both pass
-the request's `Authorization: Bearer` header on to the brokers, which ask
-it when they have auth configured (mqd.nsqd.http.authorization), and hand a
-broker's 401 or 403 back.
+(the broker's `/snapshot`, whose answer or error is passed on). Both
+reach the brokers with that secret, which they ask about when they have
+auth configured (mqd.nsqd.http.authorization), and hand a broker's 401
+or 403 back.
 `GET/PUT /config/:opt` are nsqadmin's, for clients in
 `--allow-config-from-cidr` only (mqd.admin.config).
 """
@@ -46,16 +52,23 @@ broker's 401 or 403 back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlencode
 
 from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
 from twisted.web.server import Request
 
 from mqd.admin.config import AdminConfig
-from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, go_lines, upstream_error
+from mqd.admin.endpoint import (
+    Admin,
+    AdminEndpoint,
+    ApiError,
+    go_lines,
+    refusal_status,
+    upstream_error,
+)
 from mqd.clusterinfo.aggregate import node_id
-from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, reason_of
+from mqd.clusterinfo.upstream import UpstreamError, base_url, error_text, go_line, reason_of
 from mqd.http.args import count_arg, max_body_arg, query_of, state_arg
 from mqd.http.endpoint import read_body
 from mqd.logs import get_logger
@@ -113,52 +126,50 @@ def _failure_text(failure, url: str) -> str:
     return reason_of(failure.value)
 
 
-def _result(target: str, address: str, path: str, error: str | None, go: str | None = None) -> dict[str, Any]:
-    """One request's entry of `results`; `_go` (taken out before answering) is nsq's wording of its error."""
+def _result(target: str, address: str, path: str, error: str | None, go: str | None = None,
+            code: int | None = None) -> dict[str, Any]:
+    """One request's entry of `results`; `_go` and `_code` (taken out before answering) are nsq's
+    wording of its error and the status of the answer that was one."""
     return {"target": target, "address": address, "path": path, "ok": error is None, "error": error,
-            "_go": go if go is not None else error}
+            "_go": go if go is not None else error, "_code": code}
 
 
-def _go_failure(failure) -> str | None:
-    return failure.value.go_text if failure.check(UpstreamError) else None
+def _failed_result(failure, target: str, address: str, path: str, url: str) -> dict[str, Any]:
+    text = _failure_text(failure, url)
+    if not failure.check(UpstreamError):
+        return _result(target, address, path, text)
+    error = failure.value
+    return _result(target, address, path, text, go_line(error, target), error.code)
 
 
-def _post_one(admin: Admin, target: str, address: str, base: str, path: str,
+def _post_one(upstream: Any, target: str, address: str, base: str, path: str,
               params: Mapping[str, str]) -> Deferred[dict[str, Any]]:
     """POST one admin endpoint; fires with its result, never fails."""
     url = _url(base, path, params)
     log.debug("querying {target} {url}", target=target, url=url)
-    d = maybeDeferred(admin.upstream.post, url)
+    d = maybeDeferred(upstream.post, url)
 
     def answered(answer: tuple[int, bytes]) -> dict[str, Any]:
         status, body = answer
         if status == 200:
             return _result(target, address, path, None)
         return _result(target, address, path, error_text(status, body),
-                       UpstreamError(url, "", status, body, "POST").go_text)
+                       UpstreamError(url, "", status, body, "POST").go_text, status)
 
-    d.addCallbacks(answered, lambda f: _result(target, address, path, _failure_text(f, url), _go_failure(f)))
+    d.addCallbacks(answered, _failed_result, errbackArgs=(target, address, path, url))
     return d
 
 
-async def _post_all(admin: Admin, target: str, targets: Iterable[Target], path: str,
+async def _post_all(upstream: Any, target: str, targets: Iterable[Target], path: str,
                     params: Mapping[str, str]) -> list[dict[str, Any]]:
-    """POST `path` to every target at once; their results in the targets' order."""
-    return list(await gatherResults([_post_one(admin, target, name, base, path, params)
+    """POST `path` to every target at once (through `upstream`); their results in the targets' order."""
+    return list(await gatherResults([_post_one(upstream, target, name, base, path, params)
                                      for name, base in targets]))
 
 
 def _warning(problems: Sequence[str]) -> str:
     """nsqadmin's `message`: empty, or every failure after `WARNING: `."""
     return "WARNING: " + "; ".join(problems) if problems else ""
-
-
-def _bearer(request: Request) -> dict[bytes, list[bytes]] | None:
-    """The request's one `Authorization: Bearer` header, passed on to the brokers (no other credential is)."""
-    values = request.requestHeaders.getRawHeaders(b"authorization") or []
-    if len(values) == 1 and values[0][:7].lower() == b"bearer ":
-        return {b"Authorization": cast("list[bytes]", values)}  # Twisted's raw headers are a list
-    return None
 
 
 def _broker_refusal(request: Request, code: int, message: str) -> ApiError:
@@ -181,26 +192,30 @@ class _Run:
         self.results: list[dict[str, Any]] = []
         self.problems: list[str] = []
         self.go: list[str] = []
+        self.codes: list[int | None] = []
 
     def note(self, errors: Iterable[str]) -> None:
         """Failures met while finding the targets (a lookupd that did not answer)."""
         for e in errors:
             self.problems.append(e)
             self.go.append(getattr(e, "go", e))
+            self.codes.append(getattr(e, "code", None))
 
     def add(self, results: Iterable[dict[str, Any]]) -> None:
         for r in results:
             go = r.pop("_go")
+            code = r.pop("_code")
             self.results.append(r)
             if not r["ok"]:
                 self.problems.append(f"{r['target']} {r['address']} {r['path']}: {r['error']}")
                 self.go.append(go)
+                self.codes.append(code)
 
     def answer(self) -> dict[str, Any]:
-        """The JSON answer; 502 when something failed and nothing succeeded."""
+        """The JSON answer; 502 when something failed and nothing succeeded (401/403 when a secret was refused)."""
         if self.problems and not any(r["ok"] for r in self.results):
             log.error("failed to {what} - {errors}", what=self.what, errors="; ".join(self.problems))
-            raise ApiError(502, "UPSTREAM_ERROR: " + go_lines(self.go))
+            raise ApiError(refusal_status(self.codes) or 502, "UPSTREAM_ERROR: " + go_lines(self.go))
         if self.problems:
             log.warn("{what}: {errors}", what=self.what, errors="; ".join(self.problems))
         return {"message": "WARNING: " + go_lines(self.go) if self.go else "", "results": self.results}
@@ -237,25 +252,25 @@ class ActionEndpoint(AdminEndpoint):
         """A broker by node name, reached where the cluster reaches it (its configured address, if any)."""
         return node, self.admin.cluster.node_url(node)
 
-    async def known_node(self, node: str) -> None:
+    async def known_node(self, request: Request, node: str) -> None:
         """404 NODE_NOT_FOUND unless `node` is a broker the cluster reports; 502 when none could be asked.
 
         The same check for every action on one node, so a request cannot make
         mqadmin POST to an address of its choosing.
         """
-        producers, errors = await self.admin.cluster.producers()
+        producers, errors = await self.cluster_for(request).producers()
         if node not in {node_id(p) for p in producers or ()}:
             if errors and not producers:
                 raise upstream_error(errors)
             raise ApiError(404, "NODE_NOT_FOUND")
 
-    async def producers_of(self, run: _Run, topic: str) -> list[Target]:
+    async def producers_of(self, request: Request, run: _Run, topic: str) -> list[Target]:
         """The topic's producers (lookupds' /lookup, or each broker's /stats); 502 when none could say.
 
         As nsqadmin: when no lookupd answered (or every one said 404, an
         unknown topic) nothing is done and the answer is its 502.
         """
-        producers, errors = await self.admin.cluster.topic_producers(topic)
+        producers, errors = await self.cluster_for(request).topic_producers(topic)
         if producers is None:
             raise upstream_error(errors)
         run.note(errors)
@@ -280,19 +295,20 @@ class CreateTopicChannel(ActionEndpoint):
 
     async def create(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
         run = _Run("create topic/channel")
+        upstream = self.upstream_for(request)
         lookupds = self.lookupds()
         both = {"topic": topic, "channel": channel}
         if lookupds:
-            run.add(await _post_all(self.admin, "lookupd", lookupds, "/topic/create", {"topic": topic}))
+            run.add(await _post_all(upstream, "lookupd", lookupds, "/topic/create", {"topic": topic}))
             if channel:
-                run.add(await _post_all(self.admin, "lookupd", lookupds, "/channel/create", both))
-                producers = await self.producers_of(run, topic)
-                run.add(await _post_all(self.admin, "nsqd", producers, "/channel/create", both))
+                run.add(await _post_all(upstream, "lookupd", lookupds, "/channel/create", both))
+                producers = await self.producers_of(request, run, topic)
+                run.add(await _post_all(upstream, "nsqd", producers, "/channel/create", both))
         else:
             brokers = [(a, base_url(a)) for a in self.admin.settings.nsqd_http_address]
-            run.add(await _post_all(self.admin, "nsqd", brokers, "/topic/create", {"topic": topic}))
+            run.add(await _post_all(upstream, "nsqd", brokers, "/topic/create", {"topic": topic}))
             if channel:
-                run.add(await _post_all(self.admin, "nsqd", brokers, "/channel/create", both))
+                run.add(await _post_all(upstream, "nsqd", brokers, "/channel/create", both))
         answer = run.answer()
         self.notify(request, "create_topic", topic)
         if channel:
@@ -323,9 +339,10 @@ class _TopicChannelActions(ActionEndpoint):
     async def act(self, request: Request, action: str, topic: str, channel: str) -> dict[str, Any]:
         kind = "channel" if channel else "topic"
         run = _Run(f"{action} {kind}")
-        producers = await self.producers_of(run, topic)
+        upstream = self.upstream_for(request)
+        producers = await self.producers_of(request, run, topic)
         query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
-        run.add(await _post_all(self.admin, "nsqd", producers, f"/{kind}/{action}", query))
+        run.add(await _post_all(upstream, "nsqd", producers, f"/{kind}/{action}", query))
         answer = run.answer()
         self.notify(request, f"{action}_{kind}", topic, channel)
         return answer
@@ -333,11 +350,12 @@ class _TopicChannelActions(ActionEndpoint):
     async def delete(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
         kind = "channel" if channel else "topic"
         run = _Run(f"delete {kind}")
+        upstream = self.upstream_for(request)
         # Found before the lookupds forget the topic, after which they could not say.
-        producers = await self.producers_of(run, topic)
+        producers = await self.producers_of(request, run, topic)
         query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
-        run.add(await _post_all(self.admin, "lookupd", self.lookupds(), f"/{kind}/delete", query))
-        run.add(await _post_all(self.admin, "nsqd", producers, f"/{kind}/delete", query))
+        run.add(await _post_all(upstream, "lookupd", self.lookupds(), f"/{kind}/delete", query))
+        run.add(await _post_all(upstream, "nsqd", producers, f"/{kind}/delete", query))
         answer = run.answer()
         self.notify(request, f"delete_{kind}", topic, channel)
         return answer
@@ -365,11 +383,12 @@ class TombstoneNode(ActionEndpoint):
         return Deferred.fromCoroutine(self.tombstone(request, topic, params["node"]))
 
     async def tombstone(self, request: Request, topic: str, node: str) -> dict[str, Any]:
-        await self.known_node(node)
+        await self.known_node(request, node)
         run = _Run("tombstone node for topic")
-        run.add(await _post_all(self.admin, "lookupd", self.lookupds(), "/topic/tombstone",
+        upstream = self.upstream_for(request)
+        run.add(await _post_all(upstream, "lookupd", self.lookupds(), "/topic/tombstone",
                                 {"topic": topic, "node": node}))
-        run.add(await _post_all(self.admin, "nsqd", [self.node(node)], "/topic/delete", {"topic": topic}))
+        run.add(await _post_all(upstream, "nsqd", [self.node(node)], "/topic/delete", {"topic": topic}))
         answer = run.answer()
         self.notify(request, "tombstone_topic_producer", topic, node=node)
         return answer
@@ -381,7 +400,7 @@ class Peek(AdminEndpoint):
     Nothing is consumed. The names, `state`, `n` and `max_body` are checked
     as the brokers check them (400 INVALID_ARG_TOPIC, INVALID_ARG_CHANNEL,
     INVALID_STATE, INVALID_N, INVALID_MAX_BODY) and
-    passed on, with the request's bearer secret; each node answers its own
+    passed on, with the request's bearer secret (or mqadmin's); each node answers its own
     `total`, `messages` and `more` (mqd's /channel/peek, bounded by the
     broker's --peek-max-bytes; mqadmin reads at most PEEK_ANSWER_MAX of
     it), or an `error` (a broker that is down, or a real nsqd, which has no
@@ -403,13 +422,15 @@ class Peek(AdminEndpoint):
         return Deferred.fromCoroutine(self.peek(request, params["topic"], params["channel"], wanted))
 
     async def peek(self, request: Request, topic: str, channel: str, wanted: dict[str, str]) -> dict[str, Any]:
-        producers, errors = await self.admin.cluster.topic_producers(topic)
+        producers, errors = await self.cluster_for(request).topic_producers(topic)
         problems = list(errors)
         if not producers and problems:
-            raise ApiError(502, "UPSTREAM_ERROR: " + "; ".join(problems))
+            status = refusal_status(getattr(e, "code", None) for e in errors) or 502
+            raise ApiError(status, "UPSTREAM_ERROR: " + "; ".join(problems))
         nodes = [node_id(p) for p in producers or ()]
         query = {"topic": topic, "channel": channel, **wanted}
-        answers = await gatherResults([self._peek_one(node, query, _bearer(request)) for node in nodes])
+        upstream = self.upstream_for(request)
+        answers = await gatherResults([self._peek_one(upstream, node, query) for node in nodes])
         for entry, _ in answers:
             if entry["error"] is not None:
                 problems.append(f"nsqd {entry['node']}: {entry['error']}")
@@ -422,11 +443,11 @@ class Peek(AdminEndpoint):
         return {"topic": topic, "channel": channel, "state": wanted["state"],
                 "nodes": [entry for entry, _ in answers], "message": _warning(problems)}
 
-    def _peek_one(self, node: str, query: Mapping[str, str],
-                  headers: dict[bytes, list[bytes]] | None) -> Deferred[tuple[dict[str, Any], int | None]]:
+    def _peek_one(self, upstream: Any, node: str,
+                  query: Mapping[str, str]) -> Deferred[tuple[dict[str, Any], int | None]]:
         """One node's entry, and the status of its error answer (None if it answered or gave none)."""
         url = _url(self.admin.cluster.node_url(node), "/channel/peek", query)
-        d = maybeDeferred(self.admin.upstream.get_json, url, headers=headers, max_bytes=PEEK_ANSWER_MAX)
+        d = maybeDeferred(upstream.get_json, url, max_bytes=PEEK_ANSWER_MAX)
 
         def entry(total: Any = None, messages: list | None = None, more: Any = None,
                   error: str | None = None) -> dict[str, Any]:
@@ -459,11 +480,10 @@ class SnapshotNode(ActionEndpoint):
         return Deferred.fromCoroutine(self.snapshot(request, params["node"]))
 
     async def snapshot(self, request: Request, node: str) -> dict[str, Any]:
-        await self.known_node(node)
+        await self.known_node(request, node)
         url = _url(self.admin.cluster.node_url(node), "/snapshot")
         try:
-            status, body = await maybeDeferred(self.admin.upstream.post, url, timeout=SNAPSHOT_TIMEOUT,
-                                               headers=_bearer(request))
+            status, body = await maybeDeferred(self.upstream_for(request).post, url, timeout=SNAPSHOT_TIMEOUT)
         except Exception as e:
             code = getattr(e, "code", None)
             if code is not None and code >= 400:

@@ -5,7 +5,11 @@ so scripts written against it work here: every answer carries `message`,
 empty or `WARNING: <what failed>` when some lookupd or broker did not
 answer (the rest still count), and `502 UPSTREAM_ERROR: failed to query
 any nsqlookupd: ...` (or `nsqd`) when none did, each failure in the words
-of nsq's Go client (`got response 404 Not Found "..."`). An unknown topic
+of nsq's Go client (`got response 404 Not Found "..."`; a broker or lookupd
+that refused the secret is named: `nsqd HOST:PORT: got response 401
+Unauthorized "..."`, and when none answered the status is its 401 or 403,
+not 502). Every query is made with the request's user's secret, or
+mqadmin's own (endpoint.AdminEndpoint.cluster_for). An unknown topic
 is that 502, as in nsqadmin: every lookupd answered 404 (without lookupd,
 no broker has it: `failed to query any nsqd: `). `/api/graphite` answers
 as nsqadmin with no graphite server reachable (mqadmin reads none). The
@@ -45,7 +49,7 @@ _NO_NSQD = "UPSTREAM_ERROR: failed to query any nsqd: "
 
 
 def _check(result: Any, errors: list[str], messages: list[str]) -> Any:
-    """nsqadmin's handling of a clusterinfo answer: total failure → 502, partial → one warning entry."""
+    """nsqadmin's handling of a clusterinfo answer: total failure → 502 (a refused secret's 401/403), partial → one warning entry."""
     if result is None:
         raise upstream_error(errors)
     if errors:
@@ -54,10 +58,6 @@ def _check(result: Any, errors: list[str], messages: list[str]) -> Any:
 
 
 class _Endpoint(AdminEndpoint):
-    @property
-    def cluster(self):
-        return self.admin.cluster
-
     def now(self) -> float:
         return self.admin.reactor.seconds()
 
@@ -68,12 +68,13 @@ class Topics(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         messages: list[str] = []
         inactive = query_of(request).first("inactive") == "true"
         if inactive:
-            found, errors = yield self.cluster.inactive_topics()
+            found, errors = yield cluster.inactive_topics()
             return {"topics": _check(found, errors, messages), "message": warning(messages)}
-        names, errors = yield self.cluster.topics()
+        names, errors = yield cluster.topics()
         # No topic is null, as nsqadmin's Go slice that nothing was added to.
         return {"topics": _check(names, errors, messages) or None, "message": warning(messages)}
 
@@ -83,24 +84,25 @@ class Topic(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         topic = params["topic"]
         messages: list[str] = []
-        producers, errors = yield self.cluster.topic_producers(topic)
+        producers, errors = yield cluster.topic_producers(topic)
         producers = _check(producers, errors, messages)
-        per_node, errors = yield self.cluster.stats(producers, topic, include_clients=False)
+        per_node, errors = yield cluster.stats(producers, topic, include_clients=False)
         per_node = _check(per_node, errors, messages)
         if not producers:
-            yield self._known_or_502(topic)
+            yield self._known_or_502(cluster, topic)
         body = topic_stats(per_node, topic, self.now())
         body["message"] = warning(messages)
         return body
 
     @defer.inlineCallbacks
-    def _known_or_502(self, topic: str):
+    def _known_or_502(self, cluster, topic: str):
         """No broker has the topic: still a page when a lookupd knows it (created, not yet produced)."""
         names = None
-        if self.cluster.lookupds:
-            names, _ = yield self.cluster.topics()
+        if cluster.lookupds:
+            names, _ = yield cluster.topics()
         if names is None or topic not in names:
             raise ApiError(502, _NO_NSQD)
 
@@ -110,17 +112,18 @@ class Channel(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         topic, channel = params["topic"], params["channel"]
         messages: list[str] = []
-        producers, errors = yield self.cluster.topic_producers(topic)
+        producers, errors = yield cluster.topic_producers(topic)
         producers = _check(producers, errors, messages)
-        per_node, errors = yield self.cluster.stats(producers, topic, channel, include_clients=True)
+        per_node, errors = yield cluster.stats(producers, topic, channel, include_clients=True)
         per_node = _check(per_node, errors, messages)
         body = channel_stats(per_node, topic, channel, self.now())
         if body is None:
             declared = []
-            if self.cluster.lookupds:
-                declared, _ = yield self.cluster.topic_channels(topic)
+            if cluster.lookupds:
+                declared, _ = yield cluster.topic_channels(topic)
             if channel not in (declared or ()):
                 if not producers:
                     raise ApiError(502, _NO_NSQD)
@@ -143,8 +146,9 @@ class Nodes(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         messages: list[str] = []
-        producers, errors = yield self.cluster.producers()
+        producers, errors = yield cluster.producers()
         return {"nodes": _check(producers, errors, messages) or None, "message": warning(messages)}  # none: null
 
 
@@ -153,14 +157,15 @@ class Node(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         node = params["node"]
         messages: list[str] = []
-        producers, errors = yield self.cluster.producers()
+        producers, errors = yield cluster.producers()
         producers = _check(producers, errors, messages)
         producer = next((p for p in producers if node_id(p) == node), None)
         if producer is None:
             raise ApiError(404, "NODE_NOT_FOUND")
-        per_node, errors = yield self.cluster.stats([producer], include_clients=True)
+        per_node, errors = yield cluster.stats([producer], include_clients=True)
         if per_node is None:
             # nsqadmin: the one broker asked failing is not partial.
             raise upstream_error(errors)
@@ -174,10 +179,11 @@ class Counter(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         messages: list[str] = []
-        producers, errors = yield self.cluster.producers()
+        producers, errors = yield cluster.producers()
         producers = _check(producers, errors, messages)
-        per_node, errors = yield self.cluster.stats(producers, include_clients=False)
+        per_node, errors = yield cluster.stats(producers, include_clients=False)
         per_node = _check(per_node, errors, messages)
         return {"stats": counter_stats(per_node, self.now()), "message": warning(messages)}
 
@@ -204,8 +210,9 @@ class Health(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         messages: list[str] = []
-        rows, errors = yield self.cluster.health_all()
+        rows, errors = yield cluster.health_all()
         return {"nodes": _check(rows, errors, messages), "message": warning(messages)}
 
 
@@ -214,8 +221,9 @@ class Lookup(_Endpoint):
 
     @defer.inlineCallbacks
     def handle_GET(self, request: Request, params: Mapping[str, str]):
+        cluster = self.cluster_for(request)
         messages: list[str] = []
-        rows, errors = yield self.cluster.lookupd_data()
+        rows, errors = yield cluster.lookupd_data()
         if rows and not any(r["up"] for r in rows):
             raise upstream_error(errors)
         messages.extend(errors)

@@ -22,7 +22,8 @@ log = get_logger(__name__)
 # nsqadmin reads at most this much of a PUT /config body (1 MiB, plus one byte to tell "more").
 _CONFIG_READ_MAX = 1024 * 1024 + 1
 
-_OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS}
+# A secret is not an option /config shows (nor sets): asking for it is 400 INVALID_OPTION.
+_OPTIONS = {config_name(opt): opt for opt in MQADMIN_OPTIONS if not opt.attr.endswith("_secret")}
 
 
 def _client_ip(request: Request) -> str:

@@ -18,14 +18,16 @@ from mqd.admin.endpoint import Admin
 from mqd.admin.history import History, sampler
 from mqd.admin.notify import Notifier
 from mqd.admin.web import AdminSite
+from mqd.clusterinfo.bearer import bearer_headers
 from mqd.clusterinfo.cluster import Cluster
-from mqd.clusterinfo.upstream import Upstream
+from mqd.clusterinfo.upstream import Authorized, Upstream
 from mqd.logs import set_log_level
-from mqd.options import MQADMIN_OPTIONS, ConfigError, Settings
+from mqd.options import MQADMIN_OPTIONS, ConfigError, Settings, http_client_auth_secret
 from mqd.service import ListeningService, listen_endpoint
 from mqd.tap import make_options_class, settings_from
 
-__all__ = ["AdminService", "Options", "UpstreamService", "build_service", "check_settings", "makeService"]
+__all__ = ["AdminService", "Options", "UpstreamService", "auth_secret", "build_service", "check_settings",
+           "makeService"]
 
 Options = make_options_class(MQADMIN_OPTIONS, "mqadmin")
 
@@ -44,6 +46,15 @@ def check_settings(settings: Settings) -> None:
     if settings.stats_history < settings.stats_interval:
         raise ConfigError(f"--stats-history ({settings.stats_history:g}s) must be at least "
                           f"--stats-interval ({settings.stats_interval:g}s)")
+
+
+def auth_secret(settings: Settings) -> str:
+    """The secret for brokers and lookupds: --http-client-auth-secret, or the file of --http-client-auth-secret-file.
+
+    Read once, at start-up: a missing file or a secret no header can carry
+    stops mqadmin there, with a line that never shows the secret.
+    """
+    return http_client_auth_secret(settings)
 
 
 class AdminService(service.MultiService):
@@ -76,15 +87,18 @@ def build_service(settings: Settings, reactor=None) -> AdminService:
         from twisted.internet import reactor
     try:
         check_settings(settings)
+        secret = auth_secret(settings)
         # Reads the TLS client files: a bad one stops start-up here.
         upstream = Upstream(reactor, settings)
     except ConfigError as e:
         print(f"mqadmin: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     set_log_level(settings.log_level)
-    cluster = Cluster(upstream, settings.lookupd_http_address, settings.nsqd_http_address)
+    # Brokers and lookupds get the secret; the notification endpoint, a third party, never does.
+    brokers = Authorized(upstream, bearer_headers(secret)) if secret else upstream
+    cluster = Cluster(brokers, settings.lookupd_http_address, settings.nsqd_http_address)
     history = History(reactor, settings.stats_interval, settings.stats_history, sampler(cluster))
-    admin = Admin(settings, reactor, upstream=upstream, cluster=cluster, history=history,
+    admin = Admin(settings, reactor, upstream=brokers, cluster=cluster, history=history,
                   notifier=Notifier(upstream, settings, clock=reactor))
     ports: dict[str, int] = {}
     top = AdminService()

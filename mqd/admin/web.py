@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from twisted.python.filepath import FilePath, InsecurePath
-from twisted.web import static
+from twisted.web import server, static
 from twisted.web.server import Request
 
 from mqd.admin import actions, api, history
@@ -258,12 +258,30 @@ class StaticFiles:
 # -- the site --------------------------------------------------------------------------------
 
 
+class AdminRequest(server.Request):
+    """mqadmin's requests: every 401 answer asks for a bearer secret (`WWW-Authenticate: Bearer`).
+
+    mqadmin answers 401 when the brokers refused the secret it passed on
+    (the user's, or its own); RFC 7235 wants the challenge with it, and a
+    proxy that sets the user's `Authorization` can act on it. Set here, with
+    the status, so no endpoint has to remember it (one that set its own
+    challenge keeps it).
+    """
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        super().setResponseCode(code, message)
+        if code == 401 and not self.responseHeaders.hasHeader(b"www-authenticate"):
+            self.responseHeaders.setRawHeaders(b"WWW-Authenticate", [b"Bearer"])
+
+
 class AdminSite(ApiSite):
     """The HTTP factory of mqadmin: pages, static files, /ping and the API, all under --base-path.
 
     `routes` replaces the API's route table (tests give a small fake one);
     by default it is api's, actions' and history's, merged.
     """
+
+    requestFactory = AdminRequest
 
     def __init__(self, admin: Admin, routes: Mapping[str, Any] | None = None, *,
                  static_dir: str = STATIC_DIR) -> None:

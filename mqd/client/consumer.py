@@ -19,12 +19,14 @@ messages are answered, and the Deferred fires once every connection is
 closed and every running handler has returned (30 s at most).
 
 Failures are logged once each, here: a failed dial, a failed handshake
-or SUB, a lost connection (the protocol only says why). An nsqd that
-refuses the consumer's AUTH on its first connection (`AuthRefusedError`:
-a wrong secret, none given, no permissions) is not dialed again, as
-go-nsq's ConnectToNSQD gives up and returns the error: `on_fatal(address,
-error)` hears it for an address given in `nsqd_tcp_addresses`, and one
-lookupd listed is tried again when a later poll lists it. A connection
+or SUB, a lost connection (the protocol only says why). An nsqd whose
+handshake ends the first connection in a way retrying cannot mend
+(`HandshakeRefusedError`: its AUTH refused, a wrong secret or none given;
+its IDENTIFY refused; or an answer the client cannot use, such as a
+`max_rdy_count` out of range) is not dialed again, as go-nsq's
+ConnectToNSQD gives up and returns the error: `on_fatal(address, error)`
+hears it for an address given in `nsqd_tcp_addresses`, and one lookupd
+listed is tried again when a later poll lists it. A connection
 that had subscribed before is retried whatever the reason, as go-nsq
 retries after losing one.
 """
@@ -47,9 +49,9 @@ from zope.interface import implementer
 from mqd.client.config import Config
 from mqd.client.discovery import LookupdPoller
 from mqd.client.errors import (
-    AuthRefusedError,
     ClientConfigError,
     ConnectionClosed,
+    HandshakeRefusedError,
     NSQError,
     StoppedError,
 )
@@ -128,7 +130,7 @@ class _Link:
         self.address = address
         self.discovered = discovered
         self.conn: NSQClientProtocol | None = None  # the subscribed connection
-        self.ever_subscribed = False  # a refused AUTH is fatal only before the first SUB
+        self.ever_subscribed = False  # a refused handshake is fatal only before the first SUB
         # Handshakes/SUBs failed in a row: ClientService forgets failures
         # once TCP connects, the retry delay must not.
         self.failures = 0
@@ -250,8 +252,9 @@ class Consumer(service.Service, ConnectionDelegate):
     (address → IStreamClientEndpoint) and `lookupd_http` (treq-like) are
     for tests and special transports. `on_fatal(address, error)` is called
     when an nsqd of `nsqd_tcp_addresses` (or `connect_to_nsqd`) refuses the
-    consumer for good, and is no longer dialed: today an `AuthRefusedError`
-    on its first connection. The tools exit 1 on it, as nsq_tail does.
+    consumer for good, and is no longer dialed: a `HandshakeRefusedError`
+    (AUTH or IDENTIFY refused, or an answer the client cannot use) on its
+    first connection. The tools exit 1 on it, as nsq_tail does.
     """
 
     def __init__(self, topic: str, channel: str, handler: Callable[[Message], Any], *,
@@ -494,7 +497,7 @@ class Consumer(service.Service, ConnectionDelegate):
                 failure = reason if isinstance(reason, Failure) else Failure(reason)
             else:  # the transport's reason: connect_to_nsqd fails with the library's type
                 failure = Failure(ConnectionClosed(reason))
-            if isinstance(error, AuthRefusedError) and not link.ever_subscribed:
+            if isinstance(error, HandshakeRefusedError) and not link.ever_subscribed:
                 link.handshake_failed(failure)
                 self._refused(link, error)
                 return
@@ -504,7 +507,7 @@ class Consumer(service.Service, ConnectionDelegate):
         if link.removed:
             link.stop_service()
 
-    def _refused(self, link: _Link, error: AuthRefusedError) -> None:
+    def _refused(self, link: _Link, error: HandshakeRefusedError) -> None:
         """go-nsq's ConnectToNSQD failing: this address is not dialed again (see the module)."""
         if link.discovered:
             log.error("({address}) {error}; tried again when lookupd lists it next",

@@ -10,6 +10,8 @@ answer from a complaint about an earlier fire-and-forget FIN.
 
 from __future__ import annotations
 
+from typing import cast
+
 __all__ = [
     "NSQError",
     "BadProtocolError",
@@ -28,9 +30,13 @@ __all__ = [
     "AuthDisabledError",
     "UnauthorizedError",
     "AuthError",
+    "HandshakeRefusedError",
     "AuthRefusedError",
     "AuthRequiredError",
+    "IdentifyRefusedError",
+    "UnusableAnswerError",
     "auth_refused",
+    "identify_refused",
     "FinFailedError",
     "ReqFailedError",
     "TouchFailedError",
@@ -162,7 +168,26 @@ ERROR_CLASSES: dict[str, type[NSQError]] = {
 }
 
 
-class AuthRefusedError(NSQError):
+class HandshakeRefusedError(Exception):
+    """The handshake with an nsqd ended in a way that dialing it again will not mend.
+
+    Either nsqd refused the client (an error frame answering IDENTIFY or
+    AUTH: the client's settings or secret are not acceptable to it) or the
+    client refused nsqd's answer (one it cannot use: a field out of its
+    type's range, an HTTP port dialed, garbage). The same nsqd gives the
+    same answer to the next attempt, so go-nsq's ConnectToNSQD returns the
+    error instead of retrying, and NSQ's tools exit 1 with it: the
+    consumer stops dialing an nsqd that ends its first connection this way
+    and tells `on_fatal`, and the tools exit 1 with `nsq_text`, go-nsq's
+    wording of the error (str() is the client's own, more precise one).
+    """
+
+    @property
+    def nsq_text(self) -> str:
+        return str(self)
+
+
+class AuthRefusedError(NSQError, HandshakeRefusedError):
     """nsqd refused this client's credentials in the handshake: retrying cannot help.
 
     Either nsqd answered AUTH with an error frame (`E_AUTH_FAILED` when
@@ -202,23 +227,51 @@ class AuthRequiredError(AuthRefusedError):
         return "Auth Required"
 
 
-# One class per code class, made once: `auth_refused` may be called for any frame.
-_REFUSED: dict[type[NSQError], type[AuthRefusedError]] = {}
+class IdentifyRefusedError(NSQError, HandshakeRefusedError):
+    """nsqd answered IDENTIFY (or the TLS or compression upgrade after it) with an error frame.
+
+    nsqd refuses an IDENTIFY whose settings are outside its limits
+    (`E_BAD_BODY IDENTIFY heartbeat interval (999999999) is invalid`), so
+    the next attempt gets the same answer. Like AuthRefusedError, an
+    instance is also of its code's class (`identify_refused`); `nsq_text`
+    is go-nsq's wording: `failed to IDENTIFY - E_BAD_BODY ...`.
+    """
+
+    fatal = True
+
+    @property
+    def nsq_text(self) -> str:
+        return f"failed to IDENTIFY - {self}"
+
+
+# One class per (kind of refusal, code class), made once: these may be called for any frame.
+_REFUSED: dict[tuple[type[NSQError], type[NSQError]], type[NSQError]] = {}
+
+
+def _refused_as(err: NSQError, base: type[NSQError], answering: str) -> NSQError:
+    cls = type(err)
+    refused = _REFUSED.get((base, cls))
+    if refused is None:
+        refused = type(cls.__name__, (base, cls), {
+            "__module__": __name__, "__qualname__": cls.__qualname__,
+            "__doc__": f"{cls.__name__} answering {answering}: also an {base.__name__}.",
+        })
+        _REFUSED[(base, cls)] = refused
+    return refused(err.code, err.detail)
 
 
 def auth_refused(err: NSQError) -> AuthRefusedError:
     """`err` (an error frame answering AUTH) as an AuthRefusedError that is still its own class."""
     if isinstance(err, AuthRefusedError):
         return err
-    cls = type(err)
-    refused = _REFUSED.get(cls)
-    if refused is None:
-        refused = type(cls.__name__, (AuthRefusedError, cls), {
-            "__module__": __name__, "__qualname__": cls.__qualname__,
-            "__doc__": f"{cls.__name__} answering AUTH: also an AuthRefusedError.",
-        })
-        _REFUSED[cls] = refused
-    return refused(err.code, err.detail)
+    return cast(AuthRefusedError, _refused_as(err, AuthRefusedError, "AUTH"))
+
+
+def identify_refused(err: NSQError) -> IdentifyRefusedError:
+    """`err` (an error frame answering IDENTIFY) as an IdentifyRefusedError that is still its own class."""
+    if isinstance(err, IdentifyRefusedError):
+        return err
+    return cast(IdentifyRefusedError, _refused_as(err, IdentifyRefusedError, "IDENTIFY"))
 
 
 def error_from_frame(payload: bytes) -> NSQError:
@@ -264,6 +317,28 @@ class ServerProtocolError(ConnectionClosed):
 
     def __init__(self, what: str) -> None:
         super().__init__(None, f"protocol error: {what}")
+        self.what = what
+
+
+class UnusableAnswerError(ServerProtocolError, HandshakeRefusedError):
+    """nsqd's answer in the handshake is one the client cannot use: the next attempt gets the same.
+
+    An IDENTIFY answer that is not the JSON object go-nsq decodes (a
+    `max_rdy_count` of 10^30, a boolean given as "yes"), an upgrade not
+    answered OK, an AUTH answer of the wrong shape, or a frame that cannot
+    be one (an HTTP port dialed, a size past `max_msg_size`) before the
+    handshake ended. str() is the client's account (`protocol error: ...`);
+    `nsq_text` is go-nsq's, the line nsq_tail exits with (`failed to
+    IDENTIFY - json: cannot unmarshal number ... of type int64`).
+    """
+
+    def __init__(self, what: str, nsq_text: str) -> None:
+        super().__init__(what)
+        self._nsq_text = nsq_text
+
+    @property
+    def nsq_text(self) -> str:
+        return self._nsq_text
 
 
 class HeartbeatTimeout(ConnectionClosed):

@@ -24,10 +24,11 @@ so a handshake failure counts towards the backoff through the retry
 policy instead.
 
 Each failure is logged once, here (the protocol only says why): a failed
-dial, a failed handshake, a lost connection, a fatal answer. A refused
-AUTH (`AuthRefusedError`) is retried like the rest, as go-nsq's producer
-dials again at the next publish: the commands waiting meanwhile fail with
-it, which is how mq-pub stops at once with go-nsq's message.
+dial, a failed handshake, a lost connection, a fatal answer. A handshake
+refused for good (`HandshakeRefusedError`: AUTH or IDENTIFY refused, an
+answer the client cannot use) is retried like the rest, as go-nsq's
+producer dials again at the next publish: the commands waiting meanwhile
+fail with it, which is how mq-pub stops at once with go-nsq's message.
 """
 
 from __future__ import annotations

@@ -27,9 +27,12 @@ Python's decoder, a non-object or a field of the wrong type fails the
 handshake), and a frame that stays incomplete, or a handshake that is not
 done, within `read_timeout` times out: a slow drip of bytes does not keep
 a connection (or a command's Deferred) waiting forever. Each such end is
-one `ServerProtocolError`, `HeartbeatTimeout` or `AuthRefusedError`, given
-to `ready`, to the commands and to the delegate's `connection_closed`,
-which is where it is logged, once (the default delegate logs it).
+one `ServerProtocolError`, `HeartbeatTimeout` or NSQError, given to
+`ready`, to the commands and to the delegate's `connection_closed`, which
+is where it is logged, once (the default delegate logs it). An end before
+the handshake is done that a retry cannot mend is also a
+`HandshakeRefusedError` (an `UnusableAnswerError`, `IdentifyRefusedError`
+or `AuthRefusedError`), carrying go-nsq's wording for the tools.
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ from mqd.client.errors import (
     HeartbeatTimeout,
     NSQError,
     ServerProtocolError,
+    UnusableAnswerError,
     auth_refused,
     error_from_frame,
+    identify_refused,
 )
 from mqd.client.message import Message
 from mqd.endpoints import client_endpoint as _endpoint
@@ -65,6 +70,7 @@ from mqd.wire.compression import (
     SnappyCodec,
 )
 from mqd.wire.framing import FRAME_TYPE_ERROR, FRAME_TYPE_MESSAGE, FRAME_TYPE_RESPONSE, MAGIC_V2
+from mqd.wire.go_json import BOOL, INT64, STRING, GoJSONError, GoType, check_go, unmarshal
 from mqd.wire.transport import IStreamTransport
 
 __all__ = [
@@ -238,6 +244,9 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         bytes to drain, which a dead peer never lets happen.
         """
         if self._error is None:
+            if (self._step is not None and isinstance(error, ServerProtocolError)
+                    and not isinstance(error, UnusableAnswerError)):
+                error = self._unusable(error.what)
             self._error = error
             log.debug("{address}: closing: {error}", address=self.address, error=str(error))
         self.connected = False
@@ -396,10 +405,11 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         head command's answer, and nsqd closes the connection.
 
         During the handshake any error frame ends it (no FIN was sent yet,
-        so none is about one); one answering AUTH is an AuthRefusedError.
+        so none is about one); one answering AUTH is an AuthRefusedError,
+        any other an IdentifyRefusedError.
         """
         if self._step is not None:
-            self._fail_handshake(auth_refused(err) if self._step == _AUTH else err)
+            self._fail_handshake(auth_refused(err) if self._step == _AUTH else identify_refused(err))
             return
         if not err.fatal:
             log.debug("{address}: {error}", address=self.address, error=str(err))
@@ -422,7 +432,8 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
             else:
                 server = _json_object(payload, _IDENTIFY_FIELDS)
                 if isinstance(server, str):
-                    self._fail_handshake(ServerProtocolError(f"IDENTIFY answer {server}"))
+                    self._fail_handshake(self._unusable(f"IDENTIFY answer {server}",
+                                                        _go_error(payload, _IDENTIFY_RESPONSE)))
                     return
                 self.server = server
                 max_rdy = server.get("max_rdy_count")
@@ -430,11 +441,14 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
                     self.max_rdy_count = max_rdy
             if self.config.tls_v1 and not self.server.get("tls_v1"):
                 # go-nsq goes on in plaintext; a client that asked for TLS should not.
-                self._fail_handshake(ServerProtocolError("server did not agree to tls_v1"))
+                self._fail_handshake(self._unusable("server did not agree to tls_v1"))
                 return
             self._upgrade_tls()
         elif payload != _OK and step != _AUTH:
-            self._fail_handshake(ServerProtocolError(f"unexpected {step} answer {payload[:64]!r}"))
+            # go-nsq's words for it: "invalid response from TLS upgrade" (Snappy, Deflate).
+            upgrade = "TLS" if step == _TLS else (self.compression or "").capitalize()
+            self._fail_handshake(self._unusable(f"unexpected {step} answer {payload[:64]!r}",
+                                                f"invalid response from {upgrade} upgrade"))
         elif step == _TLS:
             self._upgrade_compression()
         elif step == _COMPRESSION:
@@ -442,7 +456,8 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
         else:
             auth = _json_object(payload, _AUTH_FIELDS)
             if isinstance(auth, str):
-                self._fail_handshake(ServerProtocolError(f"AUTH answer {auth}"))
+                self._fail_handshake(self._unusable(f"AUTH answer {auth}",
+                                                    _go_error(payload, _AUTH_RESPONSE)))
                 return
             self.auth = auth
             log.info("{address}: authenticated as {identity!r} ({count} permissions)",
@@ -513,6 +528,16 @@ class NSQClientProtocol(protocol.Protocol, TimeoutMixin):
 
     def _fail_handshake(self, error: BaseException) -> None:
         self._abort(error)
+
+    def _unusable(self, what: str, go_reason: str | None = None) -> UnusableAnswerError:
+        """A handshake answer the client cannot use, with go-nsq's wording of it for the tools.
+
+        go-nsq reports what goes wrong while it identifies as `failed to
+        IDENTIFY - <reason>`, and a bad AUTH answer as the bare reason;
+        `go_reason` is Go's text where it has one, else the client's `what`.
+        """
+        reason = go_reason or what
+        return UnusableAnswerError(what, reason if self._step == _AUTH else f"failed to IDENTIFY - {reason}")
 
     # -- commands with an answer ------------------------------------------------
 
@@ -625,6 +650,15 @@ _IDENTIFY_FIELDS = {"max_rdy_count": int, "tls_v1": bool, "deflate": bool, "snap
                     "auth_required": bool}
 _AUTH_FIELDS = {"identity": str, "identity_url": str, "permission_count": int}
 _INT64 = range(-(2**63), 2**63)
+# The same structs as Go types, for go-nsq's wording of what is wrong with an answer (`_go_error`).
+_IDENTIFY_RESPONSE = GoType("struct", fields=(
+    ("max_rdy_count", "MaxRdyCount", INT64), ("tls_v1", "TLSv1", BOOL), ("deflate", "Deflate", BOOL),
+    ("snappy", "Snappy", BOOL), ("auth_required", "AuthRequired", BOOL)),
+    name="IdentifyResponse", package="nsq")
+_AUTH_RESPONSE = GoType("struct", fields=(
+    ("identity", "Identity", STRING), ("identity_url", "IdentityURL", STRING),
+    ("permission_count", "PermissionCount", INT64)),
+    name="AuthResponse", package="nsq")
 _KIND_NAMES = {int: "an integer", bool: "a boolean", str: "a string"}
 
 
@@ -654,6 +688,22 @@ def _json_object(payload: bytes, fields: dict[str, type]) -> dict[str, Any] | st
         if not ok:
             return f"field {name} is not {_KIND_NAMES[kind]}: {field!r:.64}"
     return value
+
+
+def _go_error(payload: bytes, shape: GoType) -> str | None:
+    """Go's json.Unmarshal error for `payload` read into `shape`, or None if Go would take it.
+
+    `json: cannot unmarshal number 1000000000000000000000000000000 into Go
+    struct field IdentifyResponse.max_rdy_count of type int64`: what
+    nsq_tail prints for the same answer.
+    """
+    try:
+        check_go(unmarshal(payload), shape)
+    except GoJSONError as e:
+        return str(e)
+    except (RecursionError, ValueError):  # past what the reader follows: the client's own words
+        return None
+    return None
 
 
 class ConnectionFactory(protocol.Factory):

@@ -21,6 +21,7 @@ the same.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 from urllib.parse import urlencode
@@ -46,7 +47,7 @@ from mqd.clusterinfo.answers import (
     NSQD_STATS_TOPICS,
     NSQD_TOPICS,
 )
-from mqd.clusterinfo.upstream import ErrorLine, UpstreamError, base_url
+from mqd.clusterinfo.upstream import ErrorLine, UpstreamError, base_url, go_line
 from mqd.logs import get_logger
 from mqd.wire.go_json import GoJSONError, GoType, check_go, unmarshal
 
@@ -60,7 +61,7 @@ _LOOKUPD, _NSQD = "nsqlookupd", "nsqd"
 def _error_line(failure, kind: str) -> ErrorLine:
     if failure.check(UpstreamError):
         e = failure.value
-        return ErrorLine(str(e), e.go_text, kind, e.code)
+        return ErrorLine(str(e), go_line(e, kind), kind, e.code, e.refusal(kind))
     log.failure("unexpected failure of an upstream query", failure)
     return ErrorLine(failure.getErrorMessage() or failure.type.__name__, kind=kind)
 
@@ -117,6 +118,17 @@ class Cluster:
         self.seen: dict[str, dict[str, Any]] = {}
 
     # -- addressing ----------------------------------------------------------------------------
+
+    def using(self, upstream: Any) -> Cluster:
+        """This cluster queried through another client (one sending a user's secret), its state shared.
+
+        What the cluster learns (the brokers seen, their configured
+        addresses) is kept in the same dicts, so a page asked with a user's
+        secret adds to what the others see; only the requests differ.
+        """
+        view = copy.copy(self)
+        view.upstream = upstream
+        return view
 
     def node_url(self, node: str) -> str:
         """Base URL of a broker named `broadcast_address:http_port`."""

@@ -14,6 +14,14 @@ full URLs (`https://host:port`). Like nsq's own client, a `403` carrying
 `https_port` (a broker run with `--tls-required`) is retried once over
 HTTPS on that port; the `--http-client-tls-*` options set how HTTPS peers
 are verified and which client certificate is shown.
+
+Brokers and lookupds run with `--http-auth-required` want the caller's
+secret as `Authorization: Bearer` (mqd.clusterinfo.bearer). `Upstream`
+itself sends none, since it also posts mqadmin's notifications to a third
+party; `Authorized` is the view of it that adds mqadmin's own secret (or a
+user's, passed on) to every request to a broker or lookupd. A refusal
+(401/403) is worded naming the node, so a page says which broker wants
+what: `nsqd 10.0.0.1:4151: got response 401 Unauthorized "..."`.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
+from mqd.clusterinfo.bearer import REFUSALS, HTTPRefusedError, node_of
 from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
@@ -46,7 +55,8 @@ from mqd.options import ConfigError
 from mqd.wire.errors import go_quote, go_refused
 from mqd.wire.go_json import GoJSONError, unmarshal
 
-__all__ = ["ClientTLS", "ErrorLine", "Upstream", "UpstreamError", "base_url", "error_text", "go_quote", "reason_of"]
+__all__ = ["Authorized", "ClientTLS", "ErrorLine", "Upstream", "UpstreamError", "base_url", "error_text", "go_line",
+           "go_quote", "reason_of"]
 
 log = get_logger(__name__)
 
@@ -116,6 +126,27 @@ class UpstreamError(Exception):
             reason = _GO_HEADER_TIMEOUT
         return f'{self.method.capitalize()} "{self.url}": {reason}'
 
+    @property
+    def refused(self) -> bool:
+        """Whether the answer refused the secret (401: none or a wrong one; 403: without the grant)."""
+        return self.code in REFUSALS
+
+    def refusal(self, kind: str) -> HTTPRefusedError | None:
+        """The refusal (`nsqd 10.0.0.1:4151 answered 401 Unauthorized (AUTH_REQUIRED)`) of a 401/403, else None."""
+        if self.code is None or not self.refused:
+            return None
+        return HTTPRefusedError(kind, self.url, self.code, self.body)
+
+
+def go_line(error: UpstreamError, kind: str) -> str:
+    """The error's line as nsqadmin's pages quote it; a refusal names the node (`nsqd HOST:PORT: got response 401 ...`).
+
+    nsq's Go client names no node in `got response ...`; a broker down is
+    found by its URL in Go's connection error, a refused secret only so.
+    """
+    text = error.go_text
+    return f"{kind} {node_of(error.url)}: {text}" if error.refused else text
+
 
 class ErrorLine(str):
     """One failure as the cluster queries report it: mqd's line, with nsq's wording and source kind.
@@ -123,18 +154,22 @@ class ErrorLine(str):
     The string is mqd's (`URL: reason`, what mq-stat prints); `go` is the
     Go client's line nsqadmin quotes, `kind` what was asked (`nsqlookupd`
     or `nsqd`, for nsqadmin's `failed to query any <kind>: ...`) and `code`
-    the HTTP status of the answer, if one came.
+    the HTTP status of the answer, if one came; `refusal` the secret's
+    refusal (a 401 or 403: mqd.clusterinfo.bearer.HTTPRefusedError), else None.
     """
 
     go: str
     kind: str
     code: int | None
+    refusal: HTTPRefusedError | None
 
-    def __new__(cls, text: str, go: str | None = None, kind: str = "", code: int | None = None) -> ErrorLine:
+    def __new__(cls, text: str, go: str | None = None, kind: str = "", code: int | None = None,
+                refusal: HTTPRefusedError | None = None) -> ErrorLine:
         line = super().__new__(cls, text)
         line.go = text if go is None else go
         line.kind = kind
         line.code = code
+        line.refusal = refusal
         return line
 
 
@@ -285,9 +320,9 @@ class Upstream:
 
     # -- the three calls --------------------------------------------------------------
 
-    def get(self, url: str) -> defer.Deferred:
+    def get(self, url: str, headers: Headers | None = None) -> defer.Deferred:
         """`(status, body)` of a GET, whatever the status (for /ping, /config/:opt)."""
-        return self._request(b"GET", url, b"")
+        return self._request(b"GET", url, b"", headers=headers)
 
     @defer.inlineCallbacks
     def get_json(self, url: str, headers: Headers | None = None, max_bytes: int | None = None):
@@ -365,6 +400,39 @@ class Upstream:
         if failure.check(UpstreamError):
             return failure
         raise UpstreamError(url, _reason(failure), method=method.decode())
+
+
+class Authorized:
+    """`Upstream`'s calls with an `Authorization` header added: the secret brokers and lookupds ask for.
+
+    `headers` (mqd.clusterinfo.bearer.bearer_headers) go with every
+    request, unless the call gives an `Authorization` of its own. mqadmin
+    makes one over its Upstream with `--http-client-auth-secret` for its
+    cluster queries and actions, and one per page request that carries a
+    user's `Authorization: Bearer` (passed on instead of mqadmin's).
+    """
+
+    def __init__(self, upstream: Any, headers: Headers) -> None:
+        self.upstream = upstream
+        self.headers = dict(headers)
+
+    def _with(self, headers: Headers | None) -> dict[bytes, list[bytes]]:
+        sent = dict(self.headers)
+        sent.update(headers or {})
+        return sent
+
+    def get(self, url: str, headers: Headers | None = None) -> defer.Deferred:
+        return self.upstream.get(url, headers=self._with(headers))
+
+    def get_json(self, url: str, headers: Headers | None = None, max_bytes: int | None = None) -> defer.Deferred:
+        return self.upstream.get_json(url, headers=self._with(headers), max_bytes=max_bytes)
+
+    def post(self, url: str, body: bytes = b"", *args: Any, headers: Headers | None = None,
+             **kwargs: Any) -> defer.Deferred:
+        return self.upstream.post(url, body, *args, headers=self._with(headers), **kwargs)
+
+    def close(self) -> defer.Deferred:
+        return self.upstream.close()
 
 
 def reason_of(error: BaseException) -> str:

@@ -16,6 +16,10 @@ JSON and written a slice per reactor turn (`JsonStreamer`): with thousands
 of brokers `/nodes` is a megabyte, and built in one go it would make every
 consumer's `/lookup` and every broker's PING wait for it. The bytes are
 those `dumps` would write for the whole answer.
+
+With `--http-auth-required` every endpoint but `/ping` and `/info` asks for
+a bearer secret and the grant GRANTS names, as the broker's do
+(mqd.http.authorization).
 """
 
 from __future__ import annotations
@@ -34,6 +38,16 @@ from twisted.web.server import Request
 from zope.interface import implementer
 
 from mqd.http.args import query_of, topic_arg, topic_channel_args
+from mqd.http.authorization import (
+    AuthCache,
+    Guarded,
+    Rule,
+    admin_everywhere,
+    admin_on_channel,
+    admin_on_topic,
+    any_grant,
+    reads_topic,
+)
 from mqd.http.endpoint import LATER, Endpoint, Ping, client_gone
 from mqd.http.response import ApiError, dumps, nanoseconds, respond_v1
 from mqd.http.router import ApiSite, CappedBody, Router
@@ -41,7 +55,7 @@ from mqd.logs import get_logger
 from mqd.lookup.protocol import LOOKUPD_VERSION
 from mqd.lookup.registry import GO_ZERO_TIME_NS, PeerInfo, Producer, Registration, RegistrationDB
 
-__all__ = ["JsonStreamer", "LookupdAPI", "LookupdSite"]
+__all__ = ["GRANTS", "OPEN", "JsonStreamer", "LookupdAPI", "LookupdSite"]
 
 log = get_logger(__name__)
 
@@ -436,17 +450,41 @@ class ChannelDelete(_LookupdEndpoint):
             self.db.remove_registration(reg)
 
 
+# Health checks: answered without a secret under --http-auth-required too.
+OPEN = frozenset({"/ping", "/info"})
+
+# What each route needs under --http-auth-required (docs/security.md has the
+# table): the ones naming a topic, a grant to use it (publish, or subscribe
+# on some channel of it); the listings, any secret the auth server accepts;
+# the ones that change the registrations, admin on the topic (and channel).
+GRANTS: dict[str, Rule] = {
+    "/debug": any_grant,
+    "/lookup": reads_topic,
+    "/topics": any_grant,
+    "/channels": reads_topic,
+    "/nodes": any_grant,
+    "/topic/create": admin_on_topic,
+    "/topic/delete": admin_on_topic,
+    "/topic/tombstone": admin_on_topic,
+    "/channel/create": admin_on_channel,
+    "/channel/delete": admin_on_channel,
+}
+
+
 class LookupdAPI(Router):
     """Every nsqlookupd endpoint, routed as nsqlookupd routes (404, 405, redirects).
 
     `slice_size`: pieces of a big answer built per reactor turn (see SLICE).
+    `auth` (`--http-auth-required`): every route but OPEN's is Guarded by its
+    GRANTS rule (one missing from it by the admin-of-every-topic rule).
     """
 
-    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE) -> None:
+    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE,
+                 auth: AuthCache | None = None) -> None:
         if reactor is None:
             from twisted.internet import reactor
         stream = JsonStreamer(reactor, slice_size)
-        super().__init__({
+        routes: dict[str, Endpoint] = {
             "/ping": Ping(db),
             "/info": Info(db, stream),
             "/debug": Debug(db, stream),
@@ -459,7 +497,11 @@ class LookupdAPI(Router):
             "/topic/tombstone": TopicTombstone(db, stream),
             "/channel/create": ChannelCreate(db, stream),
             "/channel/delete": ChannelDelete(db, stream),
-        })
+        }
+        if auth is not None:
+            routes = {path: endpoint if path in OPEN else Guarded(endpoint, auth, GRANTS.get(path, admin_everywhere))
+                      for path, endpoint in routes.items()}
+        super().__init__(routes)
 
 
 class LookupdSite(ApiSite):
@@ -469,8 +511,9 @@ class LookupdSite(ApiSite):
     client cannot make lookupd store one): each is accepted and dropped.
     """
 
-    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE) -> None:
-        super().__init__(LookupdAPI(db, reactor, slice_size), reactor)
+    def __init__(self, db: RegistrationDB, reactor=None, slice_size: int = SLICE,
+                 auth: AuthCache | None = None) -> None:
+        super().__init__(LookupdAPI(db, reactor, slice_size, auth), reactor)
 
     def getContentFile(self, length: int | None) -> CappedBody:
         return CappedBody(0)

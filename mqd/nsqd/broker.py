@@ -4,7 +4,10 @@ It opens the storage in order (the data path, the store, the last run's
 topics and channels) and closes it in reverse. The metadata file
 (`nsqd.dat`) and the data-path lock are the `MetadataFile` service's
 (mqd.nsqd.metadata): the broker recreates the topics it lists at start-up
-and tells it whenever a topic or channel appears, goes or is paused. What
+and tells it whenever a topic or channel appears, goes or is paused. The
+message ids of all topics come from one `IdFactory`, held by the file's
+id lease so that no id is issued twice on a data path, across restarts
+and clock steps (see IdLease). What
 the HTTP API keeps between requests (bearer-secret answers, peek and
 snapshot work) is the HTTP site's (mqd.nsqd.http.state).
 """
@@ -22,6 +25,7 @@ from zope.interface import implementer
 import backends
 from backends import IBackendStore
 from mqd.logs import get_logger, set_log_level
+from mqd.message import IdFactory
 from mqd.names import is_valid_name
 from mqd.nsqd.auth import AuthClient
 from mqd.nsqd.channel import Channel
@@ -58,10 +62,14 @@ class Broker:
         # once it is done (see V2Protocol.dataReceived).
         self.deliveries = DeliveryBatch()
         self._loading = False
-        # nsqd.dat and the data-path lock: it reads self.topics when it writes.
+        # Every topic's message ids: one factory, so that they are unique
+        # across topics too; the metadata file's id lease bounds it.
+        self.ids = IdFactory(options.node_id)
+        # nsqd.dat, the id lease and the data-path lock: it reads self.topics when it writes.
         self.metadata = MetadataFile(self.data_path, clock, self.topics,
                                      unwritable=self._metadata_unwritable,
-                                     written_again=self._metadata_written_again)
+                                     written_again=self._metadata_written_again,
+                                     ids=self.ids)
         # From open() on; None before it, and after one that failed.
         self.store: IBackendStore | None = None
         # Work running in threads on the store (POST /snapshot copies, see
@@ -200,11 +208,12 @@ class Broker:
                 open_queue=self.open_queue,
                 listener=self,
                 deliveries=self.deliveries,
+                ids=self.ids,
             )
             log.info("TOPIC({topic}): created", topic=name)
             for observer in self.observers:
                 observer.topic_created(topic)
-            self._metadata_changed(topic.ephemeral)
+            self._metadata_changed(topic.ephemeral, name)
         return topic
 
     def delete_topic(self, name: str) -> bool:
@@ -215,7 +224,7 @@ class Broker:
         log.info("TOPIC({topic}): deleted", topic=name)
         for observer in self.observers:
             observer.topic_deleted(topic)
-        self._metadata_changed(topic.ephemeral)
+        self._metadata_changed(topic.ephemeral, name)
         return True
 
     def topic_abandoned(self, topic: Topic) -> None:
@@ -226,13 +235,13 @@ class Broker:
         log.info("TOPIC({topic}): new channel({channel})", topic=topic.name, channel=channel.name)
         for observer in self.observers:
             observer.channel_created(topic, channel)
-        self._metadata_changed(channel.ephemeral)
+        self._metadata_changed(channel.ephemeral, topic.name)
 
     def channel_deleted(self, topic: Topic, channel: Channel) -> None:
         log.info("TOPIC({topic}): deleted channel({channel})", topic=topic.name, channel=channel.name)
         for observer in self.observers:
             observer.channel_deleted(topic, channel)
-        self._metadata_changed(channel.ephemeral)
+        self._metadata_changed(channel.ephemeral, topic.name)
 
     def channels(self) -> Iterator[Channel]:
         for topic in list(self.topics.values()):
@@ -289,10 +298,10 @@ class Broker:
 
     # -- metadata and background work ---------------------------------------------------
 
-    def _metadata_changed(self, ephemeral: bool) -> None:
-        """Tell the metadata file, unless this is the last run's state being brought back."""
+    def _metadata_changed(self, ephemeral: bool, topic: str) -> None:
+        """Tell the metadata file which topic changed, unless this is the last run's state coming back."""
         if not self._loading:
-            self.metadata.changed(ephemeral)
+            self.metadata.changed(ephemeral, topic)
 
     def hold_store(self, work: Deferred) -> None:
         """Keep the store open until `work` has fired: a thread reads it (a snapshot's copy).
@@ -310,11 +319,11 @@ class Broker:
 
     @property
     def background(self) -> set[Deferred]:
-        """Work running in threads that must end before `close`: store readers and the metadata write."""
+        """Work running in threads that must end before `close`: store readers, the metadata and lease writes."""
         running = set(self._store_users)
-        writing = self.metadata.writing
-        if writing is not None:
-            running.add(writing)
+        for writing in (self.metadata.writing, self.metadata.lease.writing):
+            if writing is not None:
+                running.add(writing)
         return running
 
     # -- shutdown --------------------------------------------------------------------

@@ -17,8 +17,13 @@ import random
 from itertools import islice
 from typing import TYPE_CHECKING
 
+from twisted.logger import LogLevel
+from twisted.python.failure import Failure
+
 from backends import BackendError
 from mqd.latency import LatencyWindow
+from mqd.logs import get_logger
+from mqd.message import ID_SIZE, Message
 from mqd.nsqd.inflight import InFlightQueue
 from mqd.nsqd.overflow import OverflowQueue, take
 from mqd.nsqd.pqueue import DeferredQueue
@@ -28,12 +33,13 @@ if TYPE_CHECKING:
 
     from twisted.internet.interfaces import IReactorTime
 
-    from mqd.message import Message
     from mqd.nsqd.delivery import DeliveryBatch
     from mqd.nsqd.interfaces import IChannelLifecycle
     from mqd.options import Settings
 
 __all__ = ["Channel", "ChannelError"]
+
+log = get_logger(__name__)
 
 # How many messages one refill takes from the backend into memory: enough to
 # amortise a backend read, small enough not to stall the reactor.
@@ -66,6 +72,7 @@ class Channel:
         "_max_consumers",
         "_deliveries",
         "_listener",
+        "_scan_errors",
         "__weakref__",
     )
 
@@ -104,6 +111,8 @@ class Channel:
         self._max_consumers = options.max_channel_consumers
         self._deliveries = deliveries
         self._listener = listener
+        # The kinds of queue-scan failure already logged: (what, exception type).
+        self._scan_errors: set[tuple[str, object]] = set()
         if hasattr(queue.backend, "on_stored"):
             # A durable store hands out messages only once committed: it says when.
             queue.backend.on_stored = self._stored
@@ -383,37 +392,239 @@ class Channel:
         self._in_flight_pq.renew(msg, deadline if deadline < latest else latest)
 
     # -- timeouts and deferred, driven by the queue scan ----------------------
+    #
+    # Neither pass may give up halfway: a message taken out of its heap and
+    # put nowhere would be neither queued nor in flight until a restart.
+    # The normal path is one loop per pass inside a try, which costs nothing
+    # until it raises; then the entry that failed is repaired or put back in
+    # the queue, the failure is logged once per channel and kind, and the
+    # pass goes on with the other entries.
 
     def process_in_flight(self, now: float) -> bool:
-        """Requeue messages whose deadline passed; True if there were any."""
-        expired = self._in_flight_pq.pop_due(now)
-        if not expired:
-            return False
+        """Requeue messages whose deadline passed; True if there were any.
+
+        Raises only if the delivery that follows does. The in-flight table
+        and heap count the same messages unless something went wrong (two
+        deliveries with one id, a lost entry): one comparison per pass
+        notices it and `_reconcile_in_flight` makes them agree. A bad heap
+        entry is repaired the same way, a message the pass fails on by
+        `_expire_bad`, and every other message times out as usual.
+        """
+        pq = self._in_flight_pq
         in_flight = self._in_flight
+        requeued = False
+        if len(pq) != len(in_flight):
+            requeued = self._reconcile_in_flight(now, None)
+        try:
+            expired = pq.pop_due(now)
+        except Exception:
+            requeued = self._reconcile_in_flight(now, Failure()) or requeued
+            try:
+                expired = pq.pop_due(now)
+            except Exception:
+                self._scan_failed("in-flight queue after its repair", "its heap")
+                expired = []
+        if not expired:
+            if requeued:
+                self.deliver()
+            return requeued
         # Each client is told once per pass how many of its messages timed out.
         owners: dict = {}
-        for msg in expired:
-            del in_flight[msg.id]
-            client = msg.state[0]
-            owners[client] = owners.get(client, 0) + 1
-            msg.state = None
-        for client, n in owners.items():
-            client.timed_out_messages(n)
-        self.timeout_count += len(expired)
-        self._queue.put_accepted(expired)
+        skipped: list[Message] = []
+        msgs = iter(expired)
+        while True:
+            try:
+                # A message that raises leaves the table and `owners` as
+                # they were, or (an unhashable client) is out of the table
+                # only; the loop then resumes after it.
+                for msg in msgs:
+                    client = msg.state[0]
+                    del in_flight[msg.id]
+                    owners[client] = owners.get(client, 0) + 1
+                    msg.state = None
+                break
+            except Exception:
+                if not self._expire_bad(msg, owners):
+                    skipped.append(msg)
+        if skipped:
+            expired = _without(expired, skipped)
+        self._timed_out(owners, expired)
         self.deliver()
         return True
 
+    def _timed_out(self, owners: dict, msgs: list[Message]) -> None:
+        """Messages out of flight go back to the queue; `owners` (client: count) are told."""
+        for client, n in owners.items():
+            try:
+                client.timed_out_messages(n)
+            except Exception:
+                self._scan_failed("telling a client of its timeouts", f"{n} messages of {client!r}")
+        self.timeout_count += len(msgs)
+        self._requeue(msgs)
+
+    def _expire_bad(self, msg: Message, owners: dict) -> bool:
+        """A timed-out message the pass failed on: True if it is to be requeued. Logged once per kind.
+
+        It was in flight if its state is a delivery or the in-flight table
+        holds it; it leaves the table if the table holds it (under its id,
+        or anywhere if its id cannot be read). Its client is told of the
+        timeout, if it can be known. Something else a bad heap entry
+        surfaced is not in flight (queued, deferred or finished, or not a
+        message at all) and stays where it is. Never raises.
+        """
+        self._scan_failed("in-flight timeout", _describe(msg))
+        if not isinstance(msg, Message):
+            return False
+        in_flight = self._in_flight
+        state = msg.state
+        held = False
+        try:
+            key = msg.id
+            held = in_flight.get(key) is msg
+            if held:
+                del in_flight[key]
+        except Exception:
+            self._scan_failed("reading an in-flight message's id", _describe(msg))
+            for key, m in in_flight.items():
+                if m is msg:
+                    del in_flight[key]
+                    held = True
+                    break
+        if state.__class__ is not tuple:
+            if held:
+                # In the table without a delivery: no client to tell.
+                msg.state = None
+            return held
+        msg.state = None
+        try:
+            client = state[0]
+            owners[client] = owners.get(client, 0) + 1
+        except Exception:
+            self._scan_failed("counting a client's timeout", _describe(msg))
+        return True
+
+    def _reconcile_in_flight(self, now: float, failure: Failure | None) -> bool:
+        """Make the in-flight table and heap hold the same messages again; True if any was requeued.
+
+        After `failure` (the heap raised: a bad entry), or when the two
+        count differently. The heap is rebuilt from its good entries
+        (InFlightQueue.repair), and a message of the table that no entry
+        holds any more times out now. A message the heap holds but the
+        table does not (two deliveries with one id: the table keeps the
+        later) times out now as well, since no FIN can reach it; so does
+        one in the table without a delivery, which no FIN could finish.
+        Logged once per kind. O(n), for a failure only; never raises.
+        """
+        table = self._in_flight
+        pq = self._in_flight_pq
+        if failure is None:
+            failure = Failure(RuntimeError(
+                f"the in-flight table holds {len(table)} messages, the heap {len(pq)}"))
+        try:
+            salvaged = pq.repair(now, table.values())
+            strays = [(k, m) for k, m in table.items() if getattr(m, "state", None).__class__ is not tuple]
+            for key, _ in strays:
+                del table[key]
+            shadowed = [m for _, m in pq.entries() if table.get(m.id) is not m]
+            owners: dict = {}
+            for m in shadowed:
+                client = m.state[0]
+                m.state = None
+                owners[client] = owners.get(client, 0) + 1
+            pq.forget(len(shadowed))
+            gone = shadowed
+            for _, m in strays:
+                if isinstance(m, Message):
+                    m.state = None
+                    gone.append(m)
+        except Exception:
+            self._scan_failed("repairing the in-flight queue", "rebuilding its heap")
+            return False
+        if gone:
+            self._timed_out(owners, gone)
+        lost = salvaged + gone
+        subject = _describe_all(lost, "timed out now") if lost else "no message lost"
+        self._scan_failed("in-flight queue", subject, failure)
+        return bool(gone)
+
     def process_deferred(self, now: float) -> bool:
-        """Queue deferred messages that are due; True if there were any."""
-        due = self._deferred.pop_due(now)
+        """Queue deferred messages that are due; True if there were any.
+
+        Raises only if the delivery that follows does: a bad heap entry
+        (`_repair_deferred`) is repaired and logged, and what is not a
+        message is dropped; every due message is queued.
+        """
+        try:
+            due = self._deferred.pop_due(now)
+        except Exception:
+            due = self._repair_deferred(now)
         if not due:
             return False
-        for msg in due:
-            msg.state = None
-        self._queue.put_accepted(due)
+        skipped: list[Message] = []
+        msgs = iter(due)
+        while True:
+            try:
+                for msg in msgs:
+                    msg.state = None
+                break
+            except Exception:
+                # Only something other than a message has no state to set.
+                self._scan_failed("deferred message", _describe(msg))
+                skipped.append(msg)
+        if skipped:
+            due = _without(due, skipped)
+        self._requeue(due)
         self.deliver()
         return True
+
+    def _repair_deferred(self, now: float) -> list[Message]:
+        """The deferred heap raised: rebuilt (DeferredQueue.repair); what is due now."""
+        failure = Failure()
+        try:
+            salvaged = self._deferred.repair(now)
+            due = self._deferred.pop_due(now)
+        except Exception:
+            self._scan_failed("repairing the deferred queue", "rebuilding its heap")
+            return []
+        subject = _describe_all(salvaged, "due now") if salvaged else "no message lost its due time"
+        self._scan_failed("deferred queue", subject, failure)
+        return due
+
+    def _requeue(self, msgs: list[Message]) -> None:
+        """Timed-out or due messages back in the queue; into memory if the queue raises.
+
+        `put_accepted` already keeps messages in memory when the backend
+        refuses them; any other error must not lose them either.
+        """
+        try:
+            self._queue.put_accepted(msgs)
+        except Exception:
+            self._scan_failed("requeueing", _describe_all(msgs, "put in memory"))
+            mem = self._queue.mem
+            there = {id(m) for m in mem}
+            mem.extend([m for m in msgs if id(m) not in there])
+
+    def _scan_failed(self, what: str, subject: str, failure: Failure | None = None) -> None:
+        """Log a failure of the queue scan on this channel (the current exception, or `failure`).
+
+        Once per channel and kind (what failed, and the exception's type):
+        the scan runs every 100 ms, and a failure that comes back must not
+        flood the log. Never raises.
+        """
+        try:
+            if failure is None:
+                failure = Failure()
+            kind = (what, failure.type)
+            if kind in self._scan_errors:
+                return
+            self._scan_errors.add(kind)
+            log.failure(
+                "queue scan of {channel}: {what} failed at {subject}; the pass went on "
+                "(logged once for this channel and error)",
+                failure, LogLevel.error, what=what, channel=self, subject=subject,
+            )
+        except Exception:
+            pass
 
     # -- snapshots -----------------------------------------------------------
 
@@ -506,3 +717,40 @@ class Channel:
             msg.state = None
         self._queue.close(in_flight + self._deferred.drain())
 
+
+def _without(msgs: list[Message], skipped: list[Message]) -> list[Message]:
+    """`msgs` less one occurrence of each of `skipped` (by identity): for a failure only."""
+    left: dict[int, int] = {}
+    for m in skipped:
+        left[id(m)] = left.get(id(m), 0) + 1
+    out = []
+    for m in msgs:
+        n = left.get(id(m))
+        if n:
+            left[id(m)] = n - 1
+        else:
+            out.append(m)
+    return out
+
+
+def _describe(msg: object) -> str:
+    """`message <id>` for a log line, whatever `msg` turned out to be.
+
+    Reads the id as `Message.id` does, without the property: a failing
+    property must not hide which message failed.
+    """
+    try:
+        key = msg.id_key or msg.data[:ID_SIZE]  # type: ignore[attr-defined]
+        return f"message {key.decode('ascii', 'backslashreplace')}"
+    except Exception:
+        try:
+            return f"entry {msg!r}"
+        except Exception:
+            return "an entry that has no repr"
+
+
+def _describe_all(msgs: list[Message], what: str) -> str:
+    """The first few messages' ids for a log line."""
+    shown = ", ".join(_describe(m) for m in msgs[:5])
+    more = f" and {len(msgs) - 5} more" if len(msgs) > 5 else ""
+    return f"{shown}{more} ({what})"

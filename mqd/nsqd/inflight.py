@@ -21,6 +21,7 @@ is.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 
 from mqd.message import Message
 from mqd.nsqd.pqueue import best_first, sequence
@@ -105,15 +106,85 @@ class InFlightQueue:
         """Remove and return every live message whose deadline is <= `now`, earliest first.
 
         Their state is still their delivery's: the caller changes it.
+
+        A bad entry (a deadline that is not a time, a broken tuple, something
+        other than messages) raises, and leaves every message it had taken
+        back in the heap, out of order: the caller then calls `repair`. A
+        deadline that compares neither below nor above `now` (NaN) would
+        stop every deadline behind it for good, so it raises too.
         """
         heap = self._heap
         due: list[Message] = []
-        while heap and heap[0][0] <= now:
-            _, _, state, msgs = _heappop(heap)
-            self._refs -= len(msgs)
-            due += [m for m in msgs if m.state is state]
+        # The entry being taken: a heappop that raises has already dropped it.
+        entry = None
+        try:
+            while heap and heap[0][0] <= now:
+                entry = heap[0]
+                _heappop(heap)
+                _, _, state, msgs = entry
+                self._refs -= len(msgs)
+                due += [m for m in msgs if m.state is state]
+                entry = None
+            if heap and not heap[0][0] > now:
+                raise ValueError(f"in-flight deadline {heap[0][0]!r} is not a time")
+        except Exception:
+            if entry is not None:
+                heap.append(entry)
+            heap.extend((now, next(sequence), m.state, [m]) for m in due)
+            raise
         self._live -= len(due)
         return due
+
+    def repair(self, now: float, held: Iterable[Message]) -> list[Message]:
+        """Rebuild the heap from its good entries and `held`; the live messages now due at `now`.
+
+        For a channel whose heap raised in `pop_due` (a bad entry) or whose
+        in-flight table (`held`) counts other messages than the heap. Every
+        well-formed entry keeps its deadline. The live messages of an entry
+        whose deadline is not a time, and the messages of `held` that are
+        in flight but live in no entry (theirs was unreadable or lost), are
+        given `now` as deadline: they time out at once rather than never.
+        Anything that is not a message is dropped, and a message live in
+        two entries keeps the first. O(n), for a failure only.
+        """
+        heap: list[tuple[float, int, object, list[Message]]] = []
+        found: set[int] = set()
+        seqs: set[int] = set()
+        salvaged: list[Message] = []
+        for entry in self._heap:
+            try:
+                deadline, seq, state, msgs = entry
+                if state.__class__ is not tuple:
+                    continue  # not a delivery: nothing in it is in flight
+                live: list[Message] = []
+                ids: set[int] = set()
+                for m in msgs:
+                    if isinstance(m, Message) and m.state is state and id(m) not in found \
+                            and id(m) not in ids:
+                        ids.add(id(m))
+                        live.append(m)
+            except Exception:
+                continue  # unreadable: its messages, if in flight, are found in `held`
+            if not live:
+                continue
+            found |= ids
+            if deadline.__class__ in (float, int) and deadline == deadline and seq.__class__ is int \
+                    and seq not in seqs:
+                seqs.add(seq)
+                heap.append((deadline, seq, state, live))
+            else:
+                heap.append((now, next(sequence), state, live))
+                salvaged += live
+        for m in held:
+            if m.state.__class__ is tuple and id(m) not in found:
+                found.add(id(m))
+                heap.append((now, next(sequence), m.state, [m]))
+                salvaged.append(m)
+        heapq.heapify(heap)
+        self._heap = heap
+        self._live = self._refs = len(found)
+        self._top = max((e[0] for e in heap), default=float("-inf"))
+        return salvaged
 
     def drain(self) -> list[Message]:
         """Remove and return every live message, earliest deadline first."""

@@ -20,6 +20,9 @@ the channels they list before it hands out a message, as nsqd's GetTopic
 does, so a channel declared in lookupd gets the topic's first message.
 nsqd blocks the topic's creation on the query; here the topic is held
 (its messages wait at the topic) until every lookupd answered or failed.
+With `--http-client-auth-secret` (or its `-file`) the query carries
+`Authorization: Bearer <secret>`, which an mqlookupd run with
+`--http-auth-required` asks for; nsqd sends none.
 
 A lookupd that answers garbage gets what one that fails gets: one logged
 line, the connection closed, a reconnect. Its IDENTIFY answer is decoded
@@ -47,6 +50,7 @@ from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 
 from mqd import NSQ_VERSION
+from mqd.clusterinfo.bearer import bearer_headers
 from mqd.endpoints import client_endpoint, join_host_port
 from mqd.logs import get_logger
 from mqd.names import is_valid_name
@@ -313,6 +317,10 @@ def channels_answer(body: bytes) -> list[str]:
     return channels
 
 
+# fetch(url, method, params, headers) -> Deferred firing with the answer's body.
+ChannelsFetch = Callable[[str, str, dict[str, str], Mapping[bytes, list[bytes]]], defer.Deferred]
+
+
 class LookupService(service.Service):
     """The broker's lookupd peers: one per configured address, kept in step with the options.
 
@@ -324,7 +332,7 @@ class LookupService(service.Service):
     name = "lookupd"
 
     def __init__(self, broker, ports: dict, reactor=None, endpoint_for=None,
-                 fetch: Callable[[str, str, dict[str, str]], defer.Deferred] | None = None) -> None:
+                 fetch: ChannelsFetch | None = None, secret: str = "") -> None:
         if reactor is None:
             from twisted.internet import reactor
         self.broker = broker
@@ -332,10 +340,14 @@ class LookupService(service.Service):
         self.reactor = reactor
         # address -> endpoint; tests substitute their own.
         self.endpoint_for = endpoint_for
-        # fetch(url, method, params) -> Deferred body: the auth client's HTTP
-        # GET (its Accept header and --http-client-* timeouts) unless a test
-        # passes its own.
+        # fetch(url, method, params, headers) -> Deferred body: the auth
+        # client's HTTP GET (its Accept header and --http-client-* timeouts)
+        # unless a test passes its own.
         self.fetch = fetch
+        # Sent with every /channels query: `Authorization: Bearer` with
+        # --http-client-auth-secret, for lookupds run with
+        # --http-auth-required; none without a secret.
+        self.headers = bearer_headers(secret)
         self.peers: dict[str, LookupPeer] = {}
 
     def startService(self) -> None:
@@ -410,7 +422,7 @@ class LookupService(service.Service):
     def _channels_of(self, address: str, topic_name: str) -> defer.Deferred:
         """One lookupd's channels for the topic; [] (logged) when it cannot say."""
         fetch = self.fetch or self.broker.auth.fetch
-        d = defer.maybeDeferred(fetch, f"http://{address}/channels", "get", {"topic": topic_name})
+        d = defer.maybeDeferred(fetch, f"http://{address}/channels", "get", {"topic": topic_name}, self.headers)
         d.addCallback(channels_answer)
 
         def failed(failure) -> list[str]:

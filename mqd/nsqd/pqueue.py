@@ -68,12 +68,67 @@ class DeferredQueue:
         _heappush(self._heap, (due, next(sequence), msg))
 
     def pop_due(self, now: float) -> list[Message]:
-        """Remove and return every message due at or before `now`, earliest first."""
+        """Remove and return every message due at or before `now`, earliest first.
+
+        A bad entry (a due time that is not a time, a broken tuple) raises,
+        and leaves every message it had taken back in the heap, out of
+        order: the caller then calls `repair`. A due time that compares
+        neither below nor above `now` (NaN) would hold back every message
+        behind it for good, so it raises too.
+        """
         heap = self._heap
         due: list[Message] = []
-        while heap and heap[0][0] <= now:
-            due.append(_heappop(heap)[2])
+        entry = None
+        try:
+            while heap and heap[0][0] <= now:
+                entry = heap[0]
+                _heappop(heap)
+                due.append(entry[2])
+            if heap and not heap[0][0] > now:
+                raise ValueError(f"deferred due time {heap[0][0]!r} is not a time")
+        except Exception:
+            heap.extend((now, next(sequence), m) for m in due)
+            # The entry being taken, unless it was taken whole: a heappop
+            # that raises has already dropped it.
+            if entry is not None:
+                try:
+                    taken = bool(due) and due[-1] is entry[2]
+                except Exception:
+                    taken = False
+                if not taken:
+                    heap.append(entry)
+            raise
         return due
+
+    def repair(self, now: float) -> list[Message]:
+        """Rebuild the heap after `pop_due` raised; the messages that are now due at `now`.
+
+        Every well-formed entry keeps its due time; a message whose due time
+        is not a time is given `now` (it is delivered at once rather than
+        never). Anything that is not a message is dropped, and a message in
+        two entries keeps the first. O(n), for a failure only.
+        """
+        heap: list[tuple[float, int, Message]] = []
+        found: set[int] = set()
+        seqs: set[int] = set()
+        salvaged: list[Message] = []
+        for entry in self._heap:
+            try:
+                due, seq, msg = entry
+            except Exception:
+                continue
+            if not isinstance(msg, Message) or id(msg) in found:
+                continue
+            found.add(id(msg))
+            if due.__class__ in (float, int) and due == due and seq.__class__ is int and seq not in seqs:
+                seqs.add(seq)
+                heap.append((due, seq, msg))
+            else:
+                heap.append((now, next(sequence), msg))
+                salvaged.append(msg)
+        heapq.heapify(heap)
+        self._heap = heap
+        return salvaged
 
     def drain(self) -> list[Message]:
         """Remove and return every message, earliest first."""

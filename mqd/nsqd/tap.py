@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from twisted.application import service
@@ -17,7 +18,7 @@ from mqd.nsqd.protocol.v2 import V2Factory
 from mqd.nsqd.queuescan import QueueScanner
 from mqd.nsqd.statsd import StatsdService
 from mqd.nsqd.tlsconfig import server_tls
-from mqd.options import MQD_OPTIONS, ConfigError, Settings
+from mqd.options import MQD_OPTIONS, ConfigError, Settings, check_http_auth, http_client_auth_secret
 from mqd.service import BrokerService, ListeningService, listen_endpoint
 from mqd.tap import make_options_class, settings_from
 
@@ -33,6 +34,9 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
         from twisted.internet import reactor
     set_log_level(settings.log_level)
     try:
+        check_http_auth(settings)
+        # Read once (its file too): the lookupd /channels queries' bearer secret.
+        secret = http_client_auth_secret(settings)
         tls = server_tls(settings)
     except ConfigError as e:
         print(f"mqd: {e}", file=sys.stderr)
@@ -69,12 +73,31 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
                          settings.https_address).setServiceParent(top)
     # After the listeners, so IDENTIFY can announce the ports they bound;
     # always present, as lookupds can be added at run time (PUT /config).
-    LookupService(broker, ports, reactor).setServiceParent(top)
+    LookupService(broker, ports, reactor, secret=secret).setServiceParent(top)
     if settings.statsd_address:
         # Last, so it stops first: its final datagrams go out before the broker closes.
         StatsdService(broker, ports, reactor).setServiceParent(top)
     return top
 
 
+# Test-only (docs/testing.md), not an operator setting: the broker's clock moved by this
+# many seconds (the reactor's time, which message ids and timestamps are
+# made of), so the suite can restart a real broker with its clock stepped
+# back, as NTP or a VM migration would (faketime is not available
+# everywhere).
+CLOCK_OFFSET_ENV = "MQD_TEST_CLOCK_OFFSET"
+
+
+def offset_clock(reactor) -> None:
+    """Move the reactor's time by $MQD_TEST_CLOCK_OFFSET seconds, if set (tests only)."""
+    offset = float(os.environ.get(CLOCK_OFFSET_ENV) or 0)
+    if offset:
+        real = reactor.seconds
+        reactor.seconds = lambda: real() + offset
+
+
 def makeService(options: usage.Options) -> service.MultiService:
-    return build_service(settings_from(options, MQD_OPTIONS, "mqd"))
+    from twisted.internet import reactor
+
+    offset_clock(reactor)
+    return build_service(settings_from(options, MQD_OPTIONS, "mqd"), reactor)

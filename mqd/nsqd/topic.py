@@ -72,7 +72,7 @@ class Topic:
 
     def __init__(self, name: str, *, clock: IReactorTime, options: Settings, store: IBackendStore,
                  open_queue: Callable[[str, bool], OverflowQueue], listener: ITopicLifecycle,
-                 deliveries: DeliveryBatch) -> None:
+                 deliveries: DeliveryBatch, ids: IdFactory | None = None) -> None:
         """A topic called `name`, its queue opened now with `open_queue(name, ephemeral)`.
 
         `store` is the broker's store (whether it is durable, and its
@@ -80,7 +80,9 @@ class Topic:
         settings new channels are built with (the owner may replace them:
         Broker.update_options); `listener` hears of channels created and
         deleted, and of an ephemeral topic left without channels;
-        `deliveries` is handed to every channel.
+        `deliveries` is handed to every channel. `ids` makes the message
+        ids: the broker's one factory, bounded by its id lease (a topic
+        built alone gets a factory of its own, without a lease).
         """
         self.name = name
         self.ephemeral = name.endswith("#ephemeral")
@@ -98,7 +100,7 @@ class Topic:
         self._open_queue = open_queue
         self._listener = listener
         self._deliveries = deliveries
-        self.ids = IdFactory(options.node_id)
+        self.ids = ids if ids is not None else IdFactory(options.node_id)
         self._queue = open_queue(name, self.ephemeral)
         self._drain_call: IDelayedCall | None = None
         if hasattr(self._queue.backend, "on_stored"):
@@ -142,7 +144,11 @@ class Topic:
         """
         now = self.clock.seconds()
         ts = int(now * 1e9)
-        ids = self.ids.new_ids(len(bodies), ts)
+        try:
+            ids = self.ids.new_ids(len(bodies), ts)
+        except OSError as e:
+            # The id lease cannot be written: no id may be issued past it.
+            raise BackendError(str(e)) from None
         msgs = new_messages(ids, bodies, ts)
         if defer > 0:
             due = now + defer

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from mqd import __version__
+from mqd.clusterinfo.bearer import SECRET_ENV
 from mqd.options import parse_duration
 from mqd.wire.errors import go_quote
 
@@ -28,7 +29,9 @@ __all__ = [
     "fatal",
     "go_bool",
     "go_duration",
+    "http_auth_secret",
     "make_config",
+    "refused_line",
     "run",
     "split_config_opt",
 ]
@@ -136,6 +139,19 @@ class ToolParser(argparse.ArgumentParser):
                 "lookupd-http-address", "lookupd HTTP address (may be given multiple times)",
                 "ADDR",
             )
+
+    def add_http_auth_secret(self) -> None:
+        """`--http-auth-secret`: the secret the tool's HTTP requests carry (`Authorization: Bearer`).
+
+        For brokers and lookupds run with `--http-auth-required`. The TCP
+        AUTH secret stays `--consumer-opt=auth_secret,...`, as in nsq's tools.
+        The default, when the flag is not given, is $MQ_HTTP_AUTH_SECRET
+        (read by `http_auth_secret`; never shown in the usage).
+        """
+        self.add_argument(
+            "--http-auth-secret", default=None, metavar="STRING",
+            help=f"secret sent as 'Authorization: Bearer' to lookupds and nsqds that require one "
+                 f"(default: ${HTTP_AUTH_SECRET_ENV})")
 
     def add_config_opts(self, kind: str) -> None:
         """`--consumer-opt` / `--producer-opt` (kind "consumer" / "producer").
@@ -260,6 +276,36 @@ def parse_checked(parser: argparse.ArgumentParser, check: Callable[[Any], Any],
         return args, check(args)
     except ToolError as e:
         fatal(str(e))
+
+
+# -- the HTTP auth secret -------------------------------------------------------
+
+# Read when --http-auth-secret is not given: a flag shows in `ps` and in the shell's history.
+HTTP_AUTH_SECRET_ENV = SECRET_ENV
+
+
+def http_auth_secret(args: Any) -> str:
+    """The tool's HTTP auth secret: `--http-auth-secret`, else $MQ_HTTP_AUTH_SECRET, else ""; ToolError if unusable."""
+    from mqd.clusterinfo.bearer import check_secret, env_secret
+
+    given = getattr(args, "http_auth_secret", None)
+    secret, what = (given, "--http-auth-secret") if given is not None else (
+        env_secret(HTTP_AUTH_SECRET_ENV), HTTP_AUTH_SECRET_ENV)
+    try:
+        return check_secret(secret, what)
+    except ValueError as e:
+        raise ToolError(str(e)) from None
+
+
+def refused_line(error: Any) -> str:
+    """A tool's one line for a refused secret: `ERROR: nsqd HOST:PORT answered 401 Unauthorized (AUTH_REQUIRED): ...`.
+
+    `error` is an `HTTPRefusedError` (mqd.clusterinfo.bearer); the line
+    names the node and the answer, and what to do, never the secret.
+    """
+    from mqd.clusterinfo.bearer import refusal_hint
+
+    return f"ERROR: {error}: {refusal_hint(error.code, error.body, '--http-auth-secret')}"
 
 
 # -- client options ------------------------------------------------------------

@@ -21,6 +21,12 @@ given by `--nsqd-http-address` are queried at that address, not at the
 broadcast address their /info names (which may not resolve from here).
 The HTTP side (timeouts, lookupd 404 = no producer, the union of the
 lookupds' producers) is mqadmin's `Cluster` over `Upstream`.
+
+`--http-auth-secret` (or $MQ_HTTP_AUTH_SECRET) is sent as
+`Authorization: Bearer` with every request, for lookupds and brokers run
+with `--http-auth-required`. A 401 or 403 from any of them ends the tool
+with one line naming it (`ERROR: nsqd HOST:PORT answered 401 Unauthorized
+(AUTH_REQUIRED): ...`) and exit 1.
 """
 
 from __future__ import annotations
@@ -35,9 +41,19 @@ from typing import IO, Any, NoReturn
 
 from twisted.internet import defer, task
 
+from mqd.clusterinfo.bearer import bearer_headers
 from mqd.clusterinfo.cluster import Cluster
-from mqd.clusterinfo.upstream import Upstream
-from mqd.tools.flags import ToolError, ToolParser, bad_flag_value, fatal, go_duration, run
+from mqd.clusterinfo.upstream import Authorized, Upstream
+from mqd.tools.flags import (
+    ToolError,
+    ToolParser,
+    bad_flag_value,
+    fatal,
+    go_duration,
+    http_auth_secret,
+    refused_line,
+    run,
+)
 
 __all__ = ["ChannelTotals", "StatTable", "channel_totals", "format_row", "header", "main", "parse_args"]
 
@@ -165,6 +181,7 @@ def build_parser() -> ToolParser:
     parser.add_argument("--count", type=_count, default=None, metavar="N", help="number of reports")
     parser.add_list("nsqd-http-address", "nsqd HTTP address (may be given multiple times)", "ADDR")
     parser.add_list("lookupd-http-address", "lookupd HTTP address (may be given multiple times)", "ADDR")
+    parser.add_http_auth_secret()
     return parser
 
 
@@ -201,11 +218,16 @@ def parse_args(argv: Sequence[str] | None = None) -> SimpleNamespace:
                             ("--lookupd-http-address", ns.lookupd_http_address)):
         if any(a.startswith("http") for a in addresses):
             fatal(f"{flag} error - address should not contain scheme")
+    try:
+        secret = http_auth_secret(ns)
+    except ToolError as e:
+        fatal(str(e))
     return SimpleNamespace(
         topic=ns.topic, channel=ns.channel, interval=interval, count=ns.count,
         http_client_connect_timeout=ns.http_client_connect_timeout,
         http_client_request_timeout=ns.http_client_request_timeout,
         nsqd_http_addresses=list(ns.nsqd_http_address), lookupd_http_addresses=list(ns.lookupd_http_address),
+        http_auth_secret=secret,
     )
 
 
@@ -224,14 +246,24 @@ def nsq_errors(errors: Sequence[str], kind: str, all_failed: bool) -> str:
     return f"failed to query any {kind}: {text}" if all_failed else text
 
 
+def _refused(errors: Sequence[Any]) -> None:
+    """A lookupd or broker that refused the secret ends the tool with its one line (not nsq_stat's list)."""
+    for e in errors:
+        refusal = getattr(e, "refusal", None)
+        if refusal is not None:
+            raise ToolError(refused_line(refusal))
+
+
 @defer.inlineCallbacks
 def poll(cluster: Cluster, topic: str, channel: str):
     """This poll's totals: the producers, then each one's /stats; ToolError (nsq_stat's line) on any failure."""
     producers, errors = yield cluster.topic_producers(topic)
+    _refused(errors)
     if errors or producers is None:
         kind = "nsqlookupd" if cluster.lookupds else "nsqd"
         raise ToolError(f"ERROR: failed to get topic producers - {nsq_errors(errors, kind, producers is None)}")
     answers, errors = yield cluster.stats(producers, topic, channel, include_clients=False)
+    _refused(errors)
     if errors or answers is None or not producers:
         # With no producer at all nsq's GetNSQDStats has queried none: "failed to query any nsqd: ".
         all_failed = answers is None or not producers
@@ -248,7 +280,9 @@ def stat_loop(reactor: Any, options: SimpleNamespace, out: IO[str] | None = None
     out = out if out is not None else sys.stdout
     if upstream is None:
         upstream = Upstream(reactor, options)
-    cluster = Cluster(upstream, options.lookupd_http_addresses, options.nsqd_http_addresses)
+    secret = getattr(options, "http_auth_secret", "")
+    client = Authorized(upstream, bearer_headers(secret)) if secret else upstream
+    cluster = Cluster(client, options.lookupd_http_addresses, options.nsqd_http_addresses)
     table = StatTable(options.interval)
     # Closed as the reactor stops, however the loop ends: at --count, on an
     # error, or on SIGINT/SIGTERM, when the loop is left suspended (a

@@ -7,11 +7,18 @@ more than it will show. The default channel is an ephemeral
 `tail<NNNNNN>#ephemeral`, which disappears with the tool.
 
 An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret (or
-wants one and none was given) ends the tool with go-nsq's message and
-exit status 1, as nsq_tail's log.Fatal does: a wrong secret will not get
-better by retrying. An unreachable nsqd is retried (nsq_tail exits on
+wants one and none was given), refuses the IDENTIFY, or answers the
+handshake with something the client cannot use (a `max_rdy_count` of
+10^30, an HTTP port dialed) ends the tool with go-nsq's message and exit
+status 1, as nsq_tail's log.Fatal does: the same nsqd gives the same
+answer to a retry. An unreachable nsqd is retried (nsq_tail exits on
 that too). With `--lookupd-http-address`, as in nsq_tail, a refusing nsqd
 is logged and dialed again when lookupd lists it at the next poll.
+
+The lookupd queries carry `--http-auth-secret` (or $MQ_HTTP_AUTH_SECRET)
+as `Authorization: Bearer`, for lookupds run with `--http-auth-required`;
+a lookupd answering 401 or 403 ends the tool with one line naming it and
+exit 1 (the TCP AUTH secret is `--consumer-opt=auth_secret,...`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,15 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from mqd.logs import get_logger
-from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.tools.flags import (
+    ToolError,
+    ToolParser,
+    http_auth_secret,
+    make_config,
+    parse_checked,
+    refused_line,
+    run,
+)
 
 __all__ = ["Printer", "build_parser", "main"]
 
@@ -42,6 +57,7 @@ def build_parser() -> ToolParser:
     p.add_bool("print-topic", "print topic name where message was received")
     p.add_addresses()
     p.add_config_opts("consumer")
+    p.add_http_auth_secret()
     return p
 
 
@@ -61,6 +77,7 @@ def check_args(args: Any) -> None:
     # Don't ask for more messages than we want.
     if 0 < args.n < args.max_in_flight:
         args.max_in_flight = args.n
+    args.http_auth_secret = http_auth_secret(args)
 
 
 def die_of_sigpipe() -> None:
@@ -124,6 +141,7 @@ async def _main(reactor: Any, args: Any) -> None:
     from twisted.internet import defer
 
     from mqd.client.consumer import Consumer
+    from mqd.clusterinfo.bearer import BearerHTTP
 
     config = make_config(TOOL, args.consumer_opt, max_in_flight=args.max_in_flight)
     done: defer.Deferred = defer.Deferred()
@@ -140,6 +158,9 @@ async def _main(reactor: Any, args: Any) -> None:
         # Out of the consumer's call, which is still closing the connection.
         reactor.callLater(0, failed, ToolError(getattr(error, "nsq_text", str(error))))
 
+    # A lookupd refusing the secret: one line and exit 1, out of the poller's call.
+    lookupd_http = BearerHTTP(args.http_auth_secret, reactor=reactor,
+                              on_refused=lambda e: reactor.callLater(0, failed, ToolError(refused_line(e))))
     # Out of the handler's call: the consumer answers the message first.
     printer = Printer(sys.stdout.buffer, args.n, args.print_topic,
                       on_done=lambda: reactor.callLater(0, finished),
@@ -152,7 +173,7 @@ async def _main(reactor: Any, args: Any) -> None:
                 topic, args.channel, printer.handler(topic),
                 nsqd_tcp_addresses=args.nsqd_tcp_address,
                 lookupd_http_addresses=args.lookupd_http_address,
-                config=config, reactor=reactor, on_fatal=refused,
+                config=config, reactor=reactor, on_fatal=refused, lookupd_http=lookupd_http,
             )
         except ValueError as e:
             # go-nsq's NewConsumer words a bad name without quoting it: "invalid topic name".

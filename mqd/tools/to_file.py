@@ -20,10 +20,16 @@ expression searched in the name, required then) and looked up again
 every `--topic-refresh` (never when it is 0); each topic gets its own
 consumer and files.
 
-An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret ends
-the tool with exit status 1 and go-nsq's message, as mq-tail does
+An nsqd given with `--nsqd-tcp-address` that refuses the AUTH secret or
+the IDENTIFY, or answers the handshake with something the client cannot
+use, ends the tool with exit status 1 and go-nsq's message, as mq-tail does
 (nsq_to_file logs "couldn't create logger" and carries on with nothing to
 write, which helps nobody).
+
+Every lookupd query (`/topics`, and the consumers' `/lookup`) carries
+`--http-auth-secret` (or $MQ_HTTP_AUTH_SECRET) as `Authorization:
+Bearer`, for lookupds run with `--http-auth-required`; a lookupd answering
+401 or 403 ends the tool with one line naming it and exit 1.
 
 `FileLogger` (naming, rotation, gzip) and `BatchingWriter` (holding and
 FINing) are plain classes over a clock, testable without a broker.
@@ -42,7 +48,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from mqd.logs import LEVELS, get_logger
-from mqd.tools.flags import ToolError, ToolParser, make_config, parse_checked, run
+from mqd.tools.flags import (
+    ToolError,
+    ToolParser,
+    http_auth_secret,
+    make_config,
+    parse_checked,
+    refused_line,
+    run,
+)
 
 if TYPE_CHECKING:
     from twisted.python.failure import Failure
@@ -386,6 +400,7 @@ def build_parser() -> ToolParser:
     p.add_config_opts("consumer")
     p.add_duration("http-client-connect-timeout", "2s", "timeout for HTTP connect")
     p.add_duration("http-client-request-timeout", "5s", "timeout for HTTP request")
+    p.add_http_auth_secret()
     p.add_str("log-level", "info", "set log verbosity: debug, info, warn, error, or fatal")
     p.add_str("log-prefix", "[nsq_to_file] ", "log message prefix (accepted, not used)")
     p.add_str("output-dir", "/tmp", "directory to write output files to")
@@ -434,6 +449,7 @@ def check_args(args: Any) -> FileOptions:
             re.compile(args.topic_pattern)
         except re.error as e:
             raise ToolError(f"invalid --topic-pattern {args.topic_pattern!r}: {e}") from None
+    args.http_auth_secret = http_auth_secret(args)
     opts = FileOptions(
         output_dir=args.output_dir,
         work_dir=args.work_dir or args.output_dir,
@@ -460,7 +476,7 @@ class TopicLogger:
 
     def __init__(self, reactor: Any, topic: str, args: Any, opts: FileOptions, config: Any,
                  on_error: Callable[[BaseException], None],
-                 on_fatal: Callable[[str, Exception], Any] | None = None) -> None:
+                 on_fatal: Callable[[str, Exception], Any] | None = None, lookupd_http: Any = None) -> None:
         from twisted.internet import task
 
         from mqd.client.consumer import Consumer
@@ -473,7 +489,7 @@ class TopicLogger:
             topic, args.channel, self.handle,
             nsqd_tcp_addresses=args.nsqd_tcp_address,
             lookupd_http_addresses=args.lookupd_http_address,
-            config=config, reactor=reactor, on_fatal=on_fatal,
+            config=config, reactor=reactor, on_fatal=on_fatal, lookupd_http=lookupd_http,
         )
         self.writer.is_starved = self.consumer.is_starved
         self.ticker = task.LoopingCall(self.writer.tick)
@@ -534,6 +550,12 @@ class TopicDiscoverer:
         self.on_error: Callable[[BaseException], None] = lambda e: None
         # (topic, address, error): an nsqd refused a topic's consumer for good.
         self.on_refused: Callable[[str, str, Exception], None] = lambda t, a, e: None
+        # A lookupd refused the HTTP auth secret (HTTPRefusedError), at /topics or a consumer's /lookup.
+        self.on_http_refused: Callable[[Exception], None] = lambda e: None
+        from mqd.clusterinfo.bearer import BearerHTTP
+
+        self.lookupd_http = BearerHTTP(getattr(args, "http_auth_secret", "") or "", reactor=reactor,
+                                       on_refused=lambda e: self.on_http_refused(e))
 
     def add(self, topic: str, required: bool = False) -> None:
         """Start writing `topic`; a topic that cannot be consumed is fatal only if `required`."""
@@ -546,7 +568,8 @@ class TopicDiscoverer:
         try:
             logger = TopicLogger(self.reactor, topic, self.args, self.opts, self.config,
                                  self.on_error,
-                                 lambda address, error: self.on_refused(topic, address, error))
+                                 lambda address, error: self.on_refused(topic, address, error),
+                                 lookupd_http=self.lookupd_http)
         except ValueError as e:  # ClientConfigError: an invalid topic or channel name
             if required:
                 raise ToolError(f"ERROR: couldn't create logger for topic {topic}: {e}") from None
@@ -574,8 +597,13 @@ class TopicDiscoverer:
         self._refresh.start(self.args.topic_refresh, now=False)
 
     async def refresh(self) -> None:
+        from mqd.clusterinfo.bearer import HTTPRefusedError
+
         try:
             topics = await lookupd_topics(self.args.lookupd_http_address, self.args)
+        except HTTPRefusedError as e:
+            self.on_http_refused(e)
+            return
         except ToolError as e:
             log.error("could not retrieve topic list: {error}", error=e)
             return
@@ -603,14 +631,18 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
 
     treq has one timeout for the whole request: --http-client-request-timeout
     (--http-client-connect-timeout is checked, as nsq_to_file does, but the
-    request's timeout covers the connection too).
+    request's timeout covers the connection too). The request carries the
+    HTTP auth secret; a lookupd refusing it raises its HTTPRefusedError.
     """
     import json
 
     import treq
 
     from mqd.client.discovery import ACCEPT, MAX_RESPONSE_SIZE
+    from mqd.clusterinfo.bearer import REFUSALS, HTTPRefusedError, bearer_headers
     from mqd.http_body import read_bounded
+
+    headers = {b"Accept": [ACCEPT], **bearer_headers(getattr(args, "http_auth_secret", "") or "")}
 
     topics: set[str] = set()
     errors: list[str] = []
@@ -619,13 +651,17 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
         url = base.rstrip("/") + "/topics"
         try:
             response = await treq.get(
-                url, headers={b"Accept": [ACCEPT]},  # type: ignore[arg-type]  # treq's dict types are invariant
+                url, headers=headers,  # type: ignore[arg-type]  # treq's dict types are invariant
                 timeout=args.http_client_request_timeout
             )
             body = await read_bounded(response, MAX_RESPONSE_SIZE, ValueError)
+            if response.code in REFUSALS:
+                raise HTTPRefusedError("nsqlookupd", url, response.code, body)
             if response.code != 200:
                 raise ValueError(f"HTTP {response.code}")
             doc = json.loads(body)
+        except HTTPRefusedError:
+            raise  # a wrong secret: no other lookupd's answer makes it right
         except Exception as e:  # noqa: BLE001 - any failure of one lookupd is reported, not fatal
             errors.append(f"{url}: {e}")
             continue
@@ -659,7 +695,13 @@ async def _main(reactor: Any, args: Any, opts: FileOptions) -> None:
             text = getattr(error, "nsq_text", error)
             done.errback(ToolError(f"ERROR: couldn't create logger for topic {topic}: {text}"))
 
+    def http_refused(error: Exception) -> None:
+        if not done.called:
+            done.errback(ToolError(refused_line(error)))
+
     discoverer.on_error = failed
+    # Out of the poller's or the refresh's call.
+    discoverer.on_http_refused = lambda e: reactor.callLater(0, http_refused, e)
     # Out of the consumer's call, which is still closing the connection.
     discoverer.on_refused = lambda *a: reactor.callLater(0, refused, *a)
     reactor.addSystemEventTrigger("before", "shutdown", shutdown)

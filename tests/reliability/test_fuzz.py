@@ -9,6 +9,12 @@ the channel must still count every acknowledged message and give them all
 back, and no failure or critical/error event may have been logged (an
 exception escaping `dataReceived` fails the example directly).
 
+The HTTP fuzzers of the broker and of mqlookupd also run under
+`--http-auth-required` (the `..._with_http_auth_required` tests): each
+request carries a random caller (no header, a malformed one, a refused
+secret, partial grants, every grant; tests/support/auth_fuzz.py) and a
+refused request must be nsqd's JSON 401/403 and change nothing.
+
 One real-process smoke test sends a few hundred random streams and requests
 over real sockets to a twistd broker, then runs the same checks and reads
 its log for 'Traceback' / 'Unhandled'.
@@ -20,7 +26,9 @@ the real-process test) instead of the CI counts.
 from __future__ import annotations
 
 import json
+import random
 import tempfile
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -34,6 +42,19 @@ from mqd.logs import set_log_level
 from mqd.lookup.protocol import LookupdFactory, frame
 from mqd.lookup.registry import RegistrationDB
 from mqd.message import IdFactory
+from tests.support.auth_fuzz import (
+    FULL,
+    FULL_SECRET,
+    PARTIAL,
+    RequiredAuthHarness,
+    caller,
+    check_refusal,
+    guarded_lookupd,
+    lookupd_state,
+    open_answers,
+    random_caller,
+)
+from tests.support.authd import grant
 from tests.support.broker_fuzz import fuzz_broker
 from tests.support.control_checks import Control, log_problems
 from tests.support.fuzz_inputs import (
@@ -228,24 +249,33 @@ _body = st.one_of(st.none(), st.sampled_from(HTTP_BODIES), st.binary(max_size=64
 http_request = st.tuples(st.sampled_from(HTTP_METHODS), _target, _body)
 
 
-def _fire(client: HTTPClient, method: str, target: str, body: bytes | None):
-    transport = client.send(method, target, body)
+def _fire(client: HTTPClient, method: str, target: str, body: bytes | None,
+          headers: dict[str, str] | None = None):
+    transport = client.send(method, target, body, headers)
     response = parse_response(transport.value(), head=method == "HEAD")
     transport.protocol.connectionLost(Failure(ConnectionDone()))
     return response
 
 
-@examples(200)
-@given(requests=st.lists(http_request, min_size=1, max_size=4))
-def test_fuzzed_http_requests_lose_nothing_and_the_api_still_serves(requests):
+# Under --http-auth-required: a caller for each request (the kind, its headers).
+_callers = st.lists(caller(), min_size=4, max_size=4)
+
+
+def _broker_http_case(requests: list, callers: list | None) -> None:
+    """The fuzzed requests on test_fuzz's harness; `callers`: under --http-auth-required, who sends each."""
     with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
-        h = Harness(path)
+        h = RequiredAuthHarness(path) if callers else Harness(path)
+        opened = open_answers(h.http) if callers else set()
         try:
-            for method, target, body in requests:
-                response = _fire(h.http, method, target, body)
-                shown = f"{method} {target} body={(body or b'')[:40]!r}"
+            for i, (method, target, body) in enumerate(requests):
+                kind, headers = callers[i] if callers else ("", None)
+                shown = f"{method} {target} headers={headers} body={(body or b'')[:40]!r}"
+                before = h.state() if callers else None
+                response = _fire(h.http, method, target, body, headers)
                 assert response is not None, f"{shown}: no complete answer"
                 assert response.status != 500, f"{shown}: {response.status} {response.body[:300]!r}"
+                if callers:
+                    check_refusal(kind, method, response, before, h.state(), opened, shown)
                 h.check(shown)
         finally:
             set_log_level("info")  # PUT /config/log_level is process-wide
@@ -253,27 +283,54 @@ def test_fuzzed_http_requests_lose_nothing_and_the_api_still_serves(requests):
         logs.check("HTTP requests")
 
 
-@examples(150)
+@examples(200)
 @given(requests=st.lists(http_request, min_size=1, max_size=4))
-def test_fuzzed_lookupd_http_requests_are_answered(requests):
+def test_fuzzed_http_requests_lose_nothing_and_the_api_still_serves(requests):
+    _broker_http_case(requests, None)
+
+
+@examples(200)
+@given(requests=st.lists(http_request, min_size=1, max_size=4), callers=_callers)
+def test_fuzzed_http_requests_with_http_auth_required(requests, callers):
+    _broker_http_case(requests, callers)
+
+
+def _lookupd_http_case(requests: list, callers: list | None) -> None:
     clock = Clock()
     clock.advance(START_TIME)
     db = RegistrationDB(clock)
-    http = LookupdClient(db, clock)
+    http = guarded_lookupd(db, clock) if callers else LookupdClient(db, clock)
     factory = LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
     with LogWatch() as logs:
         control = V1Conn(factory, 1)
         control.send(b"  V1")
         control.identify()
         assert control.send(b"REGISTER zz_control zz_c\n") == frame(b"OK")
-        for method, target, body in requests:
-            response = _fire(http, method, target, body)
-            shown = f"{method} {target} body={(body or b'')[:40]!r}"
+        opened = open_answers(http) if callers else set()
+        for i, (method, target, body) in enumerate(requests):
+            kind, headers = callers[i] if callers else ("", None)
+            shown = f"{method} {target} headers={headers} body={(body or b'')[:40]!r}"
+            before = lookupd_state(db)
+            response = _fire(http, method, target, body, headers)
             assert response is not None, f"{shown}: no complete answer"
             assert response.status != 500, f"{shown}: {response.status} {response.body[:300]!r}"
+            if callers:
+                check_refusal(kind, method, response, before, lookupd_state(db), opened, shown)
         r = http.get("/lookup?topic=zz_control")
         assert r.status == 200 and r.json()["channels"] == ["zz_c"], r
         logs.check("lookupd HTTP requests")
+
+
+@examples(150)
+@given(requests=st.lists(http_request, min_size=1, max_size=4))
+def test_fuzzed_lookupd_http_requests_are_answered(requests):
+    _lookupd_http_case(requests, None)
+
+
+@examples(150)
+@given(requests=st.lists(http_request, min_size=1, max_size=4), callers=_callers)
+def test_fuzzed_lookupd_http_requests_with_http_auth_required(requests, callers):
+    _lookupd_http_case(requests, callers)
 
 
 def test_every_lookupd_token_alone_and_identified():
@@ -288,12 +345,16 @@ def test_every_lookupd_token_alone_and_identified():
     assert not failures, f"{len(failures)} inputs failed:\n" + "\n".join(failures)
 
 
-def _sweep(client: HTTPClient, check) -> list[str]:
+def _sweep(client: HTTPClient, check, state=None, opened=frozenset()) -> list[str]:
+    """Every request of http_sweep; with `state` (--http-auth-required), each from a random caller."""
     failures = []
+    rng = random.Random(7)
     for i, (method, target, body) in enumerate(http_sweep()):
-        shown = f"{method} {target[:100]} body={(body or b'')[:30]!r}"
+        kind, headers = random_caller(rng) if state is not None else ("", None)
+        shown = f"{method} {target[:100]} headers={str(headers)[:60]} body={(body or b'')[:30]!r}"
+        before = state() if state is not None else None
         try:
-            response = _fire(client, method, target, body)
+            response = _fire(client, method, target, body, headers)
         except Exception as e:  # noqa: BLE001 - collected
             failures.append(f"{shown}: raised {type(e).__name__}: {e}")
             continue
@@ -301,17 +362,24 @@ def _sweep(client: HTTPClient, check) -> list[str]:
             failures.append(f"{shown}: no complete answer")
         elif response.status == 500:
             failures.append(f"{shown}: 500 {response.body[:200]!r}")
+        elif state is not None:
+            try:
+                check_refusal(kind, method, response, before, state(), set(opened), shown)
+            except AssertionError as e:
+                failures.append(str(e)[:400])
         if i % 50 == 0:
             check(shown)
     return failures
 
 
-def test_every_route_with_every_body_and_query_value():
-    """The systematic half of the HTTP fuzzing: each route x each nasty body and query value."""
+def _broker_sweep(auth: bool) -> None:
     with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
-        h = Harness(path)
+        h: Any = RequiredAuthHarness(path) if auth else Harness(path)
         try:
-            failures = _sweep(h.http, h.check)
+            if auth:
+                failures = _sweep(h.http, h.check, h.state, open_answers(h.http))
+            else:
+                failures = _sweep(h.http, h.check)
         finally:
             set_log_level("info")
         h.check("the sweep")
@@ -320,11 +388,21 @@ def test_every_route_with_every_body_and_query_value():
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
 
 
-def test_every_lookupd_route_with_every_body_and_query_value():
+def test_every_route_with_every_body_and_query_value():
+    """The systematic half of the HTTP fuzzing: each route x each nasty body and query value."""
+    _broker_sweep(False)
+
+
+def test_every_route_with_every_body_and_query_value_with_http_auth_required():
+    """The same sweep, each request from a random caller (the full secret half the time)."""
+    _broker_sweep(True)
+
+
+def _lookupd_sweep(auth: bool) -> None:
     clock = Clock()
     clock.advance(START_TIME)
     db = RegistrationDB(clock)
-    http = LookupdClient(db, clock)
+    http = guarded_lookupd(db, clock) if auth else LookupdClient(db, clock)
     factory = LookupdFactory(db, "lookup-host", {"TCP": 4160, "HTTP": 4161}, hostname="lhost")
     control = V1Conn(factory, 1)
     control.send(b"  V1")
@@ -336,9 +414,20 @@ def test_every_lookupd_route_with_every_body_and_query_value():
         assert r.status == 200 and r.json()["channels"] == ["zz_c"], (what, r)
 
     with LogWatch() as logs:
-        failures = _sweep(http, check)
+        if auth:
+            failures = _sweep(http, check, lambda: lookupd_state(db), open_answers(http))
+        else:
+            failures = _sweep(http, check)
         failures += logs.texts()
     assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures[:30])
+
+
+def test_every_lookupd_route_with_every_body_and_query_value():
+    _lookupd_sweep(False)
+
+
+def test_every_lookupd_route_with_every_body_and_query_value_with_http_auth_required():
+    _lookupd_sweep(True)
 
 
 # -- a real process ---------------------------------------------------------------------------
@@ -359,3 +448,26 @@ def test_real_broker_survives_random_streams_and_requests(start_broker):
     broker.stop_cleanly()
     print(f"\nfuzzed {report.streams} streams + {report.http_requests} HTTP requests in "
           f"{report.seconds:.1f} s; the broker closed {report.closed_by_broker} connections")
+
+
+def test_real_broker_with_http_auth_required_survives_random_streams_and_requests(start_broker, authd):
+    """The same under --http-auth-required (a real auth server): each request from a random caller."""
+    authd.answers[FULL_SECRET] = grant(FULL)
+    for secret, grants in PARTIAL.items():
+        authd.answers[secret] = grant(*grants)
+    broker = start_broker(*FAST_SCAN, f"--auth-http-address={authd.address}", "--http-auth-required")
+    control = Control(broker, secret=FULL_SECRET.encode())
+    control.setup(20)
+    streams = EXAMPLES_OVERRIDE or 100
+    report = fuzz_broker(broker, control, streams=streams, http_requests=max(60, streams // 2), seed=17,
+                         callers=random_caller)
+    control.drain_and_compare()
+    problems = log_problems(broker)
+    assert not report.http_500, f"{len(report.http_500)} answers 500:\n" + "\n".join(report.http_500[:5])
+    assert not report.http_no_answer, "no answer:\n" + "\n".join(report.http_no_answer[:5])
+    assert not report.bad_refusals, "\n".join(report.bad_refusals[:5])
+    assert report.refused > 0
+    assert not problems, f"{len(problems)} log lines:\n{broker.describe()}"
+    broker.stop_cleanly()
+    print(f"\nfuzzed {report.streams} streams + {report.http_requests} HTTP requests ({report.refused} refused) "
+          f"in {report.seconds:.1f} s")

@@ -2,7 +2,8 @@
 
 In-process (hypothesis), on test_fuzz's harness: a broker on a task.Clock
 with a control channel full of acknowledged messages, with or without
-auth configured (its auth server is AuthClient's test seam: secrets that
+auth configured (and with `--http-auth-required` too, where a refused
+request must be nsqd's JSON 401/403 and change nothing) (its auth server is AuthClient's test seam: secrets that
 grant everything, one channel, publishing only, answers nsqd would
 refuse, and refusals). mqadmin runs in the same process, its whole site
 and its real Cluster over an upstream that sends its requests to that
@@ -52,6 +53,7 @@ from mqd.nsqd.auth import AuthClient, AuthError
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.support.admin import AdminProcess
 from tests.support.auth_fakes import answer
+from tests.support.auth_fuzz import ANSWERS, FULL_SECRET, RequiredAuthHarness
 from tests.support.authd import PUBLISH as PUBLISH_ALL
 from tests.support.authd import SUBSCRIBE as SUBSCRIBE_ALL
 from tests.support.authd import AuthServer as AuthServer_
@@ -64,7 +66,7 @@ from tests.support.fuzz_inputs import (
     HTTP_QUERY_VALUES,
     examples,
 )
-from tests.support.http_client import HTTPClient, Response, parse_response
+from tests.support.http_client import HTTPClient, Response, error, parse_response
 from tests.support.inprocess_fuzz import CONTROL_CHANNEL, CONTROL_TOPIC, Harness
 from tests.support.log_watch import LogWatch
 from tests.support.raw_conn import FRAME_RESPONSE, RawConn, command
@@ -98,7 +100,7 @@ _secret = st.one_of(st.sampled_from(SECRETS), st.text(alphabet=st.characters(min
 # Values an Authorization header takes: bearer secrets, other schemes, garbage (no CR/LF: it is one header).
 _authorization = st.one_of(
     st.none(),
-    st.sampled_from(["Bearer all", "Bearer control", "Bearer publisher", "Bearer nothing"]),
+    st.sampled_from(["Bearer all", "Bearer control", "Bearer publisher", "Bearer nothing", f"Bearer {FULL_SECRET}"]),
     _secret.map(lambda s: f"Bearer {s}"),
     _secret.map(lambda s: f"bEaReR   {s}  "),
     st.sampled_from(["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "Token all", "Bearer all extra", "Bearer\tall"]),
@@ -194,12 +196,12 @@ def _shows_bodies(doc: Any) -> bool:
         isinstance(n, dict) and n.get("messages") for n in nodes)
 
 
-def _granted(authorization: str | None) -> bool:
-    """Whether the header carries a secret granted some subscription (the only ones that may see bodies)."""
+def _granted(authorization: str | None, secrets: tuple[str, ...] = ("all", "control")) -> bool:
+    """Whether the header carries one of `secrets`: those granted a subscription (only they may see bodies)."""
     if authorization is None:
         return False
     scheme, _, secret = authorization.partition(" ")
-    return scheme.lower() == "bearer" and secret.strip(" \t") in ("all", "control")
+    return scheme.lower() == "bearer" and secret.strip(" \t") in secrets
 
 
 def fire(h: Harness, method: str, target: str, body: bytes | None, headers: dict[str, str]) -> Response | None:
@@ -213,13 +215,25 @@ def fire(h: Harness, method: str, target: str, body: bytes | None, headers: dict
 # -- the broker's body endpoints ------------------------------------------------------------------
 
 
-def _broker_case(auth: bool, requests: list) -> None:
+REFUSALS = {(401, "AUTH_REQUIRED"), (401, "AUTH_FAILED"), (403, "UNAUTHORIZED")}
+
+
+def _broker_case(auth: bool, requests: list, required: bool = False) -> None:
+    """`auth`: auth configured; `required`: --http-auth-required too (then a secret granted everything exists)."""
     with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
-        h = AuthHarness(path) if auth else Harness(path)
+        h: Any = RequiredAuthHarness(path, {**ANSWERS, **GRANTS}) if required else AuthHarness(path) if auth \
+            else Harness(path)
+        granting = ("all", "control", FULL_SECRET) if required else ("all", "control")
         for method, target, body, authorization in requests:
             headers = {} if authorization is None else {"Authorization": authorization}
             what = shown(method, target, body, headers)
-            check_answer(fire(h, method, target, body, headers), what, auth, _granted(authorization))
+            before = h.state() if required else None
+            response = fire(h, method, target, body, headers)
+            check_answer(response, what, auth, _granted(authorization, granting))
+            if required and response is not None and response.status in (401, 403):
+                assert h.state() == before, f"{what}: refused {response.status} but changed the state"
+                if method != "HEAD":
+                    assert error(response) in REFUSALS, f"{what}: {response.status} {response.body[:200]!r}"
             h.check(what)
         assert h.http.site.state.peeks.held == 0
         h.drain()
@@ -236,6 +250,12 @@ def test_fuzzed_body_endpoints_without_auth(requests):
 @given(requests=st.lists(_broker_request(), min_size=1, max_size=4))
 def test_fuzzed_body_endpoints_with_auth(requests):
     _broker_case(True, requests)
+
+
+@examples(120)
+@given(requests=st.lists(_broker_request(), min_size=1, max_size=4))
+def test_fuzzed_body_endpoints_with_http_auth_required(requests):
+    _broker_case(True, requests, required=True)
 
 
 def test_every_secret_on_every_body_endpoint():
@@ -265,8 +285,8 @@ class BrokerUpstream:
             raise UpstreamError(url, "request timed out")
         return response.status, response.body
 
-    def get(self, url: str):
-        return succeed(self._send("GET", url, b"", None))
+    def get(self, url: str, headers=None):
+        return succeed(self._send("GET", url, b"", headers))
 
     def get_json(self, url: str, headers=None, max_bytes=None):
         code, body = self._send("GET", url, b"", headers)

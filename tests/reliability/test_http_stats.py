@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mqd.nsqd.auth import AuthError, parse_auth_response
+from tests.support.auth_fuzz import AUTH_ADDRESS, REFUSED_AS, FakeAuthServer, caller
+from tests.support.fuzz_inputs import EXAMPLES_OVERRIDE
 from tests.support.http_client import HTTPClient, error, parse_response
 from tests.support.inprocess_broker import new_broker
 from tests.support.v2_client import Client
@@ -453,3 +455,26 @@ def test_snapshot_out_is_a_name_or_a_400(snap_broker_once, out):
 @pytest.fixture
 def snap_broker_once(snap_broker):
     return snap_broker()
+
+
+@pytest.fixture
+def guarded_http(make_broker, tmp_path, sync_threads):
+    """An in-process HTTP client of a broker under --http-auth-required (tests/support/auth_fuzz.py's auth server)."""
+    path = tmp_path / "guarded"
+    path.mkdir()
+    broker = make_broker(path=str(path), auth_http_address=[AUTH_ADDRESS], http_auth_required=True)
+    broker.auth.fetch_function = FakeAuthServer()
+    return HTTPClient(broker)
+
+
+@settings(max_examples=EXAMPLES_OVERRIDE or 200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=_requests(), who=caller())
+def test_no_endpoint_answers_500_to_client_input_with_http_auth_required(guarded_http, request, who):
+    """The same under --http-auth-required, from a random caller: a refusal is the JSON 401/403 it must be."""
+    method, uri, body = request
+    kind, headers = who
+    r = guarded_http.request(method, uri, body if method in ("POST", "PUT") else None, headers=headers)
+    assert r.status != 500, (method, uri, kind, body[:80], r.body[:200])
+    if r.status in (401, 403):
+        assert error(r) == REFUSED_AS[kind], (method, uri, kind, headers, r.status, r.body[:200])

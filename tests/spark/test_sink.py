@@ -211,3 +211,26 @@ def test_a_task_that_failed_on_a_down_broker_publishes_when_retried(start_broker
     assert json.loads(retried.stdout)["topics"] == {"retried": [1200, sizes], "other": [1, 9]}
     assert message_count(broker, "retried") == 1200
     assert message_count(broker, "other") == 1
+
+
+@pytest.mark.parametrize(("secret", "refusal"), [
+    ("", "401 Unauthorized (AUTH_REQUIRED): it requires a secret (option auth_secret)"),
+    ("limited", "403 Forbidden (UNAUTHORIZED): the secret has no grant for this request"),
+    ("good", None),
+])
+def test_the_lookupd_query_carries_auth_secret_and_a_refusal_is_one_line(secret, refusal):
+    """The `auth_secret` option goes to lookupd as `Authorization: Bearer` (lookupd --http-auth-required)."""
+    from spark_bridge.sink import SinkError, lookupd_brokers
+    from tests.support.guarded_http import GuardedNode
+
+    node = GuardedNode()
+    try:
+        if refusal is None:
+            assert lookupd_brokers((node.address,), timeout=5, auth_secret=secret) == ["127.0.0.1:4150"]
+        else:
+            with pytest.raises(SinkError) as caught:
+                lookupd_brokers((node.address,), timeout=5, auth_secret=secret)
+            assert str(caught.value) == f"mqd: nsqlookupd {node.address} answered {refusal}"
+        assert node.authorizations("/nodes") == [f"Bearer {secret}" if secret else None]
+    finally:
+        node.close()

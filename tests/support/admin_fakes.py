@@ -48,7 +48,7 @@ class CannedUpstream:
     def _canned(self, method: str, url: str) -> tuple[int, bytes]:
         raise NotImplementedError
 
-    def get(self, url: str) -> Deferred:
+    def get(self, url: str, headers=None) -> Deferred:
         return maybeDeferred(self._canned, "GET", url)
 
     def get_json(self, url: str, headers=None, max_bytes=None) -> Deferred:
@@ -137,6 +137,10 @@ class FakeCluster:
 
     def node_url(self, node: str) -> str:
         return "http://" + node
+
+    def using(self, upstream) -> FakeCluster:
+        """As Cluster.using: the same answers (this fake asks no upstream)."""
+        return self
 
     def topic_producers(self, topic: str) -> Deferred:
         self.events.append(("topic_producers", topic, None))

@@ -1,7 +1,14 @@
-"""Fuzzing a real broker over sockets: random V2 streams and HTTP requests, checked in batches."""
+"""Fuzzing a real broker over sockets: random V2 streams and HTTP requests, checked in batches.
+
+With `callers` (a broker under --http-auth-required), each HTTP request
+comes from a random caller (tests/support/auth_fuzz.py's kinds), and a
+refusal must be nsqd's JSON 401/403 and leave the broker's topics and
+channels (names, pause flags, counts) as they were.
+"""
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import time
@@ -25,6 +32,8 @@ class FuzzReport:
     closed_by_broker: int = 0
     http_500: list[str] = field(default_factory=list)
     http_no_answer: list[str] = field(default_factory=list)
+    bad_refusals: list[str] = field(default_factory=list)
+    refused: int = 0
     seconds: float = 0.0
 
     @property
@@ -73,12 +82,14 @@ def _send_streams(broker: BrokerProcess, streams: list[bytes], settle: float) ->
 
 def fuzz_broker(broker: BrokerProcess, control: Control, *, streams: int, http_requests: int,
                 seed: int, batch: int = 25, settle: float = 0.15,
-                progress: Callable[[str], None] | None = None) -> FuzzReport:
+                progress: Callable[[str], None] | None = None,
+                callers: Callable[[random.Random], tuple[str, dict[str, str]]] | None = None) -> FuzzReport:
     """Random V2 streams over real sockets and random HTTP requests, in batches.
 
     After each batch the control checks run (the broker still serves a
     well-behaved client and still counts every control message). 500s and
     requests left unanswered are collected, not raised, so one run shows them all.
+    `callers(rng)`: the (kind, headers) of each HTTP request's caller (see the module doc).
     """
     rng = random.Random(seed)
     report = FuzzReport()
@@ -93,7 +104,7 @@ def fuzz_broker(broker: BrokerProcess, control: Control, *, streams: int, http_r
             method, target, body = random_http_request(rng)
             if target.startswith("/snapshot") and rng.random() < 0.7:
                 target = "/ping"  # each snapshot copies the store: only a few
-            _http_case(broker, report, method, target, body)
+            _http_case(broker, report, method, target, body, control, callers, rng)
         control.check(f"{report.streams} streams / {report.http_requests} HTTP requests")
         if progress is not None:
             progress(f"fuzz: {report.streams} streams, {report.http_requests} HTTP requests")
@@ -103,18 +114,49 @@ def fuzz_broker(broker: BrokerProcess, control: Control, *, streams: int, http_r
               for body in HTTP_BODIES]
     sweep.append(("PUT", "/config/log_level", b"info"))
     for method, target, body in sweep:
-        _http_case(broker, report, method, target, body)
+        _http_case(broker, report, method, target, body, control, callers, rng)
+    if callers is not None:  # the last reset above may have been refused
+        control.http("PUT", "/config/log_level", b"info")
     control.check("the snapshot and config sweep")
     report.seconds = time.monotonic() - t0
     return report
 
 
+def _queues(control: Control) -> list:
+    """The broker's topics and channels: names, pause flags, counts (`/stats` without clients)."""
+    status, body = control.http("GET", "/stats?format=json&include_clients=false")
+    assert status == 200, (status, body[:300])
+    return [(t["topic_name"], t["paused"], t["message_count"], t["depth"],
+             [(c["channel_name"], c["paused"], c["depth"], c["message_count"]) for c in t["channels"] or []])
+            for t in json.loads(body)["topics"] or []]
+
+
+REFUSED_AS = {"none": (401, "AUTH_REQUIRED"), "malformed": (401, "AUTH_REQUIRED"), "wrong": (401, "AUTH_FAILED"),
+              "partial": (403, "UNAUTHORIZED"), "full": (403, "UNAUTHORIZED")}
+
+
 def _http_case(broker: BrokerProcess, report: FuzzReport, method: str, target: str,
-               body: bytes | None) -> None:
-    status, answer = raw_http(broker, method, target, body)
+               body: bytes | None, control: Control, callers, rng: random.Random) -> None:
+    kind, headers = callers(rng) if callers is not None else ("", {})
+    before = _queues(control) if callers is not None else None
+    status, answer = raw_http(broker, method, target, body, headers=headers)
     report.http_requests += 1
-    shown = f"{method} {target[:120]} body={(body or b'')[:40]!r} -> {answer[:200]!r}"
+    shown = f"{method} {target[:120]} {kind} {str(headers)[:60]} body={(body or b'')[:40]!r} -> {answer[:200]!r}"
     if status == 500:
         report.http_500.append(shown)
     elif status == 0 and method != "CONNECT":
         report.http_no_answer.append(shown)
+    elif callers is not None and (status in (401, 403) or kind in ("none", "malformed", "wrong")):
+        report.refused += status in (401, 403)
+        problems = []
+        if _queues(control) != before:
+            problems.append("changed the queues")
+        if status in (401, 403) and method != "HEAD":
+            try:
+                message = json.loads(answer)
+            except ValueError:
+                message = None
+            if message != {"message": REFUSED_AS[kind][1]} or status != REFUSED_AS[kind][0]:
+                problems.append(f"answered {status} {message}")
+        if problems:
+            report.bad_refusals.append(f"{shown}: " + ", ".join(problems))

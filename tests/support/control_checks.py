@@ -12,18 +12,20 @@ import socket
 from collections import Counter
 from dataclasses import dataclass, field
 
+from tests.support.authd import identify_auth
 from tests.support.durable_load import check_body, drain_all, make_body
 from tests.support.processes import BrokerProcess
 from tests.support.raw_conn import FRAME_ERROR, FRAME_RESPONSE, RawConn, command
 
 
 def raw_http(broker: BrokerProcess, method: str, target: str, body: bytes | None,
-             timeout: float = 5.0) -> tuple[int, bytes]:
+             timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """One request written by hand (any target bytes), (status, body) of the answer.
 
     Status 0: the broker closed the connection without answering.
     """
     head = [f"{method} {target} HTTP/1.1", f"Host: {broker.http_address}", "Connection: close"]
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
     if body is not None:
         head.append(f"Content-Length: {len(body)}")
     data = ("\r\n".join(head) + "\r\n\r\n").encode("utf-8", "surrogateescape") + (body or b"")
@@ -70,19 +72,32 @@ class Control:
 
     The control topic has a channel, so every acknowledged body must still be
     there at the end (depth + in flight), and come out of it, intact.
+    `secret`: a broker with --auth-http-address (and --http-auth-required):
+    the control client AUTHs with it, and sends it as a bearer secret.
     """
 
     broker: BrokerProcess
     topic: str = "zz_control"
     channel: str = "zz_control_c"
     published: list[bytes] = field(default_factory=list)
+    secret: bytes | None = None
+
+    def _conn(self) -> RawConn:
+        conn = RawConn(self.broker)
+        if self.secret is not None:
+            assert identify_auth(conn, self.secret)[0] == FRAME_RESPONSE
+        return conn
+
+    def http(self, method: str, target: str, body: bytes | None = None) -> tuple[int, bytes]:
+        headers = {} if self.secret is None else {"Authorization": f"Bearer {self.secret.decode()}"}
+        return raw_http(self.broker, method, target, body, headers=headers)
 
     def setup(self, n: int = 20) -> None:
-        with RawConn(self.broker) as conn:
+        with self._conn() as conn:
             conn.send(command(f"SUB {self.topic} {self.channel}") + command("CLS"))
             assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
             assert conn.read_frame() == (FRAME_RESPONSE, b"CLOSE_WAIT")
-        with RawConn(self.broker) as conn:
+        with self._conn() as conn:
             for _ in range(n):
                 self.publish(conn)
 
@@ -95,23 +110,23 @@ class Control:
     def check(self, what: str) -> None:
         """A new client is served: PUB answered OK, /ping OK, stats count every control message."""
         assert self.broker.running, f"broker died after {what}\n{self.broker.describe()}"
-        with RawConn(self.broker) as conn:
+        with self._conn() as conn:
             self.publish(conn)
         status, body = raw_http(self.broker, "GET", "/ping", None)
         assert (status, body) == (200, b"OK"), f"/ping after {what}: {status} {body[:200]!r}"
-        status, body = raw_http(self.broker, "GET", "/stats?format=json&topic=" + self.topic, None)
+        status, body = self.http("GET", "/stats?format=json&topic=" + self.topic)
         assert status == 200, f"/stats after {what}: {status} {body[:300]!r}"
         count = queue_count(json.loads(body), self.topic, self.channel)
         assert count == len(self.published), (
             f"after {what}: control channel counts {count}, {len(self.published)} were acknowledged")
         for path in ("/stats", "/metrics"):
-            status, body = raw_http(self.broker, "GET", path, None)
+            status, body = self.http("GET", path)
             assert status == 200, f"{path} after {what}: {status} {body[:300]!r}"
 
     def drain_and_compare(self) -> None:
         """Every acknowledged control body comes out of the channel, intact, once."""
         got = drain_all(self.broker, [(self.topic, self.channel)], silence=0.5,
-                        expect=len(self.published))[(self.topic, self.channel)]
+                        expect=len(self.published), secret=self.secret)[(self.topic, self.channel)]
         bodies = Counter(d.body for d in got)
         for body in bodies:
             check_body(body)

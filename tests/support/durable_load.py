@@ -18,6 +18,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from tests.support.authd import identify_auth
 from tests.support.raw_conn import FRAME_ERROR, FRAME_MESSAGE, FRAME_RESPONSE, RawConn, command
 from tests.support.v2_frames import mpub_body
 
@@ -68,7 +69,7 @@ DRAIN_RDY = 200
 
 
 def drain(broker, topic: str, channel: str, *, silence: float = 1.5, expect: int | None = None,
-          timeout: float = 60.0) -> list[Delivery]:
+          timeout: float = 60.0, secret: bytes | None = None) -> list[Delivery]:
     """Subscribe, FIN everything, stop after `silence` seconds without a message.
 
     With `expect`, stop as soon as that many arrived (and a short silence after
@@ -76,10 +77,13 @@ def drain(broker, topic: str, channel: str, *, silence: float = 1.5, expect: int
     RDY stays at DRAIN_RDY: the tests run brokers with a 1 s msg-timeout, and
     on a busy machine a drain thread that had thousands of messages waiting
     in its socket could FIN one after it timed out and came back.
+    `secret`: AUTH with it first (a broker with --auth-http-address).
     """
     got: list[Delivery] = []
     deadline = time.monotonic() + timeout
     with RawConn(broker, timeout=10) as conn:
+        if secret is not None:
+            assert identify_auth(conn, secret)[0] == FRAME_RESPONSE
         conn.send(command(f"SUB {topic} {channel}") + command(f"RDY {DRAIN_RDY}"))
         assert conn.read_frame() == (FRAME_RESPONSE, b"OK")
         wait = silence

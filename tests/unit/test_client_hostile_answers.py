@@ -138,6 +138,59 @@ def test_auth_answer_nested_too_deep_or_of_the_wrong_shape_fails_the_handshake(p
     assert f"AUTH answer {what}" in str(err)
 
 
+# -- what the tools print: go-nsq's words ------------------------------------------------------
+
+_GO_FIELD = "into Go struct field IdentifyResponse"
+
+
+@pytest.mark.parametrize(("answer", "nsq_text"), [
+    (response(b'{"max_rdy_count": 1000000000000000000000000000000}'),
+     f"failed to IDENTIFY - json: cannot unmarshal number 1000000000000000000000000000000 {_GO_FIELD}"
+     ".max_rdy_count of type int64"),
+    (response(b'{"tls_v1": "yes"}'),
+     f"failed to IDENTIFY - json: cannot unmarshal string {_GO_FIELD}.tls_v1 of type bool"),
+    (response(b'{"max_rdy_count": 25'), "failed to IDENTIFY - unexpected end of JSON input"),
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n",
+     "failed to IDENTIFY - unexpected HTTP response, a nsqd TCP endpoint is required"),
+    (struct.pack(">ii", 5, 9) + b"x", "failed to IDENTIFY - bad frame type 9"),
+])
+def test_an_identify_answer_that_cannot_be_used_is_a_handshake_refusal_in_go_nsqs_words(
+        answer, nsq_text, logged):
+    conn = Conn()
+    conn.feed(answer)
+    err = closed_with(conn, errors.UnusableAnswerError)
+    assert isinstance(err, errors.HandshakeRefusedError)
+    assert str(err).startswith("protocol error: ")  # the client's own account, as before
+    assert err.nsq_text == nsq_text
+
+
+def test_an_error_frame_answering_identify_is_a_refusal_and_still_its_own_class(logged):
+    conn = Conn()
+    conn.feed(error(b"E_BAD_BODY IDENTIFY heartbeat interval (999999999) is invalid"))
+    err = closed_with(conn, errors.IdentifyRefusedError)
+    assert isinstance(err, errors.BadBodyError) and isinstance(err, errors.HandshakeRefusedError)
+    assert str(err) == "E_BAD_BODY IDENTIFY heartbeat interval (999999999) is invalid"
+    assert err.nsq_text == "failed to IDENTIFY - " + str(err)
+
+
+def test_an_auth_answer_that_cannot_be_used_is_go_nsqs_bare_json_error(logged):
+    conn = Conn(auth_secret="s")
+    conn.feed(server_json(auth_required=True))
+    conn.feed(response(b'{"permission_count": "2"}'))
+    err = closed_with(conn, errors.UnusableAnswerError)
+    assert err.nsq_text == ("json: cannot unmarshal string into Go struct field "
+                            "AuthResponse.permission_count of type int64")
+
+
+def test_a_bad_frame_after_the_handshake_is_no_handshake_refusal(logged):
+    conn = ready()
+    conn.feed(struct.pack(">ii", 5, 9) + b"x")
+    conn.lose()
+    closed = conn.delegate.events[-1][1].value
+    assert isinstance(closed, ServerProtocolError)
+    assert not isinstance(closed, errors.HandshakeRefusedError)  # a subscribed consumer reconnects
+
+
 # -- sizes -------------------------------------------------------------------------------
 
 
@@ -298,21 +351,41 @@ def _drop(net: Network) -> None:
 
 
 @pytest.mark.parametrize(("ftype", "answer", "why"), [
-    (ERROR, b"E_BAD_BODY IDENTIFY failed to decode JSON body", "E_BAD_BODY IDENTIFY failed"),
-    (RESPONSE, b"[" * 100_000, "protocol error: IDENTIFY answer is nested too deep"),
+    (ERROR, b"E_BAD_BODY IDENTIFY failed to decode JSON body",
+     "failed to IDENTIFY - E_BAD_BODY IDENTIFY failed to decode JSON body"),
+    (RESPONSE, b'{"max_rdy_count": 1000000000000000000000000000000}',
+     "failed to IDENTIFY - json: cannot unmarshal number 1000000000000000000000000000000 into Go "
+     "struct field IdentifyResponse.max_rdy_count of type int64"),
+    (RESPONSE, b"[" * 100_000, "failed to IDENTIFY - invalid character '[' exceeded max depth"),
 ])
-def test_failed_handshakes_log_one_line_each_and_no_unhandled_error(net, clock, logged, ftype,
-                                                                   answer, why):
-    consumer = make(net, clock)
+def test_a_handshake_answer_that_cannot_be_used_is_fatal_for_that_nsqd(net, clock, logged, ftype,
+                                                                       answer, why):
+    refused: list = []
+    consumer = make(net, clock, on_fatal=lambda address, err: refused.append((address, err.nsq_text)))
+    net.last("a:4150").send(ftype, answer)
+    _drop(net)
+    clock.advance(0)
+    gc.collect()  # an unheard failed `ready` said "Unhandled error in Deferred" here
+    clock.advance(3600)
+    assert refused == [("a:4150", why)]  # go-nsq's words: nsq_tail's last line
+    assert len(net.attempts) == 1  # the same nsqd gives the same answer: not dialed again
+    assert logged.lines == [f"(a:4150) {why}; not reconnecting"]
+    consumer.stopService()
+    clock.advance(60)
+
+
+def test_a_handshake_cut_short_is_retried_with_one_line_per_attempt(net, clock, logged):
+    refused: list = []
+    consumer = make(net, clock, on_fatal=lambda address, err: refused.append(err))
     for attempt in range(3):
-        net.last("a:4150").send(ftype, answer)
+        net.last("a:4150").close()  # a broker restarting: the next attempt may well succeed
         _drop(net)
         clock.advance(0)
-        gc.collect()  # an unheard failed `ready` said "Unhandled error in Deferred" here
+        gc.collect()
         clock.advance(60)  # the next attempt
         assert len(logged.lines) == attempt + 1, logged.lines
-    assert all(f"(a:4150) handshake failed: {why}" in line for line in logged.lines)
-    assert len(net.attempts) == 4
+    assert logged.lines == ["(a:4150) handshake failed: Connection was closed cleanly."] * 3
+    assert len(net.attempts) == 4 and refused == []
     consumer.stopService()
     clock.advance(60)
 

@@ -15,7 +15,7 @@ from twisted.internet import task
 from twisted.web import resource, server
 
 from mqd.clusterinfo import upstream as upstream_module
-from mqd.nsqd import auth
+from mqd.http import auth
 from tests.support.admin_fakes import real_upstream
 
 

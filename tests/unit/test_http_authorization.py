@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
+from twisted.python.failure import Failure
 
 from mqd.nsqd.auth import AuthClient, AuthError, parse_auth_response
 from mqd.nsqd.http.authorization import CACHE_SIZE, AuthCache
 from tests.support.auth_fakes import answer
-from tests.support.http_client import HTTPClient, error
+from tests.support.http_client import HTTPClient, error, parse_response
 from tests.support.inprocess_broker import START_TIME, settings
 
 SUB_ALL = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe"]}
@@ -370,3 +372,63 @@ def test_allows_topic(grants, topic, allowed):
 def test_the_peek_options_defaults(tmp_path):
     s = settings(tmp_path)
     assert (s.peek_max_body_bytes, s.peek_max_bytes) == (64 << 10, 4 << 20)
+
+
+# -- --http-auth-required: every endpoint behind a secret (the real-auth-server matrix is
+# tests/reliability/test_http_auth_required.py; these drive the waiting step by step) ------
+
+
+@pytest.fixture
+def required(make_broker, tmp_path, authd, sync_threads):
+    """A broker under --http-auth-required (topic t, channel c), asking `authd`, and its HTTP client."""
+    path = tmp_path / "required"
+    path.mkdir()
+    broker = make_broker(path=str(path), auth_http_address=["127.0.0.1:4181"], http_auth_required=True)
+    broker.auth.fetch_function = authd
+    broker.topic("t").channel("c")
+    return broker, HTTPClient(broker)
+
+
+ADMIN_T = {"topic": "^t$", "channels": [".*"], "permissions": [], "admin": True}
+
+
+def test_a_request_waits_for_the_auth_server_then_is_answered_by_the_endpoint(required, authd):
+    broker, http = required
+    authd.answers["ops"] = answer(authorizations=[ADMIN_T])
+    authd.hold = True
+    transport = http.send("POST", "/topic/pause?topic=t", b"", headers=bearer("ops"))
+    assert transport.value() == b"" and not broker.topics["t"].paused
+    authd.release()
+    r = parse_response(transport.value())
+    assert (r.status, r.body, r.v1) == (200, b"", True)
+    assert broker.topics["t"].paused
+    # Cached: answered in the request's own turn, without asking again.
+    assert http.post("/topic/unpause?topic=t", headers=bearer("ops")).status == 200
+    assert len(authd.queries) == 1 and not broker.topics["t"].paused
+
+
+def test_a_client_gone_while_the_auth_server_is_asked_gets_nothing_and_changes_nothing(required, authd):
+    broker, http = required
+    authd.answers["ops"] = answer(authorizations=[ADMIN_T])
+    authd.hold = True
+    transport = http.send("POST", "/topic/delete?topic=t", b"", headers=bearer("ops"))
+    transport.protocol.connectionLost(Failure(ConnectionDone()))
+    authd.release()
+    assert transport.value() == b"" and "t" in broker.topics
+
+
+def test_an_auth_server_that_cannot_be_asked_is_auth_failed_on_every_guarded_endpoint(required, authd):
+    broker, http = required
+    for method, path in (("POST", "/pub?topic=t"), ("GET", "/stats"), ("PUT", "/config/log_level"),
+                         ("POST", "/channel/empty?topic=t&channel=c"), ("GET", "/metrics")):
+        r = http.request(method, path, b"x" if method != "GET" else None, headers=bearer("unknown"))
+        assert error(r) == (401, "AUTH_FAILED"), path
+    assert http.get("/ping").status == 200 and http.get("/info").status == 200
+
+
+def test_without_the_option_the_admin_endpoints_stay_open_with_auth_configured(secured, authd):
+    broker, http = secured
+    assert http.post("/topic/pause?topic=t").status == 200
+    assert http.post("/pub?topic=t", b"x").status == 200
+    assert http.get("/stats?format=json").status == 200
+    assert authd.queries == []

@@ -72,7 +72,17 @@ def test_options_nsqd_resolves_at_start_up_are_shown_resolved(make_broker, flags
 
 def test_every_option_can_be_read_by_its_config_name(http):
     for opt in MQD_OPTIONS:
-        value(http, config_name(opt))
+        if not opt.attr.endswith("_secret"):
+            value(http, config_name(opt))
+
+
+def test_the_lookupd_secret_is_not_shown_nor_set(make_broker):
+    http = HTTPClient(make_broker(**{"http-client-auth-secret": "top-secret"}))
+    for method in ("get", "put"):
+        r = getattr(http, method)("/config/http_client_auth_secret", **({"body": b"x"} if method == "put" else {}))
+        assert error(r) == (400, "INVALID_OPTION")
+        assert b"top-secret" not in r.body
+    assert value(http, "http_client_auth_secret_file") == ""
 
 
 @pytest.mark.parametrize("name", ["nope", "node_id", "lookupd_tcp_address", "mem-queue-size",

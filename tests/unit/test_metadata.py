@@ -8,7 +8,7 @@ import os
 import pytest
 
 from mqd.nsqd.broker import Broker
-from mqd.nsqd.metadata import METADATA_FILE
+from mqd.nsqd.metadata import ID_LEASE_FILE, METADATA_FILE
 from mqd.options import ConfigError
 from tests.support.inprocess_broker import new_broker, settings
 from tests.support.v2_client import Client
@@ -22,7 +22,7 @@ def read_meta(path) -> dict:
 def test_open_writes_empty_metadata(tmp_path, make_broker):
     make_broker()
     assert read_meta(tmp_path) == {"topics": None, "version": "1.3.0"}
-    assert os.listdir(tmp_path) == [METADATA_FILE]
+    assert sorted(os.listdir(tmp_path)) == [ID_LEASE_FILE, METADATA_FILE]
 
 
 def test_open_creates_data_path(tmp_path, make_broker):
@@ -52,7 +52,7 @@ def test_written_after_creation_on_next_turn(tmp_path, inproc_broker, clock):
         ],
         "version": "1.3.0",
     }
-    assert sorted(os.listdir(tmp_path)) == [METADATA_FILE]  # no temp files left
+    assert sorted(os.listdir(tmp_path)) == [ID_LEASE_FILE, METADATA_FILE]  # no temp files left
 
 
 def test_one_write_for_many_changes(tmp_path, inproc_broker, clock, monkeypatch):
@@ -111,7 +111,7 @@ def test_write_is_atomic(tmp_path, inproc_broker, clock, monkeypatch):
     with pytest.raises(OSError):
         inproc_broker.metadata.write_now()
     assert (tmp_path / METADATA_FILE).read_bytes() == before
-    assert os.listdir(tmp_path) == [METADATA_FILE]
+    assert sorted(os.listdir(tmp_path)) == [ID_LEASE_FILE, METADATA_FILE]
 
 
 def test_load_restores_topics_channels_and_paused(tmp_path, clock):

@@ -297,3 +297,80 @@ def test_a_duration_with_a_sign_but_no_number_or_two_signs_is_refused(text):
 
     with pytest.raises(ValueError):
         parse_duration(text)
+
+
+@pytest.mark.parametrize("table_name", ["MQD_OPTIONS", "LOOKUPD_OPTIONS"])
+def test_http_auth_required_is_off_by_default_and_needs_an_auth_server(tmp_path, table_name):
+    import mqd.options as options
+
+    table = getattr(options, table_name)
+    assert resolve(table, {}).http_auth_required is False
+    options.check_http_auth(resolve(table, {}))
+    with pytest.raises(ConfigError, match="--http-auth-required needs --auth-http-address"):
+        options.check_http_auth(resolve(table, {"http-auth-required": True}))
+    path = write(tmp_path, "http_auth_required: true\nauth_http_address: ['127.0.0.1:4181']\n")
+    s = resolve(table, {}, path)
+    assert (s.http_auth_required, s.auth_http_address) == (True, ["127.0.0.1:4181"])
+    options.check_http_auth(s)
+
+
+def test_tap_http_auth_required_flag():
+    assert parse("--http-auth-required").flag_values() == {"http-auth-required": True}
+
+
+@pytest.mark.parametrize("program", ["mqd", "mqlookupd"])
+def test_a_daemon_with_http_auth_required_and_no_auth_server_does_not_start(program, capsys, tmp_path):
+    import mqd.options as options
+    from mqd.lookup import tap as lookupd_tap
+    from mqd.nsqd import tap as broker_tap
+
+    table, build = ((options.MQD_OPTIONS, broker_tap.build_service) if program == "mqd"
+                    else (options.LOOKUPD_OPTIONS, lookupd_tap.build_service))
+    settings = resolve(table, {"http-auth-required": True, "data-path": str(tmp_path)}
+                       if program == "mqd" else {"http-auth-required": True})
+    with pytest.raises(SystemExit) as stopped:
+        build(settings, MemoryReactor())
+    assert stopped.value.code == 1
+    assert f"{program}: --http-auth-required needs --auth-http-address" in capsys.readouterr().err
+
+
+# -- the broker's secret for lookupds (--http-client-auth-secret) ------------------------------
+
+
+def test_the_broker_takes_the_lookupd_secret_from_a_flag_the_yaml_or_a_file(tmp_path):
+    from mqd.options import http_client_auth_secret
+
+    assert http_client_auth_secret(resolve(MQD_OPTIONS, {})) == ""
+    assert parse("--http-client-auth-secret=s3cret").flag_values() == {"http-client-auth-secret": "s3cret"}
+    assert http_client_auth_secret(resolve(MQD_OPTIONS, {"http-client-auth-secret": "s3cret"})) == "s3cret"
+    assert http_client_auth_secret(resolve(MQD_OPTIONS, {}, write(tmp_path, "http_client_auth_secret: y4ml\n"))) == "y4ml"
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-file\n", encoding="ascii")
+    path = write(tmp_path, f"http_client_auth_secret_file: {secret_file}\n")
+    assert http_client_auth_secret(resolve(MQD_OPTIONS, {}, path)) == "from-file"
+    assert "s3cret" not in repr(resolve(MQD_OPTIONS, {"http-client-auth-secret": "s3cret"}))
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"http-client-auth-secret": "s3cret", "http-client-auth-secret-file": "FILE"},
+     "use --http-client-auth-secret or --http-client-auth-secret-file not both"),
+    ({"http-client-auth-secret": "s3cret with space"},
+     "--http-client-auth-secret: an HTTP auth secret must be printable ASCII without spaces"),
+    ({"http-client-auth-secret-file": "MISSING"}, "--http-client-auth-secret-file MISSING: No such file"),
+    ({"http-client-auth-secret-file": "EMPTY"}, "--http-client-auth-secret-file EMPTY: the file is empty"),
+])
+def test_an_unusable_lookupd_secret_stops_the_broker_with_one_line(capsys, tmp_path, given, message):
+    from mqd.nsqd import tap as broker_tap
+
+    (tmp_path / "secret").write_text("s3cret\n", encoding="ascii")
+    (tmp_path / "empty").write_text("\n", encoding="ascii")
+    paths = {"FILE": str(tmp_path / "secret"), "MISSING": str(tmp_path / "missing"), "EMPTY": str(tmp_path / "empty")}
+    flags = {k: paths.get(v, v) for k, v in given.items()}
+    with pytest.raises(SystemExit) as stopped:
+        broker_tap.build_service(resolve(MQD_OPTIONS, {"data-path": str(tmp_path), **flags}), MemoryReactor())
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    for word, path in paths.items():
+        message = message.replace(word, path)
+    assert err.startswith(f"mqd: {message}") and err.count("\n") == 1
+    assert "s3cret" not in err

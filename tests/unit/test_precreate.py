@@ -4,15 +4,19 @@ nsqd asks every lookupd `/channels?topic=` when it creates a topic and
 starts the topic only once those channels exist. Here the lookupd
 connections are StringTransports on the broker's Clock (the fakes of
 tests/support/lookup_peer_fakes.py) and the HTTP answer is a Deferred the test fires, so
-the test decides when lookupd answers relative to the publishes.
+the test decides when lookupd answers relative to the publishes; the
+tests of the query's bearer secret end with one over real HTTP.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import pytest
-from twisted.internet import defer
+import pytest_twisted
+from twisted.internet import defer, task
+from twisted.web import resource, server
 
 from mqd.nsqd.lookup_peer import LookupService, channels_answer
 from tests.support.lookup_peer_fakes import PORTS, FakeEndpoint
@@ -24,10 +28,14 @@ class FakeLookupdHTTP:
 
     def __init__(self) -> None:
         self.queries: list[tuple[str, str, dict[str, str], defer.Deferred]] = []
+        # The headers each query was sent with, in the order of `queries`.
+        self.headers: list[dict[bytes, list[bytes]]] = []
 
-    def __call__(self, url: str, method: str, params: dict[str, str]) -> defer.Deferred:
+    def __call__(self, url: str, method: str, params: dict[str, str],
+                 headers: Mapping[bytes, list[bytes]]) -> defer.Deferred:
         d: defer.Deferred = defer.Deferred()
         self.queries.append((url, method, params, d))
+        self.headers.append(dict(headers))
         return d
 
     def answer(self, i: int, *channels: str) -> None:
@@ -44,10 +52,15 @@ def lookupd_http():
 
 @pytest.fixture
 def lookup(inproc_broker, lookupd_http):
-    """lookup(*addresses, identify=True): a started LookupService, each lookupd connected (and identified)."""
+    """lookup(*addresses, identify=True, secret="", fetch=lookupd_http, http=None): a started LookupService.
+
+    Each lookupd is connected (and identified, its HTTP API at
+    `lookup<i>:<4161+i>`, or at `http` when given).
+    """
     services = []
 
-    def start(*addresses: str, identify: bool = True) -> LookupService:
+    def start(*addresses: str, identify: bool = True, secret: str = "", fetch=lookupd_http,
+              http: tuple[str, int] | None = None) -> LookupService:
         inproc_broker.update_options(lookupd_tcp_address=list(addresses))
         endpoints: dict[str, FakeEndpoint] = {}
 
@@ -56,15 +69,16 @@ def lookup(inproc_broker, lookupd_http):
             return endpoints[address]
 
         svc = LookupService(inproc_broker, PORTS, reactor=inproc_broker.clock, endpoint_for=endpoint_for,
-                            fetch=lookupd_http)
+                            fetch=fetch, secret=secret)
         svc.startService()
         services.append(svc)
         for i, address in enumerate(addresses):
             conn = endpoints[address].accept()
             if identify:
                 conn.written()
-                info = {"tcp_port": 4160, "http_port": 4161 + i, "version": "1.3.0",
-                        "broadcast_address": f"lookup{i}", "hostname": f"lookup{i}"}
+                host, port = http or (f"lookup{i}", 4161 + i)
+                info = {"tcp_port": 4160, "http_port": port, "version": "1.3.0",
+                        "broadcast_address": host, "hostname": host}
                 conn.reply(json.dumps(info).encode())
         return svc
 
@@ -205,3 +219,65 @@ def test_channels_answer(body, expected):
 def test_channels_answer_refuses_other_shapes(body):
     with pytest.raises(ValueError):
         channels_answer(body)
+
+
+# -- the query's bearer secret (--http-client-auth-secret) ------------------------------------
+
+
+@pytest.mark.parametrize("secret, sent", [("", {}), ("s3cret", {b"Authorization": [b"Bearer s3cret"]})])
+def test_the_query_carries_the_secret_only_when_one_is_given(inproc_broker, lookup, lookupd_http, publish,
+                                                             secret, sent):
+    lookup("10.0.0.1:4160", "10.0.0.2:4160", secret=secret)
+    publish(b"m1")
+    assert lookupd_http.headers == [sent, sent]
+    lookupd_http.answer(0, "a")
+    lookupd_http.answer(1)
+    assert depths(inproc_broker) == {"a": 1}
+
+
+class _GuardedChannels(resource.Resource):
+    """A lookupd's `/channels` that requires `Bearer good`, as mqlookupd with --http-auth-required; records what came."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bytes, bytes | None]] = []
+
+    def render_GET(self, request):
+        authorization = request.getHeader(b"authorization")
+        self.seen.append((request.uri, authorization))
+        request.setHeader(b"Content-Type", b"application/json")
+        if authorization != b"Bearer good":
+            request.setResponseCode(401)
+            return b'{"message":"AUTH_REQUIRED"}'
+        return b'{"channels":["from-lookupd"]}'
+
+
+@pytest.fixture
+def guarded_lookupd():
+    from twisted.internet import reactor
+
+    channels = _GuardedChannels()
+    port = reactor.listenTCP(0, server.Site(channels), interface="127.0.0.1")
+    yield channels, port.getHost().port
+    port.stopListening()
+
+
+@pytest.mark.parametrize("secret, channels", [("good", {"from-lookupd": 1}), ("", {})])
+@pytest_twisted.inlineCallbacks
+def test_over_http_the_secret_gets_the_channels_of_a_lookupd_that_requires_it(inproc_broker, lookup, publish,
+                                                                             guarded_lookupd, secret, channels):
+    from twisted.internet import reactor
+
+    guarded, port = guarded_lookupd
+    lookup("10.0.0.1:4160", secret=secret, fetch=None, http=("127.0.0.1", port))
+    publish(b"m1")
+    topic = inproc_broker.topics["t"]
+    for _ in range(500):
+        if not topic.held:
+            break
+        yield task.deferLater(reactor, 0.01, lambda: None)
+    assert not topic.held
+    assert guarded.seen == [(b"/channels?topic=t", b"Bearer " + secret.encode() if secret else None)]
+    assert depths(inproc_broker) == channels

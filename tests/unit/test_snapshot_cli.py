@@ -10,8 +10,10 @@ Asking a real broker over HTTP is in tests/integration/test_snapshot_cli.py.
 from __future__ import annotations
 
 import fcntl
+import http.server
 import os
 import socket
+import threading
 
 import pytest
 
@@ -219,3 +221,59 @@ def test_summary_of_a_durable_memory_or_data_path_manifest():
     # No stats check on a copy of files: there were no /stats to compare with.
     manifest.source = "data-path"
     assert "stats check" not in summary(manifest, "/s")
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A broker that asks who is calling and grants nothing: it records the Authorization it got."""
+
+    seen: list[str | None] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's name
+        self.seen.append(self.headers.get("Authorization"))
+        body = b'{"message":"UNAUTHORIZED"}'
+        self.send_response(403)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_broker():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    _Refusing.seen = []
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Refusing.seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_the_secret_goes_to_the_broker_as_a_bearer_token(refusing_broker, how, monkeypatch, capsys):
+    url, seen = refusing_broker
+    argv = ["snapshot", "--broker", url]
+    if how == "flag":
+        argv += ["--http-auth-secret", "s3cret"]
+    else:
+        monkeypatch.setenv("MQ_HTTP_AUTH_SECRET", "s3cret")
+    assert main(argv) == 1
+    assert seen == ["Bearer s3cret"]
+    assert "403 UNAUTHORIZED" in capsys.readouterr().err
+
+
+def test_no_secret_sends_no_authorization(refusing_broker, monkeypatch):
+    url, seen = refusing_broker
+    monkeypatch.delenv("MQ_HTTP_AUTH_SECRET", raising=False)
+    assert main(["snapshot", "--broker", url]) == 1
+    assert seen == [None]
+
+
+def test_a_secret_a_header_cannot_carry_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["snapshot", "--broker", "http://127.0.0.1:4151", "--http-auth-secret", "two words"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "printable ASCII without spaces" in err and "two words" not in err

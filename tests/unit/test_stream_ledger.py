@@ -32,6 +32,7 @@ import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -43,7 +44,7 @@ from mqd.client.message import Message
 from spark_bridge import reactor_thread
 from spark_bridge.stream_ledger import FINISH, HELD, NEW, Ledger
 from spark_bridge.stream_source import ChannelFeed, TopicStreamReader, rows_of
-from spark_bridge.stream_wal import WalDirectory
+from spark_bridge.stream_wal import WalDirectory, WalError
 
 TOPIC, CHANNEL = "events", "spark"
 BROKERS = ("127.0.0.1:4150", "127.0.0.1:4151")
@@ -570,6 +571,45 @@ def test_a_restart_recovers_batches_after_a_forgotten_one():
         w.broker.publish(0, b"b4")
         w.drain()
         assert Counter(_key(r) for rows in w.sink.values() for r in rows) == Counter(list(w.broker.published))
+
+
+def _deliver(w: World, n: int) -> None:
+    for i in range(n):
+        w.broker.publish(0, b"m%d" % i)
+        w.broker.deliver(0, w.feed)
+
+
+def test_a_lost_mqd_source_stops_the_replay_of_a_logged_batch_saying_how_to_start_afresh():
+    with world() as w:
+        _deliver(w, 3)
+        w.spark_step(2)  # latestOffset: batch 0-2 in the WAL
+        w.spark_step(2)  # in Spark's offset log
+        shutil.rmtree(Path(w.checkpoint) / "mqd-source")
+        w.crash()
+        assert w.phase == "logged"  # Spark replays batch 0-2
+        with pytest.raises(WalError) as e:
+            w.spark_step(2)
+        text = str(e.value)
+        assert "does not hold offsets 0-2, which the query's checkpoint has already read" in text
+        assert "mqd-source directory was lost or altered" in text
+        assert "To start afresh on purpose, run the query with a new checkpointLocation" in text
+
+
+def test_a_lost_mqd_source_after_a_committed_batch_stops_rather_than_go_back():
+    """Spark's next batch starts at 2; a fresh WAL would offer offsets from 0 again, below it."""
+    with world() as w:
+        _deliver(w, 2)
+        for _ in range(6):  # latestOffset ... reader.commit: batch 0-2 committed
+            w.spark_step(5)
+        assert w.phase == "idle" and w.offset_log == [(0, 2)]
+        shutil.rmtree(Path(w.checkpoint) / "mqd-source")
+        w.crash()
+        _deliver(w, 1)
+        for _attempt in range(2):  # the query started again on the same checkpoint: the same error
+            with pytest.raises(WalError, match="does not hold offsets 0-2, which the query's checkpoint"):
+                w.spark_step(5)
+            w.crash()
+        assert w.reader._wal.committed() == 0  # no marker made the new directory look complete
 
 
 # -- the ledger's rules, directly ------------------------------------------------------

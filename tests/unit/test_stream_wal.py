@@ -23,6 +23,7 @@ from spark_bridge.stream_wal import (
     WalError,
     decode_batch,
     encode_batch,
+    lost_offsets,
 )
 
 TOPIC, CHANNEL = "events", "spark"
@@ -140,6 +141,15 @@ def test_a_missing_batch_is_a_wal_error_naming_the_offsets_and_directory(tmp_pat
     with pytest.raises(WalError, match="has no batch 5-9 under") as e:
         wal.read(5, 9)
     assert str(wal.path) in str(e.value)
+
+
+def test_offsets_the_wal_lost_say_what_happened_and_how_to_start_afresh(tmp_path):
+    text = str(lost_offsets(tmp_path / "mqd-source", 0, 1000))
+    assert text.startswith(f"mqd: the write-ahead log under {tmp_path / 'mqd-source'} does not hold "
+                           "offsets 0-1000, which the query's checkpoint has already read")
+    assert "mqd-source directory was lost or altered" in text
+    assert "To start afresh on purpose, run the query with a new checkpointLocation" in text
+    assert "\n" not in text  # one line, as the source's other errors
 
 
 def test_a_file_holding_another_span_is_refused(tmp_path):

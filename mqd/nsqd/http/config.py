@@ -16,6 +16,9 @@ ports, `statsd_prefix` has its `%s` filled in (and a trailing `.`),
 a client-auth policy makes it 2) and `tls_min_version` Go's constant
 (769 for TLS 1.0 .. 772 for TLS 1.3).
 
+`http_client_auth_secret` is not shown (400 `INVALID_OPTION`, as for an
+unknown name); its `_file` is, being a path.
+
 Only `nsqlookupd_tcp_addresses` (a JSON array) and `log_level` (a level
 name as plain text) can be changed; the change goes through
 `Broker.update_options`, the one place run-time changes are made.
@@ -38,7 +41,8 @@ from mqd.options import MQD_OPTIONS
 
 __all__ = ["Config"]
 
-_BY_CONFIG_NAME = {config_name(opt): opt for opt in MQD_OPTIONS}
+# A secret is not an option /config shows (nor sets): asking for it is 400 INVALID_OPTION.
+_BY_CONFIG_NAME = {config_name(opt): opt for opt in MQD_OPTIONS if not opt.attr.endswith("_secret")}
 
 # Go's tls.VersionTLS10 .. VersionTLS13, and nsqd's TLSNotRequired,
 # TLSRequiredExceptHTTP, TLSRequired.

@@ -17,6 +17,7 @@ Python objects at once.
 
 from __future__ import annotations
 
+import io
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -62,6 +63,21 @@ def _content_length(request: Request) -> int:
         return int(raw) if raw is not None else -1
     except ValueError:
         return -1
+
+
+def _mpub_body(request: Request, limit: int) -> bytes:
+    """At most `limit` bytes of the body, without a second copy of a big /mpub body.
+
+    The site keeps a request body in memory (a BytesIO); `getvalue` hands
+    out that buffer itself, where reading it copies it. A body that stays
+    referenced until its last chunk is published (mqd.nsqd.batches) would
+    otherwise exist twice for the whole batch.
+    """
+    content = request.content
+    if isinstance(content, io.BytesIO):
+        body = content.getvalue()
+        return body if len(body) <= limit else body[:limit]
+    return read_body(request, limit)
 
 
 def _defer_ms(value: str, max_ms: float) -> int:
@@ -239,7 +255,7 @@ class Mpub(_Publisher):
                 parsed = True
             binary = parsed
         read_max = opts.max_body_size + 1
-        body = read_body(request, read_max)
+        body = _mpub_body(request, read_max)
         max_msg = opts.max_msg_size
         end = len(body)
         if binary:

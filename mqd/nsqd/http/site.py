@@ -7,6 +7,10 @@ topics.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
 (/channel/peek, /topic/peek: mqd's look at messages without consuming them).
 What those last two keep between requests is an `HttpState`
 (mqd.nsqd.http.state), given to the site or built by it.
+
+With `--http-auth-required`, every route but `/ping` and `/info` is
+Guarded by the grant GRANTS gives it (docs/security.md has the table); a
+route missing from it would need the broker-wide admin grant.
 """
 
 from __future__ import annotations
@@ -15,6 +19,18 @@ from collections.abc import Mapping
 
 from twisted.web import resource, server
 
+from mqd.http.args import query_of
+from mqd.http.auth import AuthState
+from mqd.http.authorization import (
+    AuthCache,
+    Guarded,
+    Rule,
+    admin_everywhere,
+    admin_on_channel,
+    admin_on_topic,
+    any_grant,
+    publish_on_topic,
+)
 from mqd.http.endpoint import Endpoint
 from mqd.http.router import ApiSite, CappedBody, Router
 from mqd.nsqd.http.config import Config
@@ -23,7 +39,7 @@ from mqd.nsqd.http.peek import ChannelPeek, TopicPeek
 from mqd.nsqd.http.publish import Mpub, Pub
 from mqd.nsqd.http.snapshot import Snapshot
 from mqd.nsqd.http.state import HttpState
-from mqd.nsqd.http.status import Info, Ping, Stats
+from mqd.nsqd.http.status import Info, Ping, Stats, includes_clients
 from mqd.nsqd.http.topics import (
     ChannelCreate,
     ChannelDelete,
@@ -35,10 +51,52 @@ from mqd.nsqd.http.topics import (
     TopicPause,
 )
 
-__all__ = ["NsqdAPI", "NsqdSite", "TLSRequired"]
+__all__ = ["GRANTS", "OPEN", "NsqdAPI", "NsqdSite", "TLSRequired", "guard_routes"]
 
 # The one route with a parameter: /config/:opt (one non-empty segment).
 _CONFIG_PREFIX = "/config/"
+
+
+def _stats_grant(request: server.Request, state: AuthState) -> bool:
+    """`/stats`: its clients' addresses, names and identities are the broker-wide admin's; counters anyone's."""
+    if includes_clients(query_of(request)):
+        return state.allows_admin_everywhere()
+    return True
+
+
+# Health checks: answered without a secret under --http-auth-required too.
+OPEN = frozenset({"/ping", "/info"})
+
+# What each route needs under --http-auth-required (mqd.http.authorization
+# has the rules). Peek answers `any_grant` here because it checks its own
+# `subscribe` grant (as it does whenever auth is configured); `/snapshot`
+# checks its own too, after this one.
+GRANTS: dict[str, Rule] = {
+    "/stats": _stats_grant,
+    "/metrics": any_grant,
+    "/pub": publish_on_topic,
+    "/mpub": publish_on_topic,
+    "/topic/create": admin_on_topic,
+    "/topic/delete": admin_on_topic,
+    "/topic/empty": admin_on_topic,
+    "/topic/pause": admin_on_topic,
+    "/topic/unpause": admin_on_topic,
+    "/channel/create": admin_on_channel,
+    "/channel/delete": admin_on_channel,
+    "/channel/empty": admin_on_channel,
+    "/channel/pause": admin_on_channel,
+    "/channel/unpause": admin_on_channel,
+    "/channel/peek": any_grant,
+    "/topic/peek": any_grant,
+    "/snapshot": admin_everywhere,
+    _CONFIG_PREFIX: admin_everywhere,
+}
+
+
+def guard_routes(routes: Mapping[str, Endpoint], auth: AuthCache) -> dict[str, Endpoint]:
+    """Every route but OPEN's behind its grant (a route GRANTS forgot: the broker-wide admin's)."""
+    return {path: endpoint if path in OPEN else Guarded(endpoint, auth, GRANTS.get(path, admin_everywhere))
+            for path, endpoint in routes.items()}
 
 
 class NsqdAPI(Router):
@@ -49,7 +107,7 @@ class NsqdAPI(Router):
 
     def __init__(self, broker, ports: Mapping[str, int], state: HttpState) -> None:
         auth = state.auth
-        super().__init__({
+        routes: dict[str, Endpoint] = {
             "/ping": Ping(broker),
             "/info": Info(broker, ports),
             "/stats": Stats(broker),
@@ -69,8 +127,14 @@ class NsqdAPI(Router):
             "/channel/peek": ChannelPeek(broker, auth, state.peeks),
             "/topic/peek": TopicPeek(broker, auth, state.peeks),
             "/snapshot": Snapshot(broker, auth, state.snapshots),
-        })
-        self.config = Config(broker, ports)
+        }
+        config: Endpoint = Config(broker, ports)
+        # (No broker: the API built only to list its routes.)
+        if broker is not None and broker.options.http_auth_required:
+            routes = guard_routes(routes, auth)
+            config = Guarded(config, auth, GRANTS[_CONFIG_PREFIX])
+        super().__init__(routes)
+        self.config = config
 
     def match(self, path: str) -> tuple[Endpoint, dict[str, str]] | None:
         found = super().match(path)

@@ -9,15 +9,24 @@ from typing import Any
 from twisted.web.server import Request
 
 from mqd import NSQ_VERSION
-from mqd.http.args import query_of
+from mqd.http.args import Query, query_of
 from mqd.http.endpoint import Endpoint, PlainTextEndpoint
 from mqd.http.response import ApiError, nanoseconds
 from mqd.nsqd.stats import stats_json, stats_text
 
-__all__ = ["Info", "Ping", "Stats"]
+__all__ = ["Info", "Ping", "Stats", "includes_clients"]
 
 # nsqd's `boolParams` for include_clients / include_mem; anything else means the default.
 _BOOL_PARAMS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def includes_clients(query: Query) -> bool:
+    """Whether `/stats` answers with its clients' details (`include_clients`, true unless false or 0).
+
+    Read by the endpoint and by the grant `--http-auth-required` asks of it,
+    so both always agree on what the answer shows.
+    """
+    return _BOOL_PARAMS.get(query.first("include_clients") or "", True)
 
 
 class Ping(PlainTextEndpoint):
@@ -70,7 +79,7 @@ class Stats(Endpoint):
         query = query_of(request)
         topic = query.first("topic") or None
         channel = query.first("channel") or None
-        include_clients = _BOOL_PARAMS.get(query.first("include_clients") or "", True)
+        include_clients = includes_clients(query)
         include_mem = _BOOL_PARAMS.get(query.first("include_mem") or "", True)
         if query.first("format") == "json":
             return stats_json(self.broker, topic, channel, include_clients, include_mem)

@@ -46,8 +46,8 @@ __all__ = [
 log = get_logger(__name__)
 
 
-def _answer_once_persisted(broker, request: Request) -> object:
-    """The empty 200, once nsqd.dat holds the change (written in a thread).
+def _answer_once_persisted(broker, request: Request, topic: str) -> object:
+    """The empty 200, once nsqd.dat holds the change to `topic` (written in a thread).
 
     A failed write is logged and the answer is still 200, as nsqd ignores
     PersistMetadata's error (the change stands).
@@ -56,7 +56,7 @@ def _answer_once_persisted(broker, request: Request) -> object:
     def failed(failure) -> None:
         log.error("failed to persist metadata: {error}", error=failure.value)
 
-    d = broker.metadata.written()
+    d = broker.metadata.written(topic)
     d.addErrback(failed)
     if d.called:  # written inline (a test clock has no threads)
         return None
@@ -89,8 +89,9 @@ class TopicCreate(TopicEndpoint):
     """`/topic/create?topic=<t>`: create it if new (idempotent)."""
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
-        self.broker.topic(topic_arg(query_of(request)))
-        return _answer_once_persisted(self.broker, request)
+        name = topic_arg(query_of(request))
+        self.broker.topic(name)
+        return _answer_once_persisted(self.broker, request, name)
 
 
 class TopicDelete(TopicEndpoint):
@@ -98,9 +99,10 @@ class TopicDelete(TopicEndpoint):
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         # nsqd does not check the name here: an invalid one is just not found.
-        if not self.broker.delete_topic(topic_arg(query_of(request), invalid=None)):
+        name = topic_arg(query_of(request), invalid=None)
+        if not self.broker.delete_topic(name):
             raise ApiError(404, "TOPIC_NOT_FOUND")
-        return _answer_once_persisted(self.broker, request)
+        return _answer_once_persisted(self.broker, request, name)
 
 
 class TopicEmpty(TopicEndpoint):
@@ -123,7 +125,7 @@ class TopicPause(TopicEndpoint):
             topic.pause()
         else:
             topic.unpause()
-        return _answer_once_persisted(self.broker, request)
+        return _answer_once_persisted(self.broker, request, topic.name)
 
 
 # -- channels -------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class ChannelCreate(ChannelEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         topic, name = self.topic_and_name(request)
         topic.channel(name)
-        return _answer_once_persisted(self.broker, request)
+        return _answer_once_persisted(self.broker, request, topic.name)
 
 
 class ChannelDelete(ChannelEndpoint):
@@ -165,7 +167,7 @@ class ChannelDelete(ChannelEndpoint):
         if name not in topic.channels:
             raise ApiError(404, "CHANNEL_NOT_FOUND")
         topic.delete_channel(name)
-        return _answer_once_persisted(self.broker, request)
+        return _answer_once_persisted(self.broker, request, topic.name)
 
 
 class ChannelEmpty(ChannelEndpoint):
@@ -188,4 +190,4 @@ class ChannelPause(ChannelEndpoint):
             channel.pause()
         else:
             channel.unpause()
-        return _answer_once_persisted(self.broker, request)
+        return _answer_once_persisted(self.broker, request, channel.topic_name)
