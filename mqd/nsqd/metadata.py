@@ -36,7 +36,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -47,7 +47,7 @@ from twisted.python.failure import Failure
 from mqd import NSQ_VERSION
 from mqd.logs import get_logger
 from mqd.message import IdFactory, id_time, id_time_span
-from mqd.nsqd.metadata_listing import Listing, topic_entry
+from mqd.nsqd.metadata_listing import ListedTopic, Listing, topic_entry
 from mqd.options import ConfigError
 
 __all__ = [
@@ -72,26 +72,6 @@ log = get_logger(__name__)
 
 # run(f, *args) -> Deferred of f(*args), run somewhere off the caller's stack.
 Runner = Callable[..., "Deferred[Any]"]
-
-
-class _Listed(Protocol):
-    """What the file records of a channel: its name, its paused flag; ephemeral ones are left out."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def paused(self) -> bool: ...
-
-    @property
-    def ephemeral(self) -> bool: ...
-
-
-class _ListedTopic(_Listed, Protocol):
-    """What the file records of a topic: as a channel, and its channels."""
-
-    @property
-    def channels(self) -> Mapping[str, _Listed]: ...
 
 
 class SavedChannel(NamedTuple):
@@ -121,7 +101,7 @@ def thread_runner(clock: object) -> Runner:
     return maybeDeferred
 
 
-def describe(topics: Mapping[str, _ListedTopic]) -> dict[str, Any]:
+def describe(topics: Mapping[str, ListedTopic]) -> dict[str, Any]:
     """The file's content for these topics: nsqd's JSON, ephemeral topics and channels left out.
 
     The writes take it from a `Listing`, which keeps it encoded topic by topic.
@@ -169,7 +149,7 @@ class MetadataFile(Service):
 
     name = "metadata"
 
-    def __init__(self, data_path: str, clock: IReactorTime, topics: Mapping[str, _ListedTopic], *,
+    def __init__(self, data_path: str, clock: IReactorTime, topics: Mapping[str, ListedTopic], *,
                  unwritable: Callable[[str], None], written_again: Callable[[str], None],
                  ids: IdFactory) -> None:
         self.data_path = data_path

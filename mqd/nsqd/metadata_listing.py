@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from mqd import NSQ_VERSION
 from mqd.wire.json_encoding import encode_json
 
-__all__ = ["Listing", "topic_entry"]
+__all__ = ["ListedTopic", "Listing", "topic_entry"]
 
 
 class _Listed(Protocol):
