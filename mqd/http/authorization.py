@@ -59,12 +59,14 @@ __all__ = [
     "AuthCache",
     "CACHE_SIZE",
     "Guarded",
+    "OPEN",
     "Rule",
     "admin_everywhere",
     "admin_on_channel",
     "admin_on_topic",
     "any_grant",
     "bearer_secret",
+    "guard_routes",
     "publish_on_topic",
     "require_grant",
     "reads_topic",
@@ -308,3 +310,14 @@ class Guarded(Endpoint):
         request.setHeader(b"Content-Length", b"%d" % len(body))
         request.write(body)
         request.finish()
+
+
+# Health checks: answered without a secret under --http-auth-required too.
+OPEN = frozenset({"/ping", "/info"})
+
+
+def guard_routes(routes: Mapping[str, Endpoint], auth: AuthCache,
+                 grants: Mapping[str, Rule]) -> dict[str, Endpoint]:
+    """Every route but OPEN's behind its grant in `grants` (one it forgot: the broker-wide admin's)."""
+    return {path: endpoint if path in OPEN else Guarded(endpoint, auth, grants.get(path, admin_everywhere))
+            for path, endpoint in routes.items()}

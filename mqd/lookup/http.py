@@ -40,12 +40,11 @@ from zope.interface import implementer
 from mqd.http.args import query_of, topic_arg, topic_channel_args
 from mqd.http.authorization import (
     AuthCache,
-    Guarded,
     Rule,
-    admin_everywhere,
     admin_on_channel,
     admin_on_topic,
     any_grant,
+    guard_routes,
     reads_topic,
 )
 from mqd.http.endpoint import LATER, Endpoint, Ping, client_gone
@@ -55,7 +54,7 @@ from mqd.logs import get_logger
 from mqd.lookup.protocol import LOOKUPD_VERSION
 from mqd.lookup.registry import GO_ZERO_TIME_NS, PeerInfo, Producer, Registration, RegistrationDB
 
-__all__ = ["GRANTS", "OPEN", "JsonStreamer", "LookupdAPI", "LookupdSite"]
+__all__ = ["GRANTS", "JsonStreamer", "LookupdAPI", "LookupdSite"]
 
 log = get_logger(__name__)
 
@@ -450,9 +449,6 @@ class ChannelDelete(_LookupdEndpoint):
             self.db.remove_registration(reg)
 
 
-# Health checks: answered without a secret under --http-auth-required too.
-OPEN = frozenset({"/ping", "/info"})
-
 # What each route needs under --http-auth-required (docs/security.md has the
 # table): the ones naming a topic, a grant to use it (publish, or subscribe
 # on some channel of it); the listings, any secret the auth server accepts;
@@ -499,8 +495,7 @@ class LookupdAPI(Router):
             "/channel/delete": ChannelDelete(db, stream),
         }
         if auth is not None:
-            routes = {path: endpoint if path in OPEN else Guarded(endpoint, auth, GRANTS.get(path, admin_everywhere))
-                      for path, endpoint in routes.items()}
+            routes = guard_routes(routes, auth, GRANTS)
         super().__init__(routes)
 
 

@@ -22,13 +22,13 @@ from twisted.web import resource, server
 from mqd.http.args import query_of
 from mqd.http.auth import AuthState
 from mqd.http.authorization import (
-    AuthCache,
     Guarded,
     Rule,
     admin_everywhere,
     admin_on_channel,
     admin_on_topic,
     any_grant,
+    guard_routes,
     publish_on_topic,
 )
 from mqd.http.endpoint import Endpoint
@@ -51,7 +51,7 @@ from mqd.nsqd.http.topics import (
     TopicPause,
 )
 
-__all__ = ["GRANTS", "OPEN", "NsqdAPI", "NsqdSite", "TLSRequired", "guard_routes"]
+__all__ = ["GRANTS", "NsqdAPI", "NsqdSite", "TLSRequired"]
 
 # The one route with a parameter: /config/:opt (one non-empty segment).
 _CONFIG_PREFIX = "/config/"
@@ -63,9 +63,6 @@ def _stats_grant(request: server.Request, state: AuthState) -> bool:
         return state.allows_admin_everywhere()
     return True
 
-
-# Health checks: answered without a secret under --http-auth-required too.
-OPEN = frozenset({"/ping", "/info"})
 
 # What each route needs under --http-auth-required (mqd.http.authorization
 # has the rules). Peek answers `any_grant` here because it checks its own
@@ -93,10 +90,6 @@ GRANTS: dict[str, Rule] = {
 }
 
 
-def guard_routes(routes: Mapping[str, Endpoint], auth: AuthCache) -> dict[str, Endpoint]:
-    """Every route but OPEN's behind its grant (a route GRANTS forgot: the broker-wide admin's)."""
-    return {path: endpoint if path in OPEN else Guarded(endpoint, auth, GRANTS.get(path, admin_everywhere))
-            for path, endpoint in routes.items()}
 
 
 class NsqdAPI(Router):
@@ -131,7 +124,7 @@ class NsqdAPI(Router):
         config: Endpoint = Config(broker, ports)
         # (No broker: the API built only to list its routes.)
         if broker is not None and broker.options.http_auth_required:
-            routes = guard_routes(routes, auth)
+            routes = guard_routes(routes, auth, GRANTS)
             config = Guarded(config, auth, GRANTS[_CONFIG_PREFIX])
         super().__init__(routes)
         self.config = config
