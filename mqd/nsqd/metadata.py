@@ -386,21 +386,26 @@ class MetadataFile(Service):
         with self._lock:
             if seq <= self._written_seq:
                 return
-            os.makedirs(self.data_path, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=METADATA_FILE + ".", suffix=".tmp", dir=self.data_path)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.path)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            _replace_synced(self.data_path, METADATA_FILE, data)
             self._written_seq = seq
+
+
+def _replace_synced(directory: str, name: str, data: bytes) -> None:
+    """`directory/name` holds `data`, whole or not at all: a synced temp file renamed over it."""
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 # -- the id lease ----------------------------------------------------------------------
@@ -618,20 +623,7 @@ class IdLease:
 
     def _create(self, value: int) -> None:
         """The file, whole: temp file, fsync, rename, fsync of the directory (under the lock)."""
-        os.makedirs(self.data_path, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=ID_LEASE_FILE + ".", suffix=".tmp", dir=self.data_path)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_slot(value) * 2)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        _replace_synced(self.data_path, ID_LEASE_FILE, _slot(value) * 2)
         dir_fd = os.open(self.data_path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
