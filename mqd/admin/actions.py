@@ -43,7 +43,7 @@ mqd additions: `GET /api/peek/:topic/:channel` (every producer's
 `/channel/peek`, per node; reads nothing away) and `POST /api/snapshot/:node`
 (the broker's `/snapshot`, whose answer or error is passed on). Both
 reach the brokers with that secret, which they ask about when they have
-auth configured (mqd.nsqd.http.authorization), and hand a broker's 401
+auth configured (mqd.http.authorization), and hand a broker's 401
 or 403 back.
 `GET/PUT /config/:opt` are nsqadmin's, for clients in
 `--allow-config-from-cidr` only (mqd.admin.config).

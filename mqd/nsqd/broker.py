@@ -24,10 +24,10 @@ from zope.interface import implementer
 
 import backends
 from backends import IBackendStore
+from mqd.http.auth import AuthClient
 from mqd.logs import get_logger, set_log_level
 from mqd.message import IdFactory
 from mqd.names import is_valid_name
-from mqd.nsqd.auth import AuthClient
 from mqd.nsqd.channel import Channel
 from mqd.nsqd.delivery import DeliveryBatch
 from mqd.nsqd.interfaces import ITopicLifecycle

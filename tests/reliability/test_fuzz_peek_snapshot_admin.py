@@ -49,7 +49,7 @@ from mqd.admin.history import History, sampler
 from mqd.admin.web import AdminSite
 from mqd.clusterinfo.cluster import Cluster
 from mqd.clusterinfo.upstream import UpstreamError
-from mqd.nsqd.auth import AuthClient, AuthError
+from mqd.http.auth import AuthClient, AuthError
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.support.admin import AdminProcess
 from tests.support.auth_fakes import answer

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mqd.nsqd.auth import AuthError, parse_auth_response
+from mqd.http.auth import AuthError, parse_auth_response
 from tests.support.auth_fuzz import AUTH_ADDRESS, REFUSED_AS, FakeAuthServer, caller
 from tests.support.fuzz_inputs import EXAMPLES_OVERRIDE
 from tests.support.http_client import HTTPClient, error, parse_response

@@ -19,8 +19,8 @@ from twisted.internet.task import Clock
 from twisted.logger import LogLevel, globalLogPublisher
 from twisted.python.failure import Failure
 
-from mqd.nsqd.auth import AuthClient, AuthError, parse_auth_response
-from mqd.nsqd.http.authorization import CACHE_SIZE, AuthCache
+from mqd.http.auth import AuthClient, AuthError, parse_auth_response
+from mqd.http.authorization import CACHE_SIZE, AuthCache
 from tests.support.auth_fakes import answer
 from tests.support.http_client import HTTPClient, error, parse_response
 from tests.support.inprocess_broker import START_TIME, settings

@@ -12,7 +12,7 @@ import json
 import pytest
 from twisted.internet.defer import fail, succeed
 
-from mqd.nsqd.auth import AuthError, auth_urls, parse_auth_response
+from mqd.http.auth import AuthError, auth_urls, parse_auth_response
 from mqd.nsqd.stats import client_stats
 from tests.support.auth_fakes import FakeAuth, answer, auth
 from tests.support.v2_client import Client

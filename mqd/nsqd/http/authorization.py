@@ -1,9 +1,8 @@
-"""Bearer secrets on the broker's HTTP endpoints: the shared mqd.http.authorization, and the snapshot's rule.
+"""The broker's own rule for bearer secrets: which secret may copy every queue (a snapshot).
 
 The cache of the auth server's answers, the `Authorization: Bearer` parsing
-and the guard of `--http-auth-required` are shared with mqlookupd (see
-mqd.http.authorization, whose module doc says what is answered when);
-what is the broker's alone stays here: which secret may copy every queue.
+and the guard of `--http-auth-required` are shared with mqlookupd, in
+mqd.http.authorization (whose module doc says what is answered when).
 """
 
 from __future__ import annotations
@@ -11,40 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from mqd.http.authorization import (
-    CACHE_SIZE,
-    AuthCache,
-    Guarded,
-    Rule,
-    admin_everywhere,
-    admin_on_channel,
-    admin_on_topic,
-    any_grant,
-    bearer_secret,
-    publish_on_topic,
-    reads_topic,
-    require_grant,
-)
-
 if TYPE_CHECKING:
     from mqd.http.auth import AuthState
     from mqd.nsqd.topic import Topic
 
-__all__ = [
-    "AuthCache",
-    "CACHE_SIZE",
-    "Guarded",
-    "Rule",
-    "admin_everywhere",
-    "admin_on_channel",
-    "admin_on_topic",
-    "any_grant",
-    "bearer_secret",
-    "publish_on_topic",
-    "reads_topic",
-    "require_grant",
-    "sees_every_queue",
-]
+__all__ = ["sees_every_queue"]
 
 
 def sees_every_queue(state: AuthState, topics: Mapping[str, Topic]) -> bool:

@@ -20,7 +20,7 @@ then whether the topic and channel exist: 404, nothing is created), then
 a non-negative integer, at most `--peek-max-body-bytes`:
 `400 INVALID_MAX_BODY` otherwise). Times are nanoseconds since the epoch,
 as message timestamps are. With auth configured, a bearer secret granted
-`subscribe` on what is shown comes first (mqd.nsqd.http.authorization).
+`subscribe` on what is shown comes first (mqd.http.authorization).
 
 An answer is bounded, and so is the work of building it:
 
@@ -65,16 +65,16 @@ from mqd.http.args import (
     topic_arg,
     topic_channel_args,
 )
+from mqd.http.authorization import AuthCache, require_grant
 from mqd.http.endpoint import LATER, client_gone, finish_v1
 from mqd.http.response import JSON_CONTENT_TYPE, ApiError, dumps, respond_v1
 from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES as STATES
-from mqd.nsqd.http.authorization import AuthCache, require_grant
 from mqd.nsqd.http.topics import ChannelEndpoint, TopicEndpoint
 
 if TYPE_CHECKING:
+    from mqd.http.auth import AuthState
     from mqd.message import Message
-    from mqd.nsqd.auth import AuthState
     from mqd.options import Settings
 
 __all__ = [

@@ -19,7 +19,7 @@ starting with a dot: hidden names are the copies in progress), else
 `400 INVALID_OUT`; a name already taken is `400 OUT_EXISTS`. Like the
 rest of nsqd's HTTP API this is unauthenticated unless auth is configured
 (then a bearer secret granted `subscribe` on every topic and channel,
-mqd.nsqd.http.authorization): expose the HTTP port only to operators. Even so
+mqd.http.authorization): expose the HTTP port only to operators. Even so
 the endpoint never writes through a symlink: a
 snapshots directory that is one is refused (500 SNAPSHOT_FAILED, logged),
 and a symlink at the destination is a name taken.
@@ -50,12 +50,13 @@ from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
 from mqd.http.args import query_of
+from mqd.http.auth import AuthState
+from mqd.http.authorization import AuthCache, require_grant
 from mqd.http.endpoint import LATER, Endpoint, finish_v1
 from mqd.http.response import ApiError
 from mqd.logs import get_logger
-from mqd.nsqd.auth import AuthState
 from mqd.nsqd.capture import StoreNotReady, capture
-from mqd.nsqd.http.authorization import AuthCache, require_grant, sees_every_queue
+from mqd.nsqd.http.authorization import sees_every_queue
 from mqd.nsqd.snapshot_format import Manifest, SnapshotError, SnapshotExists
 from mqd.nsqd.snapshot_live import LiveState, snapshot_estimate, write_live_snapshot
 from mqd.nsqd.snapshot_space import (

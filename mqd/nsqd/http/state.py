@@ -1,7 +1,7 @@
 """What the broker's HTTP API keeps between requests, apart from the broker itself.
 
 The endpoints that show or copy message bodies hold state of their own:
-the auth server's answers for bearer secrets (mqd.nsqd.http.authorization),
+the auth server's answers for bearer secrets (mqd.http.authorization),
 the bytes and the Cooperator of the peek answers being built or written
 (mqd.nsqd.http.peek), and the snapshot admissions with their reservations
 (mqd.nsqd.snapshot_space). None of it is the broker's: it lives here, one
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from twisted.internet.interfaces import IReactorTime
 
-from mqd.nsqd.auth import AuthClient
-from mqd.nsqd.http.authorization import AuthCache
+from mqd.http.auth import AuthClient
+from mqd.http.authorization import AuthCache
 from mqd.nsqd.http.peek import PeekWork
 from mqd.nsqd.snapshot_space import SnapshotSpace
 

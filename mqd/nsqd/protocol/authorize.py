@@ -1,7 +1,7 @@
 """A V2 connection's AUTH: the auth server's answer, the secret, and the checks of SUB and PUB.
 
 The auth server is reached through the broker's client of it
-(mqd.nsqd.auth); a query never blocks the reactor: the protocol stops
+(mqd.http.auth); a query never blocks the reactor: the protocol stops
 parsing and reading until it answers, with the input that came meanwhile
 kept, then runs the commands that waited in order. An answer that has
 expired is asked again before the next command it must allow.
@@ -22,7 +22,7 @@ from mqd.wire.errors import fatal
 if TYPE_CHECKING:
     from twisted.internet.defer import Deferred
 
-    from mqd.nsqd.auth import AuthClient, AuthState
+    from mqd.http.auth import AuthClient, AuthState
 
 __all__ = ["AUTHORIZED", "AuthGate", "RECHECKED", "REFUSED"]
 
@@ -41,8 +41,8 @@ class AuthGate:
     __slots__ = ("state", "authorized", "_auth", "_secret", "_due", "_asking")
 
     def __init__(self, auth: AuthClient) -> None:
-        """`auth` is the broker's client of the auth server (mqd.nsqd.auth.AuthClient)."""
-        # The auth server's last answer (mqd.nsqd.auth.AuthState); read-only outside.
+        """`auth` is the broker's client of the auth server (mqd.http.auth.AuthClient)."""
+        # The auth server's last answer (mqd.http.auth.AuthState); read-only outside.
         self.state: AuthState | None = None
         # AUTH succeeded (its answer had authorizations); read-only outside.
         self.authorized = False

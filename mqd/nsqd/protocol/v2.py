@@ -98,8 +98,8 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress, IReactorTime
     from twisted.python.failure import Failure
 
+    from mqd.http.auth import AuthState
     from mqd.message import Message
-    from mqd.nsqd.auth import AuthState
     from mqd.nsqd.broker import Broker
     from mqd.nsqd.channel import Channel
     from mqd.nsqd.tlsconfig import ServerTLS
@@ -194,7 +194,7 @@ class V2Protocol(Protocol, TimeoutMixin):
 
     @property
     def auth_state(self) -> AuthState | None:
-        """The auth server's last answer (mqd.nsqd.auth.AuthState), None before AUTH."""
+        """The auth server's last answer (mqd.http.auth.AuthState), None before AUTH."""
         return self._auth.state
 
     # -- connection lifecycle -------------------------------------------------
