@@ -127,11 +127,6 @@ class Ledger:
         self.end = max(self.end, end)
         return batch
 
-    def skip_to(self, offset: int) -> None:
-        """Spark has offsets up to `offset` the WAL no longer has (lost with an old checkpoint)."""
-        self.end = max(self.end, offset)
-        self.committed = max(self.committed, offset)
-
     def open_batches(self, start: int) -> list[LedgerBatch]:
         """The uncommitted batches from offset `start` on, contiguous and in order."""
         out = []
