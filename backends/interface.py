@@ -147,3 +147,111 @@ class IBackendStore(Interface):
         A store that cannot write what it holds yet (a full disk) may return
         a Deferred that fires once it has and is closed; shutdown waits for it.
         """
+
+
+class IRetainedLog(Interface):
+    """A topic's retained log: every message published to it, numbered by offset, kept until retention says.
+
+    Offsets start at 0 with a log's first record and go up by one per
+    record, with no gap, and are never reused for the life of the log
+    (`epoch`): not after records expire, not across a restart or a crash.
+    A log deleted and opened again under the same name is a new life: a
+    new random `epoch`, offsets from 0 again. A record is what a
+    publish made of the message: its timestamp (ns), id and body; a log
+    knows nothing of channels, and nothing a channel does (FIN, REQ)
+    touches it.
+
+    Records are readable once the store holds them the way it holds a
+    publish: at once in memory and default LMDB, after the commit that
+    holds them in a durable store (`latest` counts readable records only).
+    """
+
+    name = Attribute("The topic's name.")
+    epoch = Attribute("A random 63-bit int naming this life of the log; 0 for a store that keeps nothing.")
+    kept = Attribute("False when the store keeps no records at all (the dummy store): every read is empty.")
+
+    def append(messages: Sequence[Message], fresh: bool = False) -> None:
+        """Give the messages the next offsets, in order, and store their records; raise BackendError on failure.
+
+        Only the messages' timestamp and `data` (id and body) are read;
+        nothing of the messages is changed or kept (their key, attempts
+        and deferral are the channels'). `fresh` as IBackendQueue.put: a
+        durable store whose commit fails drops these records and gives
+        their offsets out again, as nobody could read them.
+        """
+
+    def earliest() -> int:
+        """The offset of the oldest record kept; `latest()` when none is."""
+
+    def latest() -> int:
+        """The offset the next record will get: one past the newest readable record."""
+
+    def retained_bytes() -> int:
+        """Bytes the kept records take as the store counts them for `--retention-bytes` (record overhead plus id and body)."""
+
+    def oldest_timestamp() -> int | None:
+        """The oldest kept record's publish timestamp (ns since the Unix epoch), or None when none is kept."""
+
+    def offset_for_timestamp(timestamp_ns: int) -> int:
+        """The first offset (from earliest) whose record's timestamp is at or after `timestamp_ns`; `latest()` if none."""
+
+    def read(offset: int, max_messages: int, max_bytes: int) -> list[tuple[int, int, bytes]]:
+        """Records from `offset` on, oldest first, as (offset, timestamp ns, data = id + body).
+
+        At most `max_messages` records and, past the first record, at most
+        `max_bytes` of data (the first is always returned whole, so a read
+        always moves on). `offset` below `earliest()` or above `latest()`
+        raises OffsetOutOfRange; at `latest()` the answer is empty.
+        Bounded work: a caller reads a big range a call at a time.
+        """
+
+    def read_frames(offset: int, max_messages: int, max_bytes: int) -> tuple[bytes, int]:
+        """`read` as the records' wire framing (mqd.wire.log_frames), and the offset after the last one.
+
+        The same records as `read(offset, max_messages, max_bytes)`, framed
+        in one bytes object; a store may build it without decoding each
+        record.
+        """
+
+    def expire(before_ns: int, max_bytes: int) -> int:
+        """Drop the oldest records while one is older than `before_ns` or the log is past `max_bytes`.
+
+        0 for either bound means that bound is off. Only whole records
+        from the head go, and only those either bound says must: a record
+        at or after `before_ns` is kept while the log is within
+        `max_bytes`. Returns how many records went.
+        """
+
+    def delete() -> None:
+        """Drop every record and forget the log: opened again, it is a new life with a new epoch."""
+
+    def close() -> None:
+        """The store writes and closes everything at once: nothing of the log's own to release."""
+
+
+class OffsetOutOfRange(ValueError):
+    """A read of a retained log asked for an offset it does not hold.
+
+    `earliest` and `latest` are the log's bounds when it was asked, so the
+    answer can name them.
+    """
+
+    def __init__(self, offset: int, earliest: int, latest: int) -> None:
+        if offset < earliest:
+            text = f"offset {offset} is below the earliest retained offset {earliest}"
+        else:
+            text = f"offset {offset} is beyond the latest offset {latest}"
+        super().__init__(text)
+        self.offset = offset
+        self.earliest = earliest
+        self.latest = latest
+
+
+class IRetainingStore(Interface):
+    """A store that can keep topics' retained logs (every store does; the dummy one keeps nothing)."""
+
+    def open_log(name: str) -> IRetainedLog:
+        """The retained log of topic `name`, created (with a new epoch) if new, with what it held before."""
+
+    def log_names() -> list[str]:
+        """The topics whose logs the store holds, for the broker to reconcile with its metadata."""

@@ -10,6 +10,8 @@ per queue with 10,000 queues, see the storage docs). The store is made of:
   log holds past the last checkpoint (a crash);
 - backends.lmdb_queue: a queue (LmdbQueue), its read position and what
   it has staged;
+- backends.lmdb_retained: a topic's retained log (LmdbLog), one more key
+  range, staged like a queue's puts;
 - backends.lmdb_pending: the pending write set (PendingWrites), where the
   queues stage what a commit has to write, and the commit's schedule;
 - backends.lmdb_log_writer: the chunks of the durable publish log being
@@ -55,12 +57,12 @@ from twisted.internet.interfaces import IDelayedCall, IReactorThreads
 from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
-from backends.interface import BackendError, IBackendStore, StoreOpenError
+from backends.interface import BackendError, IBackendStore, IRetainingStore, StoreOpenError
 from backends.lmdb_env import open_environment
 from backends.lmdb_log import LOG_FILE, PublishLog
 from backends.lmdb_log_writer import Flight, LogWriter
 from backends.lmdb_pages import MappedPages
-from backends.lmdb_pending import PendingWrites, Waiter
+from backends.lmdb_pending import PendingWrites, Stager, Waiter
 from backends.lmdb_queue import LmdbQueue
 from backends.lmdb_records import (
     ENV_DIR,
@@ -68,12 +70,15 @@ from backends.lmdb_records import (
     FORMAT,
     KEY,
     LOG_EPOCH,
+    LOG_SUFFIX,
     QID,
     RECORD,
     drop_range,
     encode_record,
+    is_log_name,
 )
 from backends.lmdb_replay import replay_publish_log
+from backends.lmdb_retained import LmdbLog, load_log
 from backends.lmdb_spill import SPILL_FILE, SpillingShutdown
 from mqd.logs import get_logger
 from mqd.message import Message
@@ -98,7 +103,7 @@ _CHECKPOINT_EVERY = 0.2
 _COPY_WAIT = 0.05
 
 
-@implementer(IBackendStore)
+@implementer(IBackendStore, IRetainingStore)
 class LmdbStore(SpillingShutdown):
     """One LMDB environment under data-path, shared by every queue of the broker.
 
@@ -134,7 +139,8 @@ class LmdbStore(SpillingShutdown):
         # (copy_started / copy_ended): the map is not resized under them.
         self._copies = 0
         self._queues: dict[str, LmdbQueue] = {}
-        self._known: dict[str, int] = {}
+        self._logs: dict[str, LmdbLog] = {}
+        self._known: dict[str, int] = {}  # registry names (queues', logs' "<topic>/log") to ids
         self._next_qid = 1
         handles = open_environment(self.path, getattr(options, "lmdb_map_size", DEFAULT_MAP_SIZE),
                                    self.durable)
@@ -150,7 +156,7 @@ class LmdbStore(SpillingShutdown):
             self._log = PublishLog(os.path.join(self.path, LOG_FILE), _LOG_PREALLOCATE)
             self._log_writer = LogWriter(self._log, clock, epoch, landed=self._landed,
                                      failed=self._log_failed, settled=self._settled)
-        self._writes: PendingWrites[LmdbQueue] = PendingWrites(clock, self.commit, self._log is not None)
+        self._writes: PendingWrites[Stager] = PendingWrites(clock, self.commit, self._log is not None)
         # A checkpoint (or a probe) waits for the chunks in flight to land.
         self._again = False
         self._idle_call: IDelayedCall | None = None
@@ -175,8 +181,36 @@ class LmdbStore(SpillingShutdown):
         self._next_qid = max(self._known.values(), default=0) + 1
 
     def queue_names(self) -> list[str]:
-        """Names of the queues the store holds, for the broker to reconcile with its metadata."""
-        return sorted(self._known)
+        """Names of the queues the store holds, for the broker to reconcile with its metadata (not the retained logs)."""
+        return sorted(name for name in self._known if not is_log_name(name))
+
+    def log_names(self) -> list[str]:
+        """The topics whose retained logs the store holds."""
+        return sorted(name[:-len(LOG_SUFFIX)] for name in self._known if is_log_name(name))
+
+    def open_log(self, name: str) -> LmdbLog:
+        """Topic `name`'s retained log, created with a new epoch if new (backends.lmdb_retained)."""
+        found = self._logs.get(name)
+        if found is not None:
+            return found
+        registered = name + LOG_SUFFIX
+        qid = self._known.get(registered)
+        new = qid is None
+        if qid is None:
+            qid = self._next_qid
+            self._next_qid += 1
+            self._known[registered] = qid
+            self._writes.register(registered.encode(), QID.pack(qid))
+        retained = self._logs[name] = load_log(
+            name, qid, new, self.env, self.meta_db, self.data_db, self._writes,
+            spilled=self._spilled.pop(qid, []), durable=self.durable,
+            check_writable=self._check_writable, read_records=self._pages.read, forget=self._forget_log)
+        return retained
+
+    def _forget_log(self, retained: LmdbLog) -> None:
+        self._logs.pop(retained.name, None)
+        self._known.pop(retained.name + LOG_SUFFIX, None)
+        self._writes.unregister((retained.name + LOG_SUFFIX).encode(), retained)
 
     def open_queue(self, name: str) -> LmdbQueue:
         queue = self._queues.get(name)
@@ -469,7 +503,7 @@ class LmdbStore(SpillingShutdown):
             if self.health_listener is not None:
                 self.health_listener(None)
 
-    def _hand_over(self, waiters: list[Waiter], stored: list[tuple[LmdbQueue, list[Message]]]) -> None:
+    def _hand_over(self, waiters: list[Waiter], stored: list[tuple[Stager, list[Message]]]) -> None:
         """Durable writes landed: answer their waiters, then tell the queues' owners what became readable.
 
         The owners deliver it, or drain it (a topic's); what they put
@@ -558,6 +592,11 @@ class LmdbStore(SpillingShutdown):
                     put(name, packed, db=self.registry_db)
                 for name in writes.registry_dels:
                     delete(name, db=self.registry_db)
+                for name, value in writes.meta_puts.items():
+                    if value is None:
+                        delete(name, db=self.meta_db)
+                    else:
+                        put(name, value, db=self.meta_db)
             # One C loop over the records instead of a put call each; their
             # list is as big as a transaction, bounded by _write.
             txn.cursor().putmulti([(key, encode_record(msg)) for key, msg in records])
@@ -588,7 +627,7 @@ class LmdbStore(SpillingShutdown):
             callback(self.failure)
         self._writes.retry_in(self.RETRY_AFTER)
 
-    def _roll_back(self, fresh: list[tuple[LmdbQueue, Sequence[Message]]]) -> None:
+    def _roll_back(self, fresh: list[tuple[Stager, Sequence[Message]]]) -> None:
         """Unstage the new publishes of a failed commit: no record, no place in any queue."""
         if not fresh:
             return

@@ -19,8 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backends.lmdb_log import PublishLog, encode_chunk
-from backends.lmdb_pending import Chunk
-from backends.lmdb_queue import LmdbQueue
+from backends.lmdb_pending import Chunk, Stager
 from mqd.logs import get_logger
 
 __all__ = ["Flight", "LogWriter"]
@@ -34,7 +33,7 @@ class Flight:
 
     __slots__ = ("epoch", "chunk", "queues", "data", "error", "done")
 
-    def __init__(self, epoch: int, chunk: Chunk[LmdbQueue], queues: list[LmdbQueue]) -> None:
+    def __init__(self, epoch: int, chunk: Chunk[Stager], queues: list[Stager]) -> None:
         self.epoch = epoch
         self.chunk = chunk
         # The queues whose staged messages are in it: readable once it lands.
@@ -85,7 +84,7 @@ class LogWriter:
         """Chunks are being written, not landed yet."""
         return bool(self._flights)
 
-    def take_off(self, chunk: Chunk[LmdbQueue], queues: list[LmdbQueue]) -> None:
+    def take_off(self, chunk: Chunk[Stager], queues: list[Stager]) -> None:
         """Number and encode `chunk` (whose staged messages `queues` hold) and hand it to the writer thread."""
         self._epoch += 1
         flight = Flight(self._epoch, chunk, queues)

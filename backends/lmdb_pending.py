@@ -1,14 +1,16 @@
 """The LMDB store's pending write set: everything changed since LMDB last took it, and when it will.
 
-The store's queues stage here what they put, finish, rewrite and drop;
-the store writes it into LMDB at a checkpoint (one transaction, or a few
-bounded ones) and, durable with a publish log, takes what changed since
-the last chunk of the log as the next chunk. Nothing here knows LMDB:
+The store's queues (and retained logs) stage here what they put,
+finish, rewrite and drop; the store writes it into LMDB at a checkpoint
+(one transaction, or a few bounded ones) and, durable with a publish
+log, takes what changed since the last chunk of the log as the next
+chunk. Nothing here knows LMDB:
 this is the bookkeeping both read, changed only through these methods.
 
 - new records (`puts`) and rewrites of stored ones (`updates`), by key;
-  deleted keys (`dels`), emptied queues' key ranges (`drops`), and the
-  queue registry's changes;
+  deleted keys (`dels`), emptied queues' key ranges (`drops`, also the
+  expired head of a retained log), the queue registry's changes, and
+  `meta` keys (a retained log's epoch and offset floor);
 - the new publishes among the puts (`fresh`): a commit that fails drops
   them, as their publishers are answered with the error;
 - the queues with messages waiting for the next checkpoint, and for the
@@ -22,16 +24,41 @@ this is the bookkeeping both read, changed only through these methods.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence, Set
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from backends.lmdb_records import KEY, QID
 from mqd.message import Message
 
-__all__ = ["Chunk", "PendingWrites", "Waiter"]
+__all__ = ["Chunk", "PendingWrites", "Stager", "Waiter"]
 
 Q = TypeVar("Q", bound=Hashable)
 # Called once what was gathered before is durable (None) or failed (the error).
 Waiter = Callable[[str | None], Any]
+
+
+class Stager(Protocol):
+    """What stages records here and is told by the store what became of them: a queue, or a retained log.
+
+    `committed` after a checkpoint, `fly` when a chunk of the publish log
+    takes what it staged, `landed` when that chunk is synced, `unfly` when
+    chunks failed, `roll_back` with the keys of the new publishes a failed
+    commit dropped (backends.lmdb_queue.LmdbQueue has the details).
+    """
+
+    name: str
+    on_stored: Callable[[list[Message]], Any] | None
+
+    def committed(self) -> list[Message] | None: ...
+
+    def fly(self) -> bool: ...
+
+    def landed(self) -> list[Message] | None: ...
+
+    def unfly(self) -> None: ...
+
+    def roll_back(self, keys: list[bytes]) -> None: ...
+
+    def __hash__(self) -> int: ...
 
 
 class Chunk(Generic[Q]):
@@ -60,7 +87,7 @@ class PendingWrites(Generic[Q]):
     """
 
     __slots__ = ("_clock", "_commit", "_commit_call", "_puts", "_updates", "_dels", "_drops",
-                 "_registry_puts", "_registry_dels", "_probe", "_fresh", "_touched", "_staging",
+                 "_registry_puts", "_registry_dels", "_meta", "_probe", "_fresh", "_touched", "_staging",
                  "_log_puts", "_log_updates", "_log_dels", "_waiters")
 
     def __init__(self, clock: Any, commit: Callable[[], None], logged: bool) -> None:
@@ -73,6 +100,8 @@ class PendingWrites(Generic[Q]):
         self._drops: list[tuple[int, int]] = []
         self._registry_puts: dict[bytes, bytes] = {}
         self._registry_dels: set[bytes] = set()
+        # meta keys to write (None: to delete), with the registry.
+        self._meta: dict[bytes, bytes | None] = {}
         # A commit must write something even with nothing pending: a write
         # failed, and only a commit that succeeds shows there is room again.
         self._probe = False
@@ -122,6 +151,11 @@ class PendingWrites(Generic[Q]):
         return self._registry_dels
 
     @property
+    def meta_puts(self) -> Mapping[bytes, bytes | None]:
+        """`meta` keys to write, with their values (None: delete the key)."""
+        return self._meta
+
+    @property
     def probing(self) -> bool:
         """The next commit writes something even with nothing pending (`probe`)."""
         return self._probe
@@ -134,11 +168,11 @@ class PendingWrites(Generic[Q]):
     def pending(self) -> bool:
         """Anything for LMDB to take."""
         return bool(self._puts or self._updates or self._dels or self._drops
-                    or self._registry_puts or self._registry_dels or self._probe)
+                    or self._registry_puts or self._registry_dels or self._meta or self._probe)
 
     def structural(self) -> bool:
-        """A queue emptied, registered or unregistered, or a probe: LMDB must take it at once."""
-        return bool(self._drops or self._registry_puts or self._registry_dels or self._probe)
+        """A queue emptied, registered or unregistered, a meta key, or a probe: LMDB must take it at once."""
+        return bool(self._drops or self._registry_puts or self._registry_dels or self._meta or self._probe)
 
     def records(self) -> int:
         """How many records a commit would write or delete now."""
@@ -161,6 +195,11 @@ class PendingWrites(Generic[Q]):
             msg.key = key = pack(qid, seq)
             puts[key] = msg
             seq += 1
+        self._staged(queue, messages, fresh)
+        return seq
+
+    def _staged(self, queue: Q, messages: Sequence[Message], fresh: bool) -> None:
+        """`queue` staged `messages` (keyed already): for the next chunk, the next checkpoint, a failed commit."""
         if self._log_puts is not None:
             self._log_puts.append(messages)
             self._staging.add(queue)
@@ -168,6 +207,21 @@ class PendingWrites(Generic[Q]):
         if fresh:
             self._fresh.append((queue, messages))
         self.schedule()
+
+    def add_spans(self, queue: Q, qid: int, seq: int, messages: Sequence[Message], spans: Sequence[int],
+                  fresh: bool) -> int:
+        """`add` for records that each stand for `spans[i]` sequences (a retained log's batches of offsets).
+
+        Record i gets the key of its first sequence; the next free
+        sequence is returned.
+        """
+        puts = self._puts
+        pack = KEY.pack
+        for msg, span in zip(messages, spans, strict=True):
+            msg.key = key = pack(qid, seq)
+            puts[key] = msg
+            seq += span
+        self._staged(queue, messages, fresh)
         return seq
 
     def finish(self, keys: list[bytes]) -> None:
@@ -208,7 +262,45 @@ class PendingWrites(Generic[Q]):
                 del table[key]
         self.schedule()
 
+    def drop_below(self, qid: int, bound: int) -> None:
+        """Every record of queue `qid` below sequence `bound` goes, written or not (a retained log's expired head).
+
+        Pending records from `bound` on stay, to be written after the
+        range is deleted; those below lose their keys.
+        """
+        prefix = QID.pack(qid)
+        stop = KEY.pack(qid, bound)
+        self._drops.append((qid, bound))
+        for table in (self._puts, self._updates):
+            for key in [k for k in table if k.startswith(prefix) and k < stop]:
+                table[key].key = None
+                del table[key]
+        self.schedule()
+
+    def rekey(self, qid: int, seq: int, messages: Sequence[Message], spans: Sequence[int] | None = None) -> int:
+        """Give staged new records of queue `qid` the keys from `seq` on, in order; the next free sequence.
+
+        A retained log closes the gap a failed commit's dropped records
+        left: nobody saw the records renumbered, as none was readable.
+        `spans`: the sequences each record stands for (one each if None).
+        """
+        puts = self._puts
+        for msg in messages:
+            if msg.key is not None:
+                puts.pop(msg.key, None)
+        pack = KEY.pack
+        for msg, span in zip(messages, spans if spans is not None else [1] * len(messages), strict=True):
+            msg.key = key = pack(qid, seq)
+            puts[key] = msg
+            seq += span
+        return seq
+
     # -- staging, by the store ----------------------------------------------------------
+
+    def put_meta(self, key: bytes, value: bytes | None) -> None:
+        """Write `value` under `key` in the `meta` database with the next checkpoint (None: delete the key)."""
+        self._meta[key] = value
+        self.schedule()
 
     def register(self, name: bytes, qid: bytes) -> None:
         """Register queue `name` under the packed id `qid`."""
@@ -308,11 +400,12 @@ class PendingWrites(Generic[Q]):
         self._updates.clear()
 
     def meta_written(self) -> None:
-        """Deletions, drops, the registry and the probe are written."""
+        """Deletions, drops, the registry, meta keys and the probe are written."""
         self._dels.clear()
         self._drops.clear()
         self._registry_puts.clear()
         self._registry_dels.clear()
+        self._meta.clear()
         self._probe = False
 
     def checkpointed(self) -> set[Q]:

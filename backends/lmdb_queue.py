@@ -23,7 +23,7 @@ from mqd.logs import get_logger
 from mqd.message import Message
 
 if TYPE_CHECKING:
-    from backends.lmdb_pending import PendingWrites
+    from backends.lmdb_pending import PendingWrites, Stager
 
 __all__ = ["LmdbQueue", "PEEK_PIECE_BYTES", "PEEK_PIECE_COUNT", "READ_CACHE"]
 
@@ -58,7 +58,7 @@ class LmdbQueue:
                  "_held", "_staged", "_staged_held", "_flying", "on_stored")
 
     def __init__(self, name: str, qid: int, first_seq: int, next_seq: int, depth: int, *,
-                 env: Any, data_db: Any, writes: PendingWrites[LmdbQueue], durable: bool,
+                 env: Any, data_db: Any, writes: PendingWrites[Stager], durable: bool,
                  check_writable: Callable[[], None], read_records: Callable[[int], None],
                  forget: Callable[[LmdbQueue], None], sync: Callable[[], None],
                  restored: Sequence[Message] = ()) -> None:
@@ -320,7 +320,9 @@ class LmdbQueue:
         self._tail.clear()
         self._staged.clear()
         self._staged_held.clear()
-        self._flying.clear()
+        # Chunks being written still land, one `landed` each, in order: each
+        # keeps its place, with nothing in it to make readable.
+        self._flying = deque(([], []) for _ in self._flying)
         self._held.clear()
         self._read_seq = self._next_seq
         self._depth = 0

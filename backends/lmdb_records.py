@@ -6,6 +6,13 @@ ordered key range; a `queues` registry maps names to ids and a `meta`
 database marks the environment as mqd's. The store, its queues and the
 snapshot readers (the broker's snapshot format, the Spark bridge) all
 read and write through these definitions.
+
+A topic's retained log (backends.lmdb_retained) is one more key range of
+`messages`: registered as "<topic>/log" (a name no queue can have, as `/`
+is not a legal topic character), one record per batch of records keyed
+by the batch's first offset, each what `encode_record` makes of the
+batch's pseudo message (backends.lmdb_batches). Its epoch and offset
+floor are in `meta` under `RETAINED_META` + the topic's name.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from mqd.message import Message
 if TYPE_CHECKING:
     import lmdb
 
-__all__ = ["ENV_DIR", "EPOCH", "FORMAT", "KEY", "LOG_EPOCH", "OUR_DBS", "QID", "RECORD", "RECORD_HEAD",
-           "RECORD_SIZE", "decode_record", "drop_range", "encode_record", "record_seq"]
+__all__ = ["ENV_DIR", "EPOCH", "FORMAT", "KEY", "LOG_EPOCH", "LOG_SUFFIX", "OUR_DBS", "QID", "RECORD",
+           "RECORD_HEAD", "RECORD_SIZE", "RETAINED", "RETAINED_META", "decode_record", "drop_range",
+           "encode_record", "is_log_name", "record_seq"]
 
 ENV_DIR = "mqd.lmdb"
 FORMAT = b"mqd-queues-1"
@@ -35,6 +43,19 @@ RECORD = struct.Struct(">qHd16s")
 RECORD_SIZE = RECORD.size
 # RECORD up to the id: the id and body follow as a message holds them (Message.data).
 RECORD_HEAD = struct.Struct(">qHd")
+
+# A retained log's registry name is its topic's with this suffix.
+LOG_SUFFIX = "/log"
+# The meta key of a retained log (followed by the topic's name): its epoch,
+# and the offset floor, its earliest record (no offset below it is given
+# again, nor served, even from a batch stored whole), as RETAINED.
+RETAINED_META = b"retained:"
+RETAINED = struct.Struct(">QQ")
+
+
+def is_log_name(name: str) -> bool:
+    """Whether a registry name is a retained log's, not a queue's: a snapshot or the broker skips those."""
+    return name.endswith(LOG_SUFFIX)
 
 
 def encode_record(msg: Message) -> bytes:

@@ -24,8 +24,7 @@ from backends.lmdb_records import KEY, QID, RECORD_SIZE, decode_record, drop_ran
 from mqd.logs import get_logger
 
 if TYPE_CHECKING:
-    from backends.lmdb_pending import PendingWrites
-    from backends.lmdb_queue import LmdbQueue
+    from backends.lmdb_pending import PendingWrites, Stager
     from mqd.message import Message
 
 __all__ = ["SPILL_FILE", "SpillingShutdown", "parse_spill", "spill_bytes"]
@@ -46,7 +45,7 @@ SPILL_REGISTRY, SPILL_RECORD, SPILL_DONE = 1, 2, 0xFF
 _CLOSE_CHUNK = 1024
 _CLOSE_CHUNK_BYTES = 4 << 20
 # Write operations of a bounded commit, in the order they are applied.
-_DROP, _DEL, _REG_DEL, _REG_PUT, _PUT = range(5)
+_META, _DROP, _DEL, _REG_DEL, _REG_PUT, _PUT = range(6)
 
 
 class SpillingShutdown:
@@ -58,11 +57,12 @@ class SpillingShutdown:
     spill_path: str
     failure: str | None
     env: lmdb.Environment
-    registry_db: Any  # py-lmdb's database handles (backends.lmdb_env.Environment)
+    meta_db: Any  # py-lmdb's database handles (backends.lmdb_env.Environment)
+    registry_db: Any
     data_db: Any
     _known: dict[str, int]
     _next_qid: int
-    _writes: PendingWrites[LmdbQueue]
+    _writes: PendingWrites[Stager]
     _spilled: dict[int, list[Message]]
     _spill_loaded: bool
 
@@ -123,12 +123,18 @@ class SpillingShutdown:
         back. Then the registry (records of an unregistered queue are never
         read), then new messages, each queue's oldest first so what is kept of
         a queue is its head, and last the rewrites of stored records (their
-        attempts and deferral), whose messages LMDB already holds.
+        attempts and deferral), whose messages LMDB already holds. Before
+        all, `meta` keys written (a retained log's offset floor must land
+        no later than the drop of its expired head); those deleted go
+        with the registry's deletions. Neither is spilled.
         """
         writes = self._writes
-        ops: list[tuple[int, Any, Any]] = [(_DROP, qid, bound) for qid, bound in writes.drops]
+        meta = writes.meta_puts
+        ops: list[tuple[int, Any, Any]] = [(_META, key, value) for key, value in meta.items() if value is not None]
+        ops += [(_DROP, qid, bound) for qid, bound in writes.drops]
         ops += [(_DEL, key, None) for key in sorted(writes.dels)]
         ops += [(_REG_DEL, name, None) for name in sorted(writes.registry_dels)]
+        ops += [(_META, key, None) for key, value in meta.items() if value is None]
         ops += [(_REG_PUT, name, qid) for name, qid in sorted(writes.registry_puts.items())]
         ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(writes.puts.items())]
         ops += [(_PUT, key, encode_record(msg)) for key, msg in sorted(writes.updates.items())]
@@ -146,6 +152,11 @@ class SpillingShutdown:
                     txn.put(key, value, db=self.registry_db)
                 elif op == _REG_DEL:
                     txn.delete(key, db=self.registry_db)
+                elif op == _META:
+                    if value is None:
+                        txn.delete(key, db=self.meta_db)
+                    else:
+                        txn.put(key, value, db=self.meta_db)
                 else:
                     drop_range(txn, key, value)
 
@@ -193,7 +204,7 @@ class SpillingShutdown:
             return None
         spill = [op for op in left if op[0] in (_PUT, _REG_PUT)]
         unwritten = sum(1 for op in spill if op[0] == _PUT)
-        deletions = len(left) - len(spill)
+        deletions = sum(1 for op in left if op[0] in (_DROP, _DEL, _REG_DEL))
         also = (f"; {deletions} deletions not written either (FINished messages may be delivered again)"
                 if deletions else "")
         try:

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from zope.interface import implementer
 
-from backends.interface import IBackendQueue, IBackendStore
+from backends.interface import IBackendQueue, IBackendStore, IRetainingStore
+from backends.memory_log import MemoryLog
 
 if TYPE_CHECKING:
     from mqd.message import Message
@@ -21,7 +22,8 @@ def take(items: deque[_T], n: int) -> list[_T]:
     """Pop up to `n` items from the left of a deque, as a list.
 
     Here because the memory backend is a deque; the broker's own memory
-    queues (mqd.nsqd.overflow, mqd.nsqd.channel) take from theirs the same way.
+    queues (mqd.nsqd.overflow.MemQueue) take from theirs the same way while
+    they hold no run of a publish.
     """
     if n >= len(items):
         batch = list(items)
@@ -77,11 +79,13 @@ class MemoryQueue:
         """RAM has nothing to sync."""
 
 
-@implementer(IBackendStore)
+@implementer(IBackendStore, IRetainingStore)
 class MemoryStore:
     durable = False
     # Set by the broker; never called, as RAM never fails a write.
     health_listener: Callable[[str | None], Any] | None = None
+    # The topics' retained logs (backends.memory_log), made by the first open_log.
+    _logs: dict[str, MemoryLog] | None = None
 
     def __init__(self, options: Any = None, clock: Any = None) -> None:
         self._queues: dict[str, MemoryQueue] = {}
@@ -99,6 +103,24 @@ class MemoryStore:
 
     def when_durable(self, callback: Callable[[str | None], Any]) -> None:
         callback(None)
+
+    def open_log(self, name: str) -> MemoryLog:
+        """Topic `name`'s retained log in RAM, new (with a new epoch) unless open already."""
+        if self._logs is None:
+            self._logs = {}
+        found = self._logs.get(name)
+        if found is None:
+            found = self._logs[name] = MemoryLog(name, self._forget_log)
+        return found
+
+    def log_names(self) -> list[str]:
+        """The topics with a retained log in RAM."""
+        return sorted(self._logs or ())
+
+    def _forget_log(self, retained: MemoryLog) -> None:
+        """A deleted log goes; the next open_log makes a new one."""
+        if self._logs is not None and self._logs.get(retained.name) is retained:
+            del self._logs[retained.name]
 
     def begin_close(self) -> None:
         """Nothing to prepare: this store never refuses what it is given."""

@@ -50,6 +50,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                 "fuzz, kill -9 and abuse a broker, longer than CI does"),
     "lmdb-layout": ("bench.experiments.lmdb_layout", "main",
                     "(experiment) LMDB with a named database per queue vs one shared"),
+    "retention": ("bench.scenarios.retention", "main",
+                  "the retained log: publishing with retention on vs off, /topic/read, bytes per record"),
+    "replay": ("bench.scenarios.replay", "main",
+               "a retained topic replayed into a channel: msgs/s, a bystander's PUB latency, RSS"),
     "channel-create": ("bench.experiments.channel_create", "main",
                        "POST /channel/create on a broker with N topics (one metadata change)"),
 }

@@ -2,7 +2,9 @@
 
 A message is created once per publish and, for a topic with several
 channels, copied once per extra channel: the copies share id, body and
-timestamp but count their own attempts, as nsqd's do.
+timestamp but count their own attempts, as nsqd's do. A publish held in
+memory only waits as a `Run` instead, and each channel makes its
+Messages as it takes them.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import struct
 import zlib
 from typing import Any, Protocol
 
-__all__ = ["Message", "IdFactory", "IdTimeLease", "channel_copies", "new_messages", "default_node_id",
-           "frame_message", "id_time", "id_time_span", "FRAME_HEAD", "ID_SIZE"]
+__all__ = ["Message", "IdFactory", "IdTimeLease", "Run", "channel_copies", "new_messages", "new_run",
+           "run_messages", "default_node_id", "frame_message", "id_time", "id_time_span", "FRAME_HEAD",
+           "ID_SIZE"]
 
 # [size][frame type 2][timestamp ns][attempts]: a message frame up to its id,
 # packed in one call on the delivery path; the id and body follow as they
@@ -182,6 +185,93 @@ def channel_copies(msgs: list[Message]) -> list[Message]:
         c.state = None if state.__class__ is tuple else state
         c.key = None
         append(c)
+    return out
+
+
+class Run:
+    """The messages of one publish, held in memory compactly until a queue takes them.
+
+    A publish that no store keeps and that is not deferred makes a run
+    instead of a `Message` per message and channel: one list of `data`
+    (each message's id then body, as a Message holds it) and the
+    publish's timestamp. Every queue the topic puts it in holds the same
+    run and knows how far it has taken it (mqd.nsqd.overflow.MemQueue),
+    so a queued message costs its bytes and one list slot however many
+    channels hold it. A queue makes the `Message` objects when it hands
+    messages out (`run_messages`): each starts as a new message does, no
+    attempts, no deferral, no store key.
+
+    `keys` is None for a run held by one queue. A run fanned out to
+    several channels (`share`) gets the ids cut out of `data`, made by
+    whichever channel takes a message first and given to every channel's
+    Message of it (`id_key`, as `channel_copies` shares one): the
+    in-flight tables then hash one object per message, not one per channel.
+    """
+
+    __slots__ = ("datas", "timestamp", "keys")
+
+    datas: list[bytes]
+    timestamp: int
+    keys: list[bytes] | None
+
+    def __init__(self, datas: list[bytes], timestamp: int) -> None:
+        self.datas = datas
+        self.timestamp = timestamp
+        self.keys = None
+
+    def __len__(self) -> int:
+        return len(self.datas)
+
+    def share(self) -> None:
+        """The run goes to several channels: their copies of a message will share one id object."""
+        if self.keys is None:
+            self.keys = []
+
+    def __repr__(self) -> str:
+        return f"Run({len(self.datas)} messages, timestamp={self.timestamp})"
+
+
+def new_run(ids: list[bytes], bodies: list[bytes], timestamp: int) -> Run:
+    """The run of a publish: `new_messages` without a Message per message."""
+    return Run([i + b for i, b in zip(ids, bodies, strict=True)], timestamp)
+
+
+def run_messages(run: Run, start: int, stop: int, keyed: bool = True) -> list[Message]:
+    """Messages `start` to `stop` of `run`, made now: what a queue hands out of a run.
+
+    As `new_messages` builds them; a shared run's copies get its id objects
+    (made here for the messages no channel has taken yet), unless not
+    `keyed`: Messages only to be read (a peek, a snapshot's capture) leave
+    the run's ids as they are.
+    """
+    datas = run.datas
+    ts = run.timestamp
+    keys = run.keys if keyed else None
+    out: list[Message] = []
+    append = out.append
+    if keys is None:
+        for data in datas[start:stop]:
+            m = _new(Message)
+            m.data = data
+            m.timestamp = ts
+            m.attempts = 0
+            m.state = None
+            m.key = None
+            m.id_key = None
+            append(m)
+        return out
+    made = len(keys)
+    if made < stop:
+        keys += [d[:ID_SIZE] for d in datas[made:stop]]
+    for data, key in zip(datas[start:stop], keys[start:stop], strict=True):
+        m = _new(Message)
+        m.data = data
+        m.timestamp = ts
+        m.attempts = 0
+        m.state = None
+        m.key = None
+        m.id_key = key
+        append(m)
     return out
 
 

@@ -25,10 +25,12 @@ from mqd.message import default_node_id
 __all__ = [
     "ConfigError",
     "check_http_auth",
+    "check_retention",
     "http_client_auth_secret",
     "Option",
     "Settings",
     "parse_duration",
+    "parse_size",
     "resolve",
     "to_endpoint",
     "wildcard_port",
@@ -72,6 +74,33 @@ def parse_duration(value: Any) -> float:
         total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
         pos = m.end()
     return sign * total
+
+
+# A byte size's units: decimal (KB = 1000) and binary (KiB = 1024), as disks and memory are counted.
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+_SIZE = re.compile(r"(\d{1,19})\s*([A-Za-z]{0,3})")
+
+
+def parse_size(value: Any) -> int:
+    """A byte count: a plain integer, or one with a unit (`10GB`, `512MiB`: KB..TB are 1000s, KiB..TiB 1024s).
+
+    Units are case-insensitive; no fractions and no sign, as a size is
+    never negative.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f'expected a size like "10GB" or "512MiB", got {value!r}')
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"expected a size of at least 0, got {value!r}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.fullmatch(value.strip())
+        if m is not None:
+            unit = _SIZE_UNITS.get(m.group(2).upper())
+            if unit is not None:
+                return int(m.group(1)) * unit
+    raise ValueError(f'expected a size like "10GB" or "512MiB", got {value!r}')
 
 
 def _parse_int(value: Any) -> int:
@@ -234,6 +263,9 @@ def _backend_check(value: str) -> str | None:
 
 
 _positive_duration = _at_least(0.001)
+# Go's time.Duration and int64: the largest retention a duration or size can say.
+_MAX_INT64 = (1 << 63) - 1
+_MAX_DURATION = _MAX_INT64 / 1e9
 
 
 def _statsd_address_check(value: str) -> str | None:
@@ -282,6 +314,19 @@ def check_http_auth(settings: Settings) -> None:
     """
     if settings.http_auth_required and not settings.auth_http_address:
         raise ConfigError("--http-auth-required needs --auth-http-address (the auth server to ask)")
+
+
+def check_retention(settings: Settings) -> None:
+    """ConfigError for retention settings the store cannot honour.
+
+    The memory store keeps the retained log in RAM: bounded by time alone,
+    a busy topic would fill the memory before its records are old enough
+    to go, so it must be given a size too. (The dummy store starts with
+    retention flags, its logs keeping nothing, as `/topic/offsets` says;
+    the broker warns at start and refuses a topic's own retention.)
+    """
+    if settings.backend == "memory" and settings.retention_time and not settings.retention_bytes:
+        raise ConfigError("--backend memory keeps the retained log in RAM: set --retention-bytes to bound it")
 
 
 def http_client_auth_secret(settings: Settings) -> str:
@@ -337,6 +382,16 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("backend", "str", "lmdb", "store behind the memory queues: lmdb or memory", _backend_check),
     Option("durable", "bool", False,
            "acknowledge a publish only once it is synced to disk, and keep every message until FIN (lmdb)"),
+    Option("retention-time", "duration", 0.0,
+           "keep every message published to a topic in its retained log for this long, readable by "
+           "offset (GET /topic/read) whatever its channels did with it (0: no time bound; retention is "
+           "on when this or --retention-bytes is set; POST /topic/retention overrides it per topic)",
+           _between(0, _MAX_DURATION)),
+    Option("retention-bytes", "int", 0,
+           "keep at most this many bytes in each topic's retained log, the oldest records going first: "
+           "an integer or with a unit, KB/MB/GB/TB (1000s) or KiB/MiB/GiB/TiB (1024s) "
+           "(0: no size bound; required with --retention-time on --backend memory)",
+           _between(0, _MAX_INT64), parser=parse_size),
     Option("sync-every", "int", 2500, "fsync the store after this many writes (when not durable)", _at_least(0)),
     Option("sync-timeout", "duration", 2.0, "fsync the store at least this often when it was written (when not durable)",
            _at_least(0)),

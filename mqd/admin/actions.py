@@ -139,7 +139,9 @@ def _failed_result(failure, target: str, address: str, path: str, url: str) -> d
     if not failure.check(UpstreamError):
         return _result(target, address, path, text)
     error = failure.value
-    return _result(target, address, path, text, go_line(error, target), error.code)
+    # A refusal names its node as every page does: `nsqlookupd HOST:PORT` (the result's target says `lookupd`).
+    kind = "nsqlookupd" if target == "lookupd" else target
+    return _result(target, address, path, text, go_line(error, kind), error.code)
 
 
 def _post_one(upstream: Any, target: str, address: str, base: str, path: str,
@@ -425,8 +427,8 @@ class Peek(AdminEndpoint):
         producers, errors = await self.cluster_for(request).topic_producers(topic)
         problems = list(errors)
         if not producers and problems:
-            status = refusal_status(getattr(e, "code", None) for e in errors) or 502
-            raise ApiError(status, "UPSTREAM_ERROR: " + "; ".join(problems))
+            # As every page words it: a lookupd that refused the secret named, its 401/403 the status.
+            raise upstream_error(errors)
         nodes = [node_id(p) for p in producers or ()]
         query = {"topic": topic, "channel": channel, **wanted}
         upstream = self.upstream_for(request)

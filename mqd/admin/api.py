@@ -13,7 +13,9 @@ mqadmin's own (endpoint.AdminEndpoint.cluster_for). An unknown topic
 is that 502, as in nsqadmin: every lookupd answered 404 (without lookupd,
 no broker has it: `failed to query any nsqd: `). `/api/graphite` answers
 as nsqadmin with no graphite server reachable (mqadmin reads none). The
-numbers come from `aggregate`, the queries from `cluster`.
+numbers come from `aggregate`, the queries from `cluster`; a broker's
+retained log and a channel's replay are added to the topic's and the
+channel's node rows by `mqd.admin.retained`.
 
 Where nsqadmin answers oddly this answers plainly: a topic declared on
 the lookupds that no broker has yet is a page of zeros (nsqadmin: 502
@@ -32,6 +34,7 @@ from twisted.internet import defer
 from twisted.web.server import Request
 
 from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError, go_lines, upstream_error
+from mqd.admin.retained import add_channel_fields, add_topic_fields
 from mqd.clusterinfo.aggregate import (
     channel_stats,
     counter_stats,
@@ -94,6 +97,7 @@ class Topic(_Endpoint):
         if not producers:
             yield self._known_or_502(cluster, topic)
         body = topic_stats(per_node, topic, self.now())
+        add_topic_fields(body, per_node, topic, self.now())
         body["message"] = warning(messages)
         return body
 
@@ -120,6 +124,8 @@ class Channel(_Endpoint):
         per_node, errors = yield cluster.stats(producers, topic, channel, include_clients=True)
         per_node = _check(per_node, errors, messages)
         body = channel_stats(per_node, topic, channel, self.now())
+        if body is not None:
+            add_channel_fields(body, per_node, topic, channel)
         if body is None:
             declared = []
             if cluster.lookupds:

@@ -24,7 +24,7 @@ from twisted.python.filepath import FilePath, InsecurePath
 from twisted.web import server, static
 from twisted.web.server import Request
 
-from mqd.admin import actions, api, history
+from mqd.admin import actions, api, history, retained
 from mqd.admin.endpoint import Admin
 from mqd.http.endpoint import Ping
 from mqd.http.response import respond_plain, respond_v1
@@ -187,8 +187,8 @@ def merge_routes(*tables: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def default_routes(admin: Admin) -> dict[str, Any]:
-    """The API: nsqadmin's GET endpoints, its actions (and /config/:opt), the charts' history."""
-    return merge_routes(api.routes(admin), actions.routes(admin), history.routes(admin))
+    """The API: nsqadmin's GET endpoints, its actions (and /config/:opt), the charts' history, replay."""
+    return merge_routes(api.routes(admin), actions.routes(admin), history.routes(admin), retained.routes(admin))
 
 
 def mount(base_path: str, pattern: str) -> str:

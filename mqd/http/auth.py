@@ -153,6 +153,7 @@ class AuthState:
         key = (topic, channel)
         hit = self._cache.get(key)
         if hit is None:
+            topic, channel = go_string(topic), go_string(channel)  # see allows_topic
             hit = any(g.allows(topic, channel) for g in self.grants)
             if len(self._cache) < 1024:
                 self._cache[key] = hit
@@ -164,11 +165,17 @@ class AuthState:
         What a look at the topic's own queue needs (`GET /topic/peek`, a
         snapshot of a topic without channels): whoever may subscribe to any
         channel of a topic receives every message the topic holds.
+
+        A name from a request's undecodable bytes holds lone surrogates, which
+        re2 cannot take: it is matched as Go's regexp reads those bytes, each
+        one U+FFFD (go_string), so `.*` still matches it and `^t$` does not.
         """
+        topic = go_string(topic)
         return any(g.allows_topic(topic) for g in self.grants)
 
     def allows_admin(self, topic: str, channel: str | None = None) -> bool:
-        """Whether an admin authorization covers `topic` (and `channel`, for a channel endpoint)."""
+        """Whether an admin authorization covers `topic` (and `channel`, for a channel endpoint); see allows_topic."""
+        topic, channel = go_string(topic), None if channel is None else go_string(channel)
         return any(g.administers(topic, channel) for g in self.grants)
 
     def allows_admin_everywhere(self) -> bool:

@@ -10,6 +10,13 @@ id lease so that no id is issued twice on a data path, across restarts
 and clock steps (see IdLease). What
 the HTTP API keeps between requests (bearer-secret answers, peek and
 snapshot work) is the HTTP site's (mqd.nsqd.http.state).
+
+Retention: a topic keeps a retained log (every message published to it,
+by offset, `IRetainedLog`) while `--retention-time` / `--retention-bytes`
+or its own override (`set_retention`, kept in nsqd.dat) says so. The
+broker settles each topic's retention, opens and deletes the logs through
+the store, drops their expired records once a second. A log no retaining topic
+claims at start-up is kept (and said so), never deleted by a restart.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
 from zope.interface import implementer
 
 import backends
-from backends import IBackendStore
+from backends import BackendError, IBackendStore
+from backends.interface import IRetainingStore
 from mqd.http.auth import AuthClient
 from mqd.logs import get_logger, set_log_level
 from mqd.message import IdFactory
@@ -33,12 +42,15 @@ from mqd.nsqd.delivery import DeliveryBatch
 from mqd.nsqd.interfaces import ITopicLifecycle
 from mqd.nsqd.metadata import MetadataFile, SavedTopic
 from mqd.nsqd.overflow import OverflowQueue
-from mqd.nsqd.topic import Topic
-from mqd.options import MQD_OPTIONS, ConfigError, Settings
+from mqd.nsqd.topic import RETENTION_OFF, Retention, Topic
+from mqd.options import MQD_OPTIONS, ConfigError, Settings, check_retention
 
 __all__ = ["Broker"]
 
 log = get_logger(__name__)
+
+# Seconds between two passes that drop the retained logs' expired records.
+EXPIRY_INTERVAL = 1.0
 
 
 @implementer(ITopicLifecycle)
@@ -79,6 +91,11 @@ class Broker:
         # Asks the auth servers, for AUTH and for the HTTP endpoints that
         # show bodies (tests replace its fetch function).
         self.auth = AuthClient(options, clock)
+        # The bound port of each listener ("TCP", "HTTP", "HTTPS"), filled in as they start.
+        self.ports: dict[str, int] = {}
+        # The topics with a retained log, and the pass that expires their records (while any is).
+        self._retaining: dict[str, Topic] = {}
+        self._expiry: LoopingCall | None = None
 
     def open(self) -> None:
         """Open the store and bring back the last run's topics and channels.
@@ -87,6 +104,10 @@ class Broker:
         that will serve (after daemonising), and so a store that cannot be
         opened stops start-up before any port is listening.
         """
+        check_retention(self.options)
+        if self.options.backend == "dummy" and self.default_retention().on:
+            log.warn("--backend dummy keeps no message: the topics' retained logs keep nothing "
+                     "(/topic/offsets says \"kept\": false)")
         self.metadata.open()
         try:
             self.store = backends.open_store(self.options.backend, self.options, self.clock)
@@ -104,6 +125,7 @@ class Broker:
             raise
         self._restore(saved)
         self._adopt_stored_queues()
+        self._reconcile_logs()
         for topic in list(self.topics.values()):
             topic.drain_waiting()
         # Written now with what was restored, then after every change.
@@ -145,7 +167,7 @@ class Broker:
                 if not is_valid_name(entry.name) or entry.name.endswith("#ephemeral"):
                     log.warn("skipping topic {name!r} in metadata: invalid name", name=entry.name)
                     continue
-                topic = self.topic(entry.name)
+                topic = self.topic(entry.name, retention=self._saved_retention(entry))
                 if entry.paused:
                     topic.pause()
                 for ch in entry.channels:
@@ -179,6 +201,34 @@ class Broker:
         finally:
             self._loading = False
 
+    def _saved_retention(self, entry: SavedTopic) -> Retention | None:
+        """The override nsqd.dat lists for a topic, if any and if this broker can keep it."""
+        if entry.retention is None:
+            return None
+        time_ms, nbytes = entry.retention
+        retention = Retention(time_ms / 1000, nbytes, True)
+        problem = self.retention_problem(retention)
+        if problem:
+            log.warn("TOPIC({topic}): ignoring its retention in the metadata: {problem}",
+                     topic=entry.name, problem=problem)
+            return None
+        return retention
+
+    def _reconcile_logs(self) -> None:
+        """Say which retained logs no retaining topic claims (the last run's), and keep them.
+
+        A broker restarted without its retention flags, or whose nsqd.dat
+        was lost, must not lose the records it kept: such a log stays in
+        the store untouched until its topic retains again (it continues
+        where it stopped, same epoch) or is deleted, or its retention is
+        turned off explicitly (`POST /topic/retention` with both bounds 0).
+        """
+        for name in self._logs.log_names():
+            topic = self.topics.get(name)
+            if topic is None or topic.log is None:
+                log.warn("TOPIC({topic}): its retained log is kept but not written to: {why}", topic=name,
+                         why="no such topic" if topic is None else "retention is off for it")
+
     # -- queues --------------------------------------------------------------
 
     def open_queue(self, name: str, ephemeral: bool) -> OverflowQueue:
@@ -196,11 +246,15 @@ class Broker:
 
     # -- topics ----------------------------------------------------------------
 
-    def topic(self, name: str) -> Topic:
-        """The topic called `name`, created if new (names are checked by the caller)."""
+    def topic(self, name: str, retention: Retention | None = None) -> Topic:
+        """The topic called `name`, created if new (names are checked by the caller).
+
+        A new topic retains as `retention` (its own override) says, else as
+        the broker's options do; an ephemeral one never retains.
+        """
         topic = self.topics.get(name)
         if topic is None:
-            topic = self.topics[name] = Topic(
+            topic = Topic(
                 name,
                 clock=self.clock,
                 options=self.options,
@@ -210,6 +264,9 @@ class Broker:
                 deliveries=self.deliveries,
                 ids=self.ids,
             )
+            # Its log before it is listed: a store that cannot open one leaves no topic without it.
+            self._use_retention(topic, retention or self.default_retention())
+            self.topics[name] = topic
             log.info("TOPIC({topic}): created", topic=name)
             for observer in self.observers:
                 observer.topic_created(topic)
@@ -221,6 +278,8 @@ class Broker:
         if topic is None:
             return False
         topic.delete()
+        self._drop_log(topic)
+        self._drop_kept_log(name)
         log.info("TOPIC({topic}): deleted", topic=name)
         for observer in self.observers:
             observer.topic_deleted(topic)
@@ -246,6 +305,124 @@ class Broker:
     def channels(self) -> Iterator[Channel]:
         for topic in list(self.topics.values()):
             yield from list(topic.channels.values())
+
+    # -- retention -------------------------------------------------------------------
+
+    @property
+    def _logs(self) -> IRetainingStore:
+        """Where the topics' logs are kept: the store, or (a store that keeps none) the dummy one's logs.
+
+        mqd's stores all keep logs (the dummy one keeps nothing and says
+        so); a store registered from elsewhere without IRetainingStore gets
+        logs that keep nothing too, so its topics answer `"kept": false`.
+        """
+        store = self.store
+        if IRetainingStore.providedBy(store):
+            return cast(IRetainingStore, store)
+        return cast(IRetainingStore, self._ephemeral_store)  # the dummy store keeps retained logs (none)
+
+    def default_retention(self) -> Retention:
+        """The retention of a topic without its own: `--retention-time` and `--retention-bytes`."""
+        return Retention(self.options.retention_time, self.options.retention_bytes)
+
+    def retention_problem(self, retention: Retention) -> str | None:
+        """Why this broker cannot keep a log under `retention`, or None (mqd.options.check_retention's rule)."""
+        if self.options.backend == "memory" and retention.time and not retention.bytes:
+            return "--backend memory keeps the retained log in RAM: a size bound is required"
+        if self.options.backend == "dummy" and retention.on:
+            return "--backend dummy keeps no message: a retained log needs lmdb or memory"
+        return None
+
+    def set_retention(self, topic: Topic, time: float | None = None, nbytes: int | None = None,
+                      default: bool = False) -> Retention:
+        """Give `topic` retention of its own, or (`default`) the broker's again; returns what it has now.
+
+        A bound left None keeps the topic's current value. Retention turned
+        off deletes the topic's log (its records are gone, and a log
+        opened later is a new life with a new epoch); turned on, a log is
+        opened. The override goes to nsqd.dat. ValueError, with nothing
+        changed, for an ephemeral topic (it never retains) or a retention
+        this broker cannot keep (`retention_problem`).
+        """
+        if topic.ephemeral:
+            raise ValueError("an ephemeral topic never retains")
+        if default:
+            retention = self.default_retention()
+        else:
+            current = topic.retention
+            retention = Retention(current.time if time is None else time,
+                                  current.bytes if nbytes is None else nbytes, True)
+        problem = self.retention_problem(retention)
+        if problem:
+            raise ValueError(problem)
+        self._use_retention(topic, retention)
+        if not retention.on:
+            self._drop_kept_log(topic.name)
+        log.info("TOPIC({topic}): retention {time:g}s, {nbytes} bytes{own}", topic=topic.name,
+                 time=retention.time, nbytes=retention.bytes, own=" (its own)" if retention.overridden else "")
+        self._metadata_changed(topic.ephemeral, topic.name)
+        return retention
+
+    def _use_retention(self, topic: Topic, retention: Retention) -> None:
+        """Settle `topic`'s retention: its log opened if it now retains, deleted if it no longer does."""
+        if topic.ephemeral:
+            retention = RETENTION_OFF
+        if not retention.on:
+            self._drop_log(topic)
+            topic.use_retention(retention, None)
+            return
+        retained = topic.log
+        if retained is None:
+            retained = self._logs.open_log(topic.name)
+            self._retaining[topic.name] = topic
+            self._start_expiry()
+        topic.use_retention(retention, retained)
+
+    def _drop_log(self, topic: Topic) -> None:
+        """Delete the topic's retained log, if it has one: a deleted topic's or one that stopped retaining."""
+        retained = topic.log
+        if retained is None:
+            return
+        topic.use_retention(topic.retention, None)
+        if self._retaining.get(topic.name) is topic:
+            del self._retaining[topic.name]
+        try:
+            retained.delete()
+        except BackendError as e:
+            log.error("TOPIC({topic}): cannot delete its retained log: {error}", topic=topic.name, error=e)
+
+    def _drop_kept_log(self, name: str) -> None:
+        """Delete a log kept from an earlier run that no topic had open (see `_reconcile_logs`)."""
+        if name in self._logs.log_names():
+            try:
+                self._logs.open_log(name).delete()
+            except BackendError as e:
+                log.error("TOPIC({topic}): cannot delete its retained log: {error}", topic=name, error=e)
+
+    def _start_expiry(self) -> None:
+        if self._expiry is None:
+            self._expiry = LoopingCall(self.expire_logs)
+            self._expiry.clock = self.clock
+            self._expiry.start(EXPIRY_INTERVAL, now=False)
+
+    def expire_logs(self) -> None:
+        """Drop every retained log's records past its topic's retention: one call per log, never per message."""
+        now_ns = int(self.clock.seconds() * 1e9)
+        for topic in list(self._retaining.values()):
+            retained = topic.log
+            if retained is None:
+                continue
+            retention = topic.retention
+            before = now_ns - int(retention.time * 1e9) if retention.time else 0
+            try:
+                retained.expire(before, retention.bytes)
+            except BackendError as e:
+                log.warn("TOPIC({topic}): cannot expire its retained log: {error}", topic=topic.name, error=e)
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP port clients are told (IDENTIFY): `--broadcast-http-port`, else the bound one; 0 without HTTP."""
+        return self.options.broadcast_http_port or self.ports.get("HTTP", 0)
 
     # -- clients -----------------------------------------------------------------
 
@@ -333,6 +510,8 @@ class Broker:
 
         Returns a Deferred when the store is still writing (a full disk).
         """
+        if self._expiry is not None and self._expiry.running:
+            self._expiry.stop()
         for client in list(self.clients):
             client.lose_connection()
         # The last metadata write, synchronous: nothing is scheduled after it.
@@ -343,6 +522,8 @@ class Broker:
             self.store.begin_close()
         for topic in list(self.topics.values()):
             topic.close()
+            if topic.log is not None:
+                topic.log.close()
         closed = self.store.close() if self.store is not None else None
         if closed is not None:
             # The store waits for disk space to write what it holds (LmdbStore.close):

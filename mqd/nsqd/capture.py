@@ -12,7 +12,9 @@ What the capture takes per queued message is a reference and the three
 fields that change once the reactor runs on (store key, attempts,
 deferral), in flat lists: no object per message (a tuple each cost three
 times as much, a fifth of it in the collector); bodies are shared, not
-copied. In-flight and deferred messages (a few thousand) are taken as
+copied. Messages a queue holds as a run of a publish (mqd.message.Run)
+are the exception: the capture makes a Message of its own for each,
+since the run's are made only as the queue hands them out. In-flight and deferred messages (a few thousand) are taken as
 tuples. Sorting,
 encoding and writing happen in the snapshot thread. Measured in bench/
 (`python -m bench snapshot`).
@@ -75,7 +77,9 @@ class _Clients:
 
 def _queued(live: LiveQueue, queue: OverflowQueue, stored: bool) -> LiveQueue:
     """Take the queued messages of `queue` into `live`: references, and what of them can change."""
-    refs = [*queue.mem, *_backend_held(queue, stored)]
+    mem = queue.mem
+    refs = mem.peek(mem.count)
+    refs += _backend_held(queue, stored)
     live.queued = refs
     live.queued_keys = [*map(_key, refs)]
     live.queued_attempts = [*map(_attempts, refs)]

@@ -23,18 +23,18 @@ from twisted.python.failure import Failure
 from backends import BackendError
 from mqd.latency import LatencyWindow
 from mqd.logs import get_logger
-from mqd.message import ID_SIZE, Message
+from mqd.message import ID_SIZE, Message, Run
 from mqd.nsqd.inflight import InFlightQueue
-from mqd.nsqd.overflow import OverflowQueue, take
+from mqd.nsqd.overflow import OverflowQueue
 from mqd.nsqd.pqueue import DeferredQueue
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Iterator, KeysView
 
     from twisted.internet.interfaces import IReactorTime
 
     from mqd.nsqd.delivery import DeliveryBatch
-    from mqd.nsqd.interfaces import IChannelLifecycle
+    from mqd.nsqd.interfaces import IChannelFeed, IChannelLifecycle
     from mqd.options import Settings
 
 __all__ = ["Channel", "ChannelError"]
@@ -62,6 +62,7 @@ class Channel:
         "requeue_count",
         "timeout_count",
         "e2e",
+        "replay",
         "_queue",
         "_in_flight",
         "_in_flight_pq",
@@ -101,6 +102,9 @@ class Channel:
             if percentiles
             else None
         )
+        # What replays the topic's retained log into this channel (mqd.nsqd.replay),
+        # or None: told when messages leave the queue and when the channel is emptied.
+        self.replay: IChannelFeed | None = None
         self._queue = queue
         self._in_flight: dict[bytes, Message] = {}
         self._in_flight_pq = InFlightQueue()
@@ -130,6 +134,10 @@ class Channel:
 
     def in_flight_count(self) -> int:
         return len(self._in_flight)
+
+    def in_flight_ids(self) -> KeysView[bytes]:
+        """The ids in flight, a live view: whether a message is, in one lookup (a replay's check)."""
+        return self._in_flight.keys()
 
     def deferred_count(self) -> int:
         return len(self._deferred)
@@ -165,8 +173,8 @@ class Channel:
 
     # -- queueing ------------------------------------------------------------
 
-    def put(self, msgs: list[Message], spill: bool = False, fresh: bool = False) -> None:
-        """Messages from the topic; delivered at once if a client is ready.
+    def put(self, msgs: list[Message] | Run, spill: bool = False, fresh: bool = False) -> None:
+        """Messages from the topic (a list, or a run of a publish); delivered at once if a client is ready.
 
         Raises BackendError (nothing queued) if the overflow cannot be
         stored, unless `spill`: then the messages stay in memory beyond the
@@ -178,7 +186,7 @@ class Channel:
         except BackendError:
             if not spill:
                 raise
-            self._queue.mem.extend(msgs)
+            self._queue.mem.add(msgs)
         self.message_count += len(msgs)
         self.deliver_soon()
 
@@ -237,9 +245,10 @@ class Channel:
             return
         queue = self._queue
         mem = queue.mem
+        take = mem.take
         send = self._send
         while True:
-            pending = len(mem)
+            pending = mem.count
             if not pending:
                 # Read the backend only for a client that can take messages
                 # now, so the memory queue stays within mem-queue-size.
@@ -248,7 +257,7 @@ class Channel:
                 later = queue.refill(BACKEND_READ_BATCH, self._clock.seconds())
                 if later:
                     self._defer(later)
-                pending = len(mem)
+                pending = mem.count
                 if not pending:
                     # Only deferred ones came back: read on. Nothing at all
                     # means the backend has nothing now, whatever its depth
@@ -261,7 +270,7 @@ class Channel:
                 window = client.ready()
                 if window <= 0:
                     return
-                send(client, take(mem, window if window < pending else pending))
+                send(client, take(window if window < pending else pending))
                 continue
             windows = [(c, w) for c in clients if (w := c.ready()) > 0]
             if not windows:
@@ -272,12 +281,14 @@ class Channel:
             share = -(-pending // count)
             for i in range(count):
                 client, window = windows[(start + i) % count]
-                n = min(window, share, len(mem))
+                n = min(window, share, mem.count)
                 if n <= 0:
                     break
-                send(client, take(mem, n))
+                send(client, take(n))
 
     def _send(self, client, batch: list[Message]) -> None:
+        if self.replay is not None:
+            self.replay.delivered(batch)
         now = self._clock.seconds()
         rate = client.sample_rate
         if rate:
@@ -601,7 +612,7 @@ class Channel:
         except Exception:
             self._scan_failed("requeueing", _describe_all(msgs, "put in memory"))
             mem = self._queue.mem
-            there = {id(m) for m in mem}
+            there = {id(m) for m in mem.messages()}
             mem.extend([m for m in msgs if id(m) not in there])
 
     def _scan_failed(self, what: str, subject: str, failure: Failure | None = None) -> None:
@@ -684,7 +695,9 @@ class Channel:
         self.deliver()
 
     def empty(self) -> None:
-        """Drop queued, in-flight and deferred messages (nsqd's /channel/empty)."""
+        """Drop queued, in-flight and deferred messages (nsqd's /channel/empty); a replay stops."""
+        if self.replay is not None:
+            self.replay.stop()
         self._queue.empty()
         for msg in self._in_flight.values():
             msg.state = None

@@ -7,13 +7,22 @@ the protocol class stays the only thing that knows about frames.
 IChannelLifecycle and ITopicLifecycle are what a channel tells its topic
 and a topic tells its broker: a topic and a channel are given their owner
 as such a listener when built, and call nothing else above them.
+
+IChannelFeed is what a channel tells whatever feeds it from elsewhere than
+its topic (a replay of the topic's retained log, mqd.nsqd.replay): the
+channel holds it, and knows nothing else of it.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zope.interface import Attribute, Interface
 
-__all__ = ["IChannelLifecycle", "IConsumer", "ITopicLifecycle"]
+if TYPE_CHECKING:
+    from mqd.message import Message
+
+__all__ = ["IChannelFeed", "IChannelLifecycle", "IConsumer", "ITopicLifecycle"]
 
 
 class IConsumer(Interface):
@@ -79,3 +88,20 @@ class ITopicLifecycle(Interface):
 
     def topic_abandoned(topic):
         """An ephemeral topic's last channel was deleted: the owner deletes the topic, as nsqd does."""
+
+
+class IChannelFeed(Interface):
+    """What puts messages into a channel as it drains, besides its topic.
+
+    The channel tells it when messages leave its queue and when it is
+    emptied or deleted; /stats shows what it says of itself.
+    """
+
+    def delivered(messages: list[Message]) -> None:
+        """The channel handed `messages` to a client: its queue went down by as many."""
+
+    def stop() -> None:
+        """The channel is being emptied or deleted: the feed ends and lets go of it (its `replay` is None again)."""
+
+    def stats() -> dict[str, int]:
+        """What /stats shows of the feed in the channel's entry."""

@@ -82,11 +82,16 @@ class SavedChannel(NamedTuple):
 
 
 class SavedTopic(NamedTuple):
-    """A topic as the file lists it, with its channels (names not checked yet)."""
+    """A topic as the file lists it, with its channels (names not checked yet).
+
+    `retention` is the (time in ms, bytes) set for the topic alone, None
+    when it follows the broker's options.
+    """
 
     name: str
     paused: bool
     channels: tuple[SavedChannel, ...]
+    retention: tuple[int, int] | None = None
 
 
 def thread_runner(clock: object) -> Runner:
@@ -132,9 +137,30 @@ def _parse(path: str, raw: bytes) -> list[SavedTopic]:
             bool(entry.get("paused")),
             tuple(SavedChannel(ch.get("name", ""), bool(ch.get("paused")))
                   for ch in entry.get("channels") or []),
+            _saved_retention(path, entry),
         )
         for entry in topics
     ]
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _saved_retention(path: str, entry: dict[str, Any]) -> tuple[int, int] | None:
+    """A topic entry's own retention, (time_ms, bytes), or None.
+
+    nsqd ignores the key, so a malformed one does not stop start-up
+    either: it is logged and the topic follows the broker's options.
+    """
+    raw = entry.get("retention")
+    if raw is None:
+        return None
+    if isinstance(raw, dict) and _is_count(raw.get("time_ms")) and _is_count(raw.get("bytes")):
+        return raw["time_ms"], raw["bytes"]
+    log.warn("{path}: ignoring the malformed retention of topic {name!r}: {raw!r}",
+             path=path, name=entry.get("name", ""), raw=raw)
+    return None
 
 
 class MetadataFile(Service):

@@ -47,9 +47,20 @@ class ListedTopic(_Listed, Protocol):
 
 
 def topic_entry(topic: ListedTopic) -> dict[str, Any]:
-    """A non-ephemeral topic's entry in the file: nsqd's JSON, ephemeral channels left out."""
+    """A non-ephemeral topic's entry in the file: nsqd's JSON, ephemeral channels left out.
+
+    A topic whose retention was set for it alone (`POST /topic/retention`)
+    has one key more, `"retention": {"time_ms", "bytes"}`; nsqd reading
+    the file ignores it, as Go's JSON decoder skips unknown keys. Without
+    an override the entry is nsqd's exactly.
+    """
     channels = [{"name": c.name, "paused": c.paused} for c in topic.channels.values() if not c.ephemeral]
-    return {"name": topic.name, "paused": topic.paused, "channels": channels or None}
+    entry: dict[str, Any] = {"name": topic.name, "paused": topic.paused, "channels": channels or None}
+    # A record without retention settings (a plain listing) has no override.
+    retention = getattr(topic, "retention", None)
+    if retention is not None and retention.overridden:
+        entry["retention"] = {"time_ms": round(retention.time * 1000), "bytes": retention.bytes}
+    return entry
 
 
 def _is_new(topic: ListedTopic | None, kept: ListedTopic | None) -> bool:

@@ -3,6 +3,10 @@
 Puts go to memory until `mem-queue-size` is reached, then to the backend;
 once anything sits in the backend, new messages go there too, so the queue
 stays FIFO across both (nsqd reads memory and disk in random order).
+
+Memory (`MemQueue`) holds `Message` objects and, for fresh publishes held
+only in memory, compact runs (mqd.message.Run) that become Messages as
+they are taken.
 """
 
 from __future__ import annotations
@@ -16,47 +20,181 @@ from backends import BackendError
 from backends.interface import IPiecewisePeek
 from backends.memory import take
 from mqd.logs import get_logger
+from mqd.message import Run, run_messages
 
 if TYPE_CHECKING:
     from backends.interface import IBackendQueue
     from mqd.message import Message
 
-__all__ = ["OverflowQueue", "take"]
+__all__ = ["MemQueue", "OverflowQueue"]
 
 log = get_logger(__name__)
+
+
+class MemQueue:
+    """A queue's messages in memory, in order: `Message` objects and runs of fresh publishes.
+
+    A run (mqd.message.Run) is one publish's messages held compactly and
+    shared by every queue it was put in; this queue makes their `Message`
+    objects as it hands them out (`take`), and only the first run it holds
+    can be partly taken (`_pos` of its messages are gone): messages are
+    taken from the head, and only Messages are put back there (`untake`).
+    Everything that reads the queue (`take`, `peek`, iterating) sees the
+    same messages in the same order, whichever way they are held; `peek`
+    and iterating make Messages of their own for a run's messages, and the
+    run keeps its own.
+
+    `count` is the number of messages (what `len` gives), kept as a slot
+    so the delivery path reads it without a call.
+    """
+
+    __slots__ = ("count", "_items", "_runs", "_pos")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._items: deque[Message | Run] = deque()
+        self._runs = 0  # runs among _items: none means _items is a plain deque of Messages
+        self._pos = 0  # messages already taken from the first run
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self.peek(self.count))
+
+    def __repr__(self) -> str:
+        return f"<MemQueue {self.count} messages, {self._runs} runs>"
+
+    def extend(self, msgs: list[Message]) -> None:
+        """Messages at the tail, in order."""
+        self._items.extend(msgs)
+        self.count += len(msgs)
+
+    def append(self, msg: Message) -> None:
+        self._items.append(msg)
+        self.count += 1
+
+    def add(self, msgs: list[Message] | Run) -> None:
+        """A list of Messages, or a run, at the tail."""
+        if isinstance(msgs, Run):
+            self._items.append(msgs)
+            self._runs += 1
+        else:
+            self._items.extend(msgs)
+        self.count += len(msgs)
+
+    def untake(self, msgs: list[Message]) -> None:
+        """Messages that `take` returned, back at the head in their order."""
+        self._items.extendleft(reversed(msgs))
+        self.count += len(msgs)
+
+    def take(self, n: int) -> list[Message]:
+        """Remove up to `n` messages from the head, runs' messages made into Messages."""
+        count = self.count
+        if n >= count:
+            n = count
+        if n <= 0:
+            return []
+        self.count = count - n
+        items = self._items
+        if not self._runs:
+            return take(items, n)  # type: ignore[arg-type]  # no run among them: Messages only
+        out: list[Message] = []
+        append = out.append
+        popleft = items.popleft
+        while n:
+            head = items[0]
+            if isinstance(head, Run):
+                start = self._pos
+                stop = start + n
+                size = len(head.datas)
+                if stop >= size:
+                    stop = size
+                    popleft()
+                    self._runs -= 1
+                    self._pos = 0
+                else:
+                    self._pos = stop
+                if out:
+                    out += run_messages(head, start, stop)
+                else:
+                    out = run_messages(head, start, stop)
+                    append = out.append
+                n -= stop - start
+            else:
+                popleft()
+                append(head)
+                n -= 1
+        return out
+
+    def peek(self, n: int) -> list[Message]:
+        """The first `n` messages, moving none (a run's are made for the caller, the run keeps its own)."""
+        if n <= 0:
+            return []
+        if not self._runs:
+            return list(islice(self._items, n))  # type: ignore[arg-type]  # no run: Messages only
+        out: list[Message] = []
+        pos = self._pos
+        for item in self._items:
+            if isinstance(item, Run):
+                stop = min(len(item.datas), pos + n - len(out))
+                out += run_messages(item, pos, stop, keyed=False)
+                pos = 0
+            else:
+                out.append(item)
+            if len(out) >= n:
+                break
+        return out
+
+    def messages(self) -> Iterator[Message]:
+        """The Message objects held as such (not a run's messages), for a check of what is already here."""
+        for item in self._items:
+            if not isinstance(item, Run):
+                yield item
+
+    def clear(self) -> None:
+        self._items.clear()
+        self.count = self._runs = self._pos = 0
 
 
 class OverflowQueue:
     __slots__ = ("mem", "size", "backend")
 
     def __init__(self, size: int, backend: IBackendQueue) -> None:
-        self.mem: deque[Message] = deque()
+        self.mem = MemQueue()
         self.size = size
         self.backend = backend
 
     def __len__(self) -> int:
-        return len(self.mem) + self.backend.depth()
+        return self.mem.count + self.backend.depth()
 
     def __bool__(self) -> bool:
-        return bool(self.mem) or self.backend.depth() > 0
+        return self.mem.count > 0 or self.backend.depth() > 0
 
     def backend_depth(self) -> int:
         return self.backend.depth()
 
-    def put(self, msgs: list[Message], fresh: bool = False) -> None:
+    def put(self, msgs: list[Message] | Run, fresh: bool = False) -> None:
         """Append in order; raises BackendError if the overflow cannot be stored.
 
         All or nothing: the backend is given its part before memory takes
         the rest, so a refused put leaves the queue as it was and the
         caller can keep every message elsewhere without duplicating any.
-        `fresh`: new publishes (IBackendQueue.put).
+        `fresh`: new publishes (IBackendQueue.put). A run that memory
+        holds whole stays a run; one the backend gets a part of is made
+        into Messages first.
         """
         mem = self.mem
         backend = self.backend
-        room = self.size - len(mem)
+        room = self.size - mem.count
         if room >= len(msgs) and not backend.depth():
-            mem.extend(msgs)
+            mem.add(msgs)
             return
+        if isinstance(msgs, Run):
+            msgs = run_messages(msgs, 0, len(msgs))
         if room > 0 and not backend.depth():
             backend.put(msgs[room:], fresh)
             mem.extend(msgs[:room])
@@ -128,15 +266,15 @@ class OverflowQueue:
         durable store still keeps their records, as nothing finished them;
         in default mode, as for the memory queue, they live in RAM only.
         """
-        self.mem.extendleft(reversed(msgs))
+        self.mem.untake(msgs)
 
     def take(self, n: int) -> list[Message]:
         """Remove up to `n` messages from the head, memory first, then the backend.
 
         From a durable store they stay stored until `finish`.
         """
-        if self.mem:
-            return take(self.mem, n)
+        if self.mem.count:
+            return self.mem.take(n)
         return self.backend.read(n) if self.backend.depth() else []
 
     def peek(self, count: int) -> list[Message]:
@@ -148,7 +286,7 @@ class OverflowQueue:
         """
         if count <= 0:
             return []
-        out = list(islice(self.mem, count))
+        out = self.mem.peek(count)
         if len(out) < count and self.backend.depth():
             out += self.backend.peek(count - len(out))
         return out
@@ -163,7 +301,7 @@ class OverflowQueue:
         """
         if count <= 0:
             return iter(())
-        first = [(m, m.body_size) for m in islice(self.mem, count)]
+        first = [(m, m.body_size) for m in self.mem.peek(count)]
         rest = count - len(first)
         backend = self.backend
         if rest <= 0 or not backend.depth():
@@ -186,7 +324,7 @@ class OverflowQueue:
         Messages a durable store still keeps only have their record
         rewritten, so they come back in their place with their attempts.
         """
-        held = list(self.mem)
+        held = self.mem.take(self.mem.count)
         self.mem.clear()
         if also:
             held.extend(also)

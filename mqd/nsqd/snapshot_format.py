@@ -44,7 +44,7 @@ from typing import Any, BinaryIO, cast
 
 import lmdb
 
-from backends.lmdb_records import ENV_DIR, FORMAT, KEY, QID
+from backends.lmdb_records import ENV_DIR, FORMAT, KEY, QID, is_log_name
 from mqd.names import QUEUE_STATES
 
 __all__ = [
@@ -227,10 +227,17 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction[bytes]) -> tuple[str,
     if mark != FORMAT:
         raise SnapshotError(f"unknown data format {mark!r} (expected {FORMAT!r})")
     registry: dict[int, str] = {}
+    # Topics' retained logs ("<topic>/log") are key ranges of `messages` too, but
+    # not queues: their records are in the copy, not in the manifest.
+    logs: set[int] = set()
     if b"queues" in names:
         registry_db = env.open_db(b"queues", txn=txn, create=False)
         for stored_name, packed in txn.cursor(db=registry_db):
-            registry[QID.unpack(packed)[0]] = bytes(stored_name).decode()
+            name = bytes(stored_name).decode()
+            if is_log_name(name):
+                logs.add(QID.unpack(packed)[0])
+            else:
+                registry[QID.unpack(packed)[0]] = name
     stats: dict[int, tuple[int, int, int]] = {}
     if b"messages" in names:
         data_db = env.open_db(b"messages", txn=txn, create=False)
@@ -253,7 +260,7 @@ def _describe(env: lmdb.Environment, txn: lmdb.Transaction[bytes]) -> tuple[str,
             stats[qid] = (count, first, unpack(cast(bytes, last_key))[1])
             more = cursor.set_range(end)
     queues = []
-    for qid in sorted(set(registry) | set(stats)):
+    for qid in sorted((set(registry) | set(stats)) - logs):
         # A record without a registry entry cannot happen (a delete drops both
         # in one commit), but if it does the data is still reported.
         name = registry.get(qid, f"#unregistered-{qid}")

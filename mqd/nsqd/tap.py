@@ -47,7 +47,8 @@ def build_service(settings: Settings, reactor=None) -> service.MultiService:
     QueueScanner(broker).setServiceParent(top)
     # Keeps the cyclic GC from traversing the whole backlog at every 25% of growth.
     GCPolicy(reactor).setServiceParent(top)
-    ports: dict[str, int] = {}
+    # Bound ports by listener, filled in as they start: the broker's own (IDENTIFY names its HTTP port).
+    ports = broker.ports
     backlog = settings.listen_backlog
     # What the HTTP API keeps between requests: one for both sites, so
     # their bounds (peek memory, snapshot admissions) are the broker's.

@@ -14,13 +14,13 @@ nothing above it.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from zope.interface import implementer
 
 from backends import BackendError
 from mqd.logs import get_logger
-from mqd.message import ID_SIZE, IdFactory, Message, channel_copies, new_messages
+from mqd.message import ID_SIZE, IdFactory, Message, Run, channel_copies, new_messages, new_run
 from mqd.nsqd.channel import Channel
 from mqd.nsqd.interfaces import IChannelLifecycle
 
@@ -29,13 +29,13 @@ if TYPE_CHECKING:
 
     from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-    from backends.interface import IBackendStore
+    from backends.interface import IBackendStore, IRetainedLog
     from mqd.nsqd.delivery import DeliveryBatch
     from mqd.nsqd.interfaces import ITopicLifecycle
     from mqd.nsqd.overflow import OverflowQueue
     from mqd.options import Settings
 
-__all__ = ["Topic"]
+__all__ = ["RETENTION_OFF", "Retention", "Topic"]
 
 log = get_logger(__name__)
 
@@ -45,6 +45,26 @@ DRAIN_BATCH = 8192
 # How long a move the channels' store refused (a full disk) waits before it
 # is tried again: the store itself retries its commit every second.
 DRAIN_RETRY = 1.0
+
+
+class Retention(NamedTuple):
+    """What a topic's retained log keeps: `time` seconds and `bytes` (0: that bound off), and whether set for it alone.
+
+    Retention is on when either bound is. `overridden` is true for the
+    settings `POST /topic/retention` gave the topic (kept in nsqd.dat),
+    false for the broker's `--retention-time` / `--retention-bytes`.
+    """
+
+    time: float
+    bytes: int
+    overridden: bool = False
+
+    @property
+    def on(self) -> bool:
+        return bool(self.time or self.bytes)
+
+
+RETENTION_OFF = Retention(0.0, 0)
 
 
 @implementer(IChannelLifecycle)
@@ -67,6 +87,8 @@ class Topic:
         "_deliveries",
         "_queue",
         "_drain_call",
+        "log",
+        "retention",
         "__weakref__",
     )
 
@@ -103,6 +125,9 @@ class Topic:
         self.ids = ids if ids is not None else IdFactory(options.node_id)
         self._queue = open_queue(name, self.ephemeral)
         self._drain_call: IDelayedCall | None = None
+        # The retained log, while retention is on (the broker sets both: use_retention).
+        self.log: IRetainedLog | None = None
+        self.retention = RETENTION_OFF
         if hasattr(self._queue.backend, "on_stored"):
             # A durable store hands out messages only once committed: it says when.
             self._queue.backend.on_stored = self._stored
@@ -111,6 +136,11 @@ class Topic:
         return f"<Topic {self.name}>"
 
     # -- stats ---------------------------------------------------------------
+
+    def use_retention(self, retention: Retention, log: IRetainedLog | None) -> None:
+        """The retention the broker settled for the topic, and its retained log (None while off)."""
+        self.retention = retention
+        self.log = log
 
     def use_options(self, options: Settings) -> None:
         """Options changed at run time (`PUT /config`): channels created from now on get these."""
@@ -149,12 +179,24 @@ class Topic:
         except OSError as e:
             # The id lease cannot be written: no id may be issued past it.
             raise BackendError(str(e)) from None
-        msgs = new_messages(ids, bodies, ts)
+        store = self.store
+        msgs = None
+        if self.log is not None:
+            # The retained log first: an append the store refuses (BackendError)
+            # fails the publish before any channel has seen it. It only reads
+            # the messages (their id, body and timestamp): the channels get them next.
+            msgs = new_messages(ids, bodies, ts)
+            self.log.append(msgs, fresh=store.durable)
+        elif not store.durable and defer <= 0 and len(bodies) > 1:
+            # Held in memory only, due now: one run, not a Message per message and channel.
+            self.put(new_run(ids, bodies, ts))
+            return
+        if msgs is None:
+            msgs = new_messages(ids, bodies, ts)
         if defer > 0:
             due = now + defer
             for msg in msgs:
                 msg.deferred_until = due
-        store = self.store
         if not store.durable:
             self.put(msgs)
             return
@@ -170,22 +212,45 @@ class Topic:
         if error is None and not self.exiting:
             self.put(msgs)
 
-    def put(self, msgs: list[Message], fresh: bool = False) -> None:
-        """Messages for the channels, or to wait at the topic; `fresh`: new publishes to a durable store.
+    def put(self, msgs: list[Message] | Run, fresh: bool = False) -> None:
+        """Messages (or a run) for the channels, or to wait at the topic; `fresh`: new publishes to a durable store.
 
         A durable store's commit that fails drops the fresh messages it
         held (their publishers are answered with its error); see
         IBackendQueue.put.
         """
         if self.channels and not self.paused and not self.held and not self._queue:
-            self._fan_out(msgs, fresh=fresh)
+            if isinstance(msgs, Run):
+                self._fan_out_run(msgs)
+            else:
+                self._fan_out(msgs, fresh=fresh)
         else:
             self._queue.put(msgs, fresh)
             if self.channels and not self.paused and not self.held:
                 self.drain_waiting()
         # Counted once stored: a publish the backend refused is not (as nsqd).
-        self.message_count += len(msgs)
-        self.message_bytes += sum([len(m.data) for m in msgs]) - ID_SIZE * len(msgs)
+        n = len(msgs)
+        self.message_count += n
+        if isinstance(msgs, Run):
+            self.message_bytes += sum(map(len, msgs.datas)) - ID_SIZE * n
+        else:
+            self.message_bytes += sum([len(m.data) for m in msgs]) - ID_SIZE * n
+
+    def _fan_out_run(self, run: Run) -> None:
+        """Every channel gets the same run; each makes its own Messages as it takes them.
+
+        The first channel's store may refuse it (BackendError, no channel
+        has taken anything); a later one that does keeps the run in memory
+        (see `_fan_out`).
+        """
+        channels = list(self.channels.values())
+        if len(channels) > 1:
+            channels.sort(key=_ephemeral_last)
+            run.share()
+        accepted = False
+        for channel in channels:
+            channel.put(run, accepted)
+            accepted = True
 
     def _fan_out(self, msgs: list[Message], keep_originals: bool = False, fresh: bool = False) -> None:
         """One copy per channel; the last channel takes the originals unless `keep_originals`.

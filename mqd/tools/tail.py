@@ -19,6 +19,10 @@ The lookupd queries carry `--http-auth-secret` (or $MQ_HTTP_AUTH_SECRET)
 as `Authorization: Bearer`, for lookupds run with `--http-auth-required`;
 a lookupd answering 401 or 403 ends the tool with one line naming it and
 exit 1 (the TCP AUTH secret is `--consumer-opt=auth_secret,...`).
+
+`--offset=earliest|latest|N` or `--since=2h|<RFC3339>` print the topic's
+retained log instead (brokers run with retention): read over HTTP, no
+channel, nothing consumed; mqd.tools.retained says how.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from mqd.logs import get_logger
+from mqd.tools import retained
 from mqd.tools.flags import (
     ToolError,
     ToolParser,
@@ -58,11 +63,25 @@ def build_parser() -> ToolParser:
     p.add_addresses()
     p.add_config_opts("consumer")
     p.add_http_auth_secret()
+    p.add_argument("--offset", type=retained.offset_arg, default=None, metavar="earliest|latest|N",
+                   help="print the topic's retained log from this offset on, without a channel "
+                        "(brokers with retention; not with --channel)")
+    p.add_argument("--since", type=retained.since_arg, default=None, metavar="DURATION|RFC3339",
+                   help="print the topic's retained log from the first message published at or after "
+                        "this time (2h: two hours ago; or 2006-01-02T15:04:05Z), without a channel")
     return p
 
 
 def check_args(args: Any) -> None:
-    """nsq_tail's checks and defaults, with its messages."""
+    """nsq_tail's checks and defaults, with its messages; then those of the retained log's flags."""
+    args.retained_start = None
+    if args.offset is not None or args.since is not None:
+        if args.offset is not None and args.since is not None:
+            raise ToolError("use --offset or --since not both")
+        if args.channel:
+            raise ToolError("--offset and --since read the topic's retained log, which has no channel: "
+                            "do not give --channel")
+        args.retained_start = retained.start_of(args.offset, args.since)
     if not args.channel:
         args.channel = f"tail{random.randrange(999999):06d}#ephemeral"
     # nsq_tail's order: the addresses first, then the topic.
@@ -112,29 +131,51 @@ class Printer:
         self.on_error = on_error
         self.shown = 0
 
+    def remaining(self) -> int:
+        """How many more bodies are wanted: 0 for no limit (but at least 1 while one is)."""
+        return max(self.total - self.shown, 1) if self.total else 0
+
+    def write(self, prefix: bytes, body: bytes) -> bool:
+        """Print one body (after `prefix`); False, printing nothing, once the total is reached."""
+        if self.total and self.shown >= self.total:
+            return False
+        try:
+            self.out.write(prefix + body + b"\n")
+            self.out.flush()
+        except BrokenPipeError:  # stdout closed (| head)
+            self.on_broken_pipe()
+            raise
+        except OSError as e:  # stdout failing otherwise: nsq_tail's log.Fatalf
+            error = ToolError(f"ERROR: failed to write to stdout - {e}")
+            if self.on_error is not None:
+                self.on_error(error)
+            raise error from None
+        self.shown += 1
+        if self.total and self.shown >= self.total and self.on_done is not None:
+            self.on_done()
+        return True
+
+    def _prefix(self, topic: str) -> bytes:
+        return topic.encode() + b" | " if self.print_topic else b""
+
     def handler(self, topic: str):
-        prefix = topic.encode() + b" | " if self.print_topic else b""
+        """The consumer's handler for `topic`: print each message; requeue those past the total."""
+        prefix = self._prefix(topic)
 
         def handle(message: Any) -> None:
-            if self.total and self.shown >= self.total:
+            if not self.write(prefix, message.body):
                 message.requeue(0, backoff=False)
-                return
-            try:
-                self.out.write(prefix + message.body + b"\n")
-                self.out.flush()
-            except BrokenPipeError:  # stdout closed (| head)
-                self.on_broken_pipe()
-                raise
-            except OSError as e:  # stdout failing otherwise: nsq_tail's log.Fatalf
-                error = ToolError(f"ERROR: failed to write to stdout - {e}")
-                if self.on_error is not None:
-                    self.on_error(error)
-                raise error from None
-            self.shown += 1
-            if self.total and self.shown >= self.total and self.on_done is not None:
-                self.on_done()
 
         return handle
+
+    def shower(self, topic: str):
+        """A retained-log reader's `show(body)` for `topic`: print it; whether more are wanted."""
+        prefix = self._prefix(topic)
+
+        def show(body: bytes) -> bool:
+            return self.write(prefix, body) and not (self.total and self.shown >= self.total)
+
+        return show
 
 
 async def _main(reactor: Any, args: Any) -> None:
@@ -142,6 +183,7 @@ async def _main(reactor: Any, args: Any) -> None:
 
     from mqd.client.consumer import Consumer
     from mqd.clusterinfo.bearer import BearerHTTP
+    from mqd.names import is_valid_name
 
     config = make_config(TOOL, args.consumer_opt, max_in_flight=args.max_in_flight)
     done: defer.Deferred = defer.Deferred()
@@ -165,6 +207,15 @@ async def _main(reactor: Any, args: Any) -> None:
     printer = Printer(sys.stdout.buffer, args.n, args.print_topic,
                       on_done=lambda: reactor.callLater(0, finished),
                       on_error=lambda e: reactor.callLater(0, failed, e))
+    if args.retained_start is not None:
+        for topic in args.topic:
+            if not is_valid_name(topic) or topic.endswith("#ephemeral"):
+                raise ToolError("invalid topic name" if not is_valid_name(topic) else
+                                f"topic {topic} is ephemeral: it keeps no retained log")
+        retained.tail_logs(reactor, args, printer, config, done)
+        reactor.addSystemEventTrigger("before", "shutdown", finished)
+        await done
+        return
     consumers = []
     for topic in args.topic:
         log.info("adding consumer for topic: {topic}", topic=topic)

@@ -22,7 +22,9 @@ both. The oracle, for every request:
   every control message) and, at the end, every control message comes out.
 
 MQD_FUZZ_EXAMPLES=N runs N examples per test instead of the CI counts
-(the default run takes a few seconds).
+(the default run takes a few seconds). A real mqadmin over a real lookupd
+and broker that run with `--http-auth-required` is fuzzed in
+test_fuzz_admin_auth_required.py, on the same requests (tests/support/admin_fuzz.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import random
 import socket
 import tempfile
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import pytest
 from hypothesis import given
@@ -52,6 +54,13 @@ from mqd.clusterinfo.upstream import UpstreamError
 from mqd.http.auth import AuthClient, AuthError
 from mqd.options import MQADMIN_OPTIONS, resolve
 from tests.support.admin import AdminProcess
+from tests.support.admin_fuzz import (
+    ADMIN_PATHS,
+    DOCUMENTED_5XX,
+    fuzzed_admin_request,
+    peek_query,
+    spare_control,
+)
 from tests.support.auth_fakes import answer
 from tests.support.auth_fuzz import ANSWERS, FULL_SECRET, RequiredAuthHarness
 from tests.support.authd import PUBLISH as PUBLISH_ALL
@@ -63,7 +72,6 @@ from tests.support.fuzz_inputs import (
     EXAMPLES_OVERRIDE,
     HTTP_BODIES,
     HTTP_METHODS,
-    HTTP_QUERY_VALUES,
     examples,
 )
 from tests.support.http_client import HTTPClient, Response, error, parse_response
@@ -78,9 +86,6 @@ from tests.support.v2_frames import cmd, sized
 def _snapshots_in_line(sync_threads):
     """A snapshot of the in-process brokers here is answered in its request's call (see sync_threads)."""
 
-
-# 5xx answers that are part of the API (everything else 5xx is a bug).
-DOCUMENTED_5XX = {(502, "UPSTREAM_ERROR"), (503, "PEEK_BUSY"), (503, "STORE_FAILED"), (507, "SNAPSHOT_LIMIT")}
 
 # Secrets the fake auth server knows, and what each may see.
 EVERYTHING = {"topic": ".*", "channels": [".*"], "permissions": ["subscribe", "publish"]}
@@ -106,19 +111,9 @@ _authorization = st.one_of(
     st.sampled_from(["Basic dXNlcjpwYXNz", "Bearer", "Bearer ", "Token all", "Bearer all extra", "Bearer\tall"]),
     st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40),
 )
-_peek_values = st.one_of(
-    st.sampled_from([CONTROL_TOPIC, CONTROL_CHANNEL, "t", "c", "nope", "queued", "in_flight", "deferred", "0", "1",
-                     "20", "1000", "1001", "65536", "999999999999999999999", "-1", "x", "", "snap", "a/b"]),
-    st.sampled_from(HTTP_QUERY_VALUES),
-    st.integers(-5, 10**7).map(str),
-    st.text(max_size=8).map(lambda s: quote(s, safe="", errors="surrogatepass")),
-)
-_query = st.lists(st.tuples(st.sampled_from(["topic", "channel", "n", "state", "max_body", "out", "x"]),
-                            _peek_values), max_size=6).map(lambda pairs: "&".join(f"{k}={v}" for k, v in pairs))
-
 _names = st.sampled_from([f"topic={CONTROL_TOPIC}&channel={CONTROL_CHANNEL}&", f"topic={CONTROL_TOPIC}&",
                           "topic=t&channel=c&", "", "topic=zz_other&channel=c&"])
-_query_with_names = st.builds(lambda names, rest: (names + rest).rstrip("&"), _names, _query)
+_query_with_names = st.builds(lambda names, rest: (names + rest).rstrip("&"), _names, peek_query)
 
 # (path, the method it serves), the real routes more often than their near misses.
 BROKER_ROUTES = [("/channel/peek", "GET")] * 4 + [("/topic/peek", "GET")] * 3 + [("/snapshot", "POST")] * 2 + [
@@ -327,45 +322,12 @@ def admin_request(site: AdminSite, method: str, target: str, body: bytes | None,
     return response
 
 
-NODE = "test-host:4151"
-ADMIN_PATHS = [
-    f"/api/peek/{CONTROL_TOPIC}/{CONTROL_CHANNEL}", "/api/peek/t/c", "/api/peek/t", "/api/peek/%ff/c",
-    f"/api/snapshot/{NODE}", "/api/snapshot/evil.example:80", "/api/snapshot/",
-    f"/api/nodes/{NODE}", "/api/nodes/127.0.0.1:1", "/api/nodes/x", "/api/nodes", f"/api/topics/{CONTROL_TOPIC}",
-    "/api/topics/t", "/api/topics/t/c", "/api/topics", "/api/health", "/api/counter", "/api/history",
-    "/api/topics/%ff", "/api/topics/t/%ff", "/api/nodes/%ff", "/api/peek/t/%ff", "/api/topics/%c3%a9/c",
-    "/config/log_level", "/ping",
-]
-_admin_body = st.one_of(st.none(), st.sampled_from([b'{"topic": "t"}', b'{"topic": "zz_other"}', b"{}", b"",
-                                                    b'{"action": "pause"}', b'{"action": "empty"}', b"[",
-                                                    b'{"topic": "zz_control"}']),
-                        st.sampled_from(HTTP_BODIES[:8]))
-_user = st.one_of(st.none(), st.sampled_from(["alice", "mallory", "", "ALICE", "alice "]))
-# (path, its natural method): peeks and snapshots more often than the rest.
-ADMIN_ROUTES = [(f"/api/peek/{CONTROL_TOPIC}/{CONTROL_CHANNEL}", "GET")] * 4 + [
-    (f"/api/snapshot/{NODE}", "POST")] * 2 + [(f"/api/nodes/{NODE}", "DELETE")] + [
-    (path, "GET") for path in ADMIN_PATHS]
-
-
-@st.composite
-def _admin_request(draw) -> tuple[str, str, bytes | None, str | None, str | None]:
-    path, method = draw(st.sampled_from(ADMIN_ROUTES))
-    if draw(st.integers(0, 3)) == 0:
-        method = draw(st.sampled_from(["GET", "POST", "DELETE", "PUT", "HEAD", "OPTIONS", "PATCH"]))
-    query = draw(_query)
-    return (method, path + (f"?{query}" if query else ""), draw(_admin_body), draw(_authorization),
-            draw(_user))
-
-
 def _admin_case(auth: bool, admin_users: list[str], requests: list) -> None:
     with tempfile.TemporaryDirectory() as path, LogWatch() as logs:
         h = AuthHarness(path) if auth else Harness(path)
         site = admin_site(h, admin_users)
         for method, target, body, authorization, user in requests:
-            if CONTROL_TOPIC in target and method in ("POST", "DELETE"):
-                target = target.replace(CONTROL_TOPIC, "zz_other")  # the control topic must stay
-            if b"zz_control" in (body or b"") and method == "DELETE":
-                body = b'{"topic": "zz_other"}'
+            target, body = spare_control(method, target, body)
             headers = {} if authorization is None else {"Authorization": authorization}
             if user is not None:
                 headers["X-Forwarded-User"] = user
@@ -382,7 +344,7 @@ def _admin_case(auth: bool, admin_users: list[str], requests: list) -> None:
 
 
 @examples(100)
-@given(requests=st.lists(_admin_request(), min_size=1, max_size=4), auth=st.booleans(),
+@given(requests=st.lists(fuzzed_admin_request(_authorization), min_size=1, max_size=4), auth=st.booleans(),
        admin_users=st.sampled_from([[], ["alice"]]))
 def test_fuzzed_mqadmin_api(requests, auth, admin_users):
     _admin_case(auth, admin_users, requests)

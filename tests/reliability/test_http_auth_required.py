@@ -100,6 +100,14 @@ BROKER_CASES = {
     "channel-unpause": Case("POST", "/channel/unpause?topic=t&channel=c", b"", [ADMIN_T], [PUB_SUB_T], 200),
     "channel-peek": Case("GET", "/channel/peek?topic=t&channel=c", None, [SUB_T], [PUB_T, ADMIN_ALL], 200),
     "topic-peek": Case("GET", "/topic/peek?topic=t", None, [SUB_T], [PUB_T, ADMIN_ALL], 200),
+    "topic-retention-get": Case("GET", "/topic/retention?topic=t", None, [ADMIN_T],
+                                [ADMIN_OTHER_TOPIC, PUB_SUB_T], 200),
+    "topic-retention-post": Case("POST", "/topic/retention?topic=t&bytes=2MB", b"", [ADMIN_T],
+                                 [ADMIN_OTHER_TOPIC, SUB_ALL], 200),
+    "topic-offsets": Case("GET", "/topic/offsets?topic=t", None, [SUB_T], [PUB_T, ADMIN_ALL, SUB_OTHER], 200),
+    "topic-read": Case("GET", "/topic/read?topic=t&offset=0", None, [SUB_T], [PUB_T, ADMIN_ALL], 200),
+    "topic-read-json": Case("GET", "/topic/read?topic=t&offset=earliest&format=json", None, [SUB_T],
+                            [PUB_T, SUB_OTHER], 200),
     "snapshot": Case("POST", "/snapshot", b"", [ADMIN_ALL, SUB_ALL], [ADMIN_T, SUB_ALL], 200),
     "config-get": Case("GET", "/config/log_level", None, [ADMIN_ALL], [ADMIN_T], 200),
     "config-put": Case("PUT", "/config/nsqlookupd_tcp_addresses", b"[]", [ADMIN_ALL],
@@ -185,10 +193,11 @@ def expect(response: Response, c: Case, caller: str) -> None:
 
 @pytest.fixture
 def guarded_broker(make_broker, tmp_path, auth_server, sync_threads):
-    """A broker under --http-auth-required: topic t, channels c and other, a message in t."""
+    """A broker under --http-auth-required: topic t (retaining), channels c and other, a message in t."""
     path = tmp_path / "guarded"
     path.mkdir()
-    broker = make_broker(path=str(path), auth_http_address=[auth_server.address], http_auth_required=True)
+    broker = make_broker(path=str(path), auth_http_address=[auth_server.address], http_auth_required=True,
+                         retention_bytes="1MB")
     topic = broker.topic("t")
     for name in ("c", "other"):
         topic.channel(name)

@@ -135,19 +135,20 @@ class Cluster:
     every broker broadcasts 127.0.0.1 so the names are reachable addresses.
     """
 
-    def __init__(self, workdir: Path, admin_args: Sequence[str] = ()) -> None:
+    def __init__(self, workdir: Path, admin_args: Sequence[str] = (), broker_args: Sequence[str] = ()) -> None:
         self.workdir = Path(workdir)
         self.lookupd = LookupdProcess(self.workdir / "lookupd")
         self.brokers: list[BrokerProcess] = []
         self.admins: list[AdminProcess] = []
         self.admin_args = tuple(admin_args)
+        self.broker_args = tuple(broker_args)  # more flags for both brokers (--retention-bytes, ...)
 
     def start(self) -> Cluster:
         self.lookupd.start()
         for i in (1, 2):
             broker = BrokerProcess(self.workdir / f"mqd{i}", [
                 f"--lookupd-tcp-address={self.lookupd.tcp_address}", "--broadcast-address=127.0.0.1",
-                "--queue-scan-interval=50ms", "--e2e-processing-latency-percentile=0.5,0.99",
+                "--queue-scan-interval=50ms", "--e2e-processing-latency-percentile=0.5,0.99", *self.broker_args,
             ])
             self.brokers.append(broker.start())
         wait_for(lambda: len(self.lookupd_get("/nodes")["producers"]) == 2, 10,

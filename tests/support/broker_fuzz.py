@@ -122,7 +122,7 @@ def fuzz_broker(broker: BrokerProcess, control: Control, *, streams: int, http_r
     return report
 
 
-def _queues(control: Control) -> list:
+def queues(control: Control) -> list:
     """The broker's topics and channels: names, pause flags, counts (`/stats` without clients)."""
     status, body = control.http("GET", "/stats?format=json&include_clients=false")
     assert status == 200, (status, body[:300])
@@ -138,7 +138,7 @@ REFUSED_AS = {"none": (401, "AUTH_REQUIRED"), "malformed": (401, "AUTH_REQUIRED"
 def _http_case(broker: BrokerProcess, report: FuzzReport, method: str, target: str,
                body: bytes | None, control: Control, callers, rng: random.Random) -> None:
     kind, headers = callers(rng) if callers is not None else ("", {})
-    before = _queues(control) if callers is not None else None
+    before = queues(control) if callers is not None else None
     status, answer = raw_http(broker, method, target, body, headers=headers)
     report.http_requests += 1
     shown = f"{method} {target[:120]} {kind} {str(headers)[:60]} body={(body or b'')[:40]!r} -> {answer[:200]!r}"
@@ -149,7 +149,7 @@ def _http_case(broker: BrokerProcess, report: FuzzReport, method: str, target: s
     elif callers is not None and (status in (401, 403) or kind in ("none", "malformed", "wrong")):
         report.refused += status in (401, 403)
         problems = []
-        if _queues(control) != before:
+        if queues(control) != before:
             problems.append("changed the queues")
         if status in (401, 403) and method != "HEAD":
             try:

@@ -75,7 +75,7 @@ def test_app_js_calls_only_the_admin_api_relative_to_the_base():
     app = text("app.js")
     paths = set(re.findall(r"""['"](api/[a-z]+)""", app))
     assert paths == {"api/topics", "api/history", "api/nodes", "api/health", "api/counter", "api/lookup",
-                     "api/peek", "api/snapshot"}
+                     "api/peek", "api/snapshot", "api/replay"}
     # Every call goes through api(), which prefixes the base path.
     assert app.count("fetch(") == 1
     assert "fetch(BASE + path" in app

@@ -20,7 +20,7 @@ from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.web.resource import Resource
 
-from mqd.admin import api
+from mqd.admin import actions, api
 from mqd.admin.endpoint import Admin
 from mqd.admin.tap import auth_secret, build_service
 from mqd.admin.web import AdminSite
@@ -257,6 +257,24 @@ def test_every_lookupd_refusing_is_their_status_naming_each(code, message, phras
     assert r.header("WWW-Authenticate") == ("Bearer" if code == 401 else None)
 
 
+@pytest.mark.parametrize(("code", "message", "phrase"), [
+    (401, "AUTH_FAILED", "401 Unauthorized"), (403, "UNAUTHORIZED", "403 Forbidden")])
+@pytest.mark.parametrize(("method", "path", "prefix"), [
+    ("GET", "/api/peek/t/c", "failed to query any nsqlookupd: "), ("POST", "/api/topics", "")])
+def test_a_peek_or_an_action_every_lookupd_refused_names_them_as_every_page_does(
+        code, message, phrase, method, path, prefix):
+    upstream = Refusing(code, message)
+    upstream.good = False
+    client = admin_api(upstream)
+    client.site = AdminSite(client.site.admin, actions.routes(client.site.admin))
+    r = client.request(method, path, b'{"topic": "t"}' if method == "POST" else None)
+    quoted = json.dumps(json.dumps({"message": message}, separators=(",", ":")))
+    assert error(r) == (code, f"UPSTREAM_ERROR: {prefix}"
+                              f"nsqlookupd lk1:4161: got response {phrase} {quoted}\n"
+                              f"nsqlookupd lk2:4161: got response {phrase} {quoted}")
+    assert r.header("WWW-Authenticate") == ("Bearer" if code == 401 else None)
+
+
 def test_a_users_bearer_is_passed_on_and_gets_the_page():
     upstream = Refusing(401, "AUTH_REQUIRED")
     r = admin_api(upstream).get("/api/topics", headers={"Authorization": "Bearer good"})
@@ -269,8 +287,6 @@ def test_the_secret_is_no_config_option_and_never_in_the_settings_repr(tmp_path)
                                          "http-client-auth-secret": "top-secret"})
     assert "top-secret" not in repr(settings)
     client = admin_api(CannedUpstream(), **{"http-client-auth-secret": "top-secret"})
-    from mqd.admin import actions
-
     client.site = AdminSite(client.site.admin, actions.routes(client.site.admin))
     r = client.get("/config/http_client_auth_secret")
     assert error(r) == (400, "INVALID_OPTION")

@@ -21,7 +21,9 @@ from twisted.python.failure import Failure
 
 from mqd.http.auth import AuthClient, AuthError, parse_auth_response
 from mqd.http.authorization import CACHE_SIZE, AuthCache
+from mqd.lookup.registry import RegistrationDB
 from tests.support.auth_fakes import answer
+from tests.support.auth_fuzz import FULL_SECRET, guarded_lookupd, sending_secret
 from tests.support.http_client import HTTPClient, error, parse_response
 from tests.support.inprocess_broker import START_TIME, settings
 
@@ -367,6 +369,25 @@ def test_through_http_the_answer_is_cached_per_client(secured, authd):
 def test_allows_topic(grants, topic, allowed):
     state = parse_auth_response(json.dumps({"ttl": 1, "authorizations": grants}).encode(), START_TIME)
     assert state.allows_topic(topic) is allowed
+
+
+@pytest.mark.parametrize(("pattern", "allowed"), [(".*", True), ("^t$", False), ("\ufffd", True)])
+def test_a_name_of_undecodable_bytes_is_matched_as_go_reads_it(pattern, allowed):
+    """`%ff` in a query is a lone surrogate here, which re2 cannot take: Go's regexp reads the byte as U+FFFD."""
+    everything = {"topic": pattern, "channels": [".*"], "permissions": ["publish", "subscribe"], "admin": True}
+    state = parse_auth_response(json.dumps({"ttl": 1, "authorizations": [everything]}).encode(), START_TIME)
+    name = "\udcff"
+    assert [state.allows(name, ""), state.allows(name, name), state.allows_topic(name), state.allows_admin(name),
+            state.allows_admin(name, name)] == [allowed] * 5
+
+
+def test_a_lookupd_asked_about_a_topic_of_undecodable_bytes_answers_it(clock):
+    """A grant is checked before the name, so it meets whatever the query holds (`/lookup` takes any name)."""
+    db = RegistrationDB(clock)
+    lookupd = sending_secret(guarded_lookupd(db, clock), "publisher")
+    assert error(lookupd.get("/lookup?topic=%ff")) == (404, "TOPIC_NOT_FOUND")
+    assert error(sending_secret(lookupd, "t-admin").post("/topic/create?topic=%ff")) == (403, "UNAUTHORIZED")
+    assert error(sending_secret(lookupd, FULL_SECRET).post("/topic/create?topic=%ff")) == (400, "INVALID_ARG_TOPIC")
 
 
 def test_the_peek_options_defaults(tmp_path):

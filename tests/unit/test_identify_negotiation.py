@@ -93,6 +93,14 @@ def test_feature_negotiation_is_answered_with_the_settings_as_json():
     assert got.heartbeat_interval == 10.0
 
 
+def test_the_http_port_is_the_one_key_added_to_nsqds_answer():
+    plain = settle(feature_negotiation=True).response
+    got = negotiate(options(), request(feature_negotiation=True), **CURRENT, tls_available=False,
+                    auth_required=False, http_port=4151).response
+    assert got == {**plain, "http_port": 4151}
+    assert list(got)[-1] == "http_port"
+
+
 # -- bounds ---------------------------------------------------------------------------
 
 

@@ -339,3 +339,17 @@ def test_a_short_write_of_the_log_is_completed_in_place(tmp_path, monkeypatch):
     assert (tmp_path / LOG_FILE).read_bytes() == b"headabcdefghij"
     assert log.size == 14
     log.close()
+
+
+def test_a_queue_emptied_while_its_chunk_is_written_answers_the_publisher_and_stays_empty(tmp_path, tclock):
+    store, q = logged_queue(tmp_path, tclock)
+    first = publish(store, q, msgs(3))
+    tclock.advance(0)  # the chunk is handed to the writer
+    q.empty()
+    second = publish(store, q, msgs(2))
+    synced(tclock)
+    synced(tclock)
+    assert first == [None] and second == [None]
+    # The emptied chunk's messages never become readable; what came after it does.
+    assert len(q.read(10)) == 2 and q.depth() == 0
+    store.close()

@@ -65,6 +65,12 @@ def test_negotiated_defaults(connect):
     assert negotiate(c) == DEFAULT_NEGOTIATED
 
 
+def test_negotiated_answer_adds_only_the_http_port_once_it_is_known(connect, inproc_broker):
+    """mqd's one addition to nsqd's answer: the HTTP port (no listener, as here by default: none)."""
+    inproc_broker.ports["HTTP"] = 4151
+    assert negotiate(connect()) == {**DEFAULT_NEGOTIATED, "http_port": 4151}
+
+
 def test_negotiated_client_values(connect):
     c = connect()
     got = negotiate(

@@ -1,6 +1,6 @@
 /*
  * mqadmin's pages: a small client app over mqadmin's JSON API (nsqadmin's paths and field
- * names, plus mqd's /api/history, /api/health, /api/lookup, /api/peek, /api/snapshot).
+ * names, plus mqd's /api/history, /api/health, /api/lookup, /api/peek, /api/snapshot, /api/replay).
  * Plain script, no build step, no framework; charts are the vendored uPlot (static/vendor/).
  *
  * Routing: history API (no hash) on the UI routes, relative to <base href> (--base-path):
@@ -89,6 +89,16 @@
  *              (select text|hex; re-renders without fetching), peek-load (button),
  *              peek-nodes (ul; li data-test="peek-node-<node>" data-total="<n>" or data-error),
  *              peek-table; peek never consumes (GET /api/peek only)
+ *   retained   (mqd; topic page) retained-panel (hidden unless some producer keeps a retained log
+ *              of the topic) with retained-table: row-<node> per broker: node, epoch (a decimal
+ *              string), earliest, latest, records (latest - earliest), bytes (data-value: bytes),
+ *              oldest_age (data-value: seconds), retention (what the broker keeps: time and/or bytes)
+ *   replay     (mqd; channel page) replay-panel (hidden unless some producer keeps the topic's
+ *              retained log) with replay-from (datetime-local, the browser's local time),
+ *              replay-start (button: confirm dialog, then POST /api/replay/:topic/:channel
+ *              {"timestamp": ms} to every producer; results in action-results, each li with
+ *              data-start/data-end when the broker answered them), replay-table: row-<node> per
+ *              broker running a replay into the channel: node, position, end, remaining, skipped
  *   snapshot   snapshot-result (data-node), snapshot-path, snapshot-total (data-value),
  *              snapshot-queues, snapshot-report (link, when the answer names a report) or
  *              snapshot-command (the spark_bridge analyze command to run)
@@ -541,10 +551,12 @@
       title: 'Close', on: {click: function () { panel.hidden = true; }}});
     var heading = label + ': ' + ({pending: 'working…', done: 'done', partial: 'done, but not everywhere'}[state] || 'failed');
     var list = h('ul', null, (results || []).map(function (r) {
+      var offsets = typeof r.start === 'number' && typeof r.end === 'number';
       return h('li', {test: 'result', 'data-target': r.target || '', 'data-address': r.address || '',
-        'data-ok': r.ok ? 'true' : 'false', 'class': r.ok ? 'ok' : 'failed'},
+        'data-ok': r.ok ? 'true' : 'false', 'class': r.ok ? 'ok' : 'failed',
+        'data-start': offsets ? String(r.start) : null, 'data-end': offsets ? String(r.end) : null},
       (r.ok ? '✔ ' : '✘ ') + (r.target || '') + ' ' + (r.address || ''),
-      r.ok ? '' : ': ' + (r.error || 'failed'));
+      r.ok ? (offsets ? ': offsets ' + commafy(r.start) + ' to ' + commafy(r.end) : '') : ': ' + (r.error || 'failed'));
     }));
     panel.replaceChildren(close, h('strong', {text: heading}),
       h('div', {test: 'action-message', text: message || ''}), list);
@@ -873,6 +885,7 @@
     var unpause = actionButton('unpause', 'Unpause topic', act('unpause', 'Unpause topic ' + topic,
       'Unpause topic ' + topic + ' on every broker producing it.'));
     pause.hidden = unpause.hidden = true;
+    var retainedLog = retainedPanel();
     page.add(
       crumbs([['Streams', './'], [topic]]),
       h('h2', {test: 'page-title'}, 'Topic ', h('strong', {text: topic}), ' ', badge),
@@ -884,6 +897,7 @@
           'DELETE', function () { go(''); }), 'danger')),
       chart.wrap,
       h('h3', {text: 'Producers'}), producers.wrap,
+      retainedLog.panel,
       h('h3', {text: 'Channels'}), channels.wrap);
     page.poll(TABLE_REFRESH_MS, function () {
       return api('api/topics/' + enc(topic)).then(function (data) {
@@ -891,6 +905,7 @@
         stats = data || {};
         var qs = quantiles(stats.e2e_processing_latency);
         producers.update(producerColumns('topic', qs), producerRows(stats));
+        retainedLog.update(stats);
         var chanList = (stats.channels || []).slice().sort(function (a, b) {
           return a.channel_name < b.channel_name ? -1 : a.channel_name > b.channel_name ? 1 : 0;
         });
@@ -1040,6 +1055,7 @@
     pause.hidden = unpause.hidden = true;
     var peek = peekPanel(topic, channel);
     peek.hidden = true;
+    var replay = replayPanel(topic, channel, function () { return stats; });
     var mqdNodes = new MqdNodes();
     page.add(
       crumbs([['Streams', './'], [topic, topicPath(topic)], [channel]]),
@@ -1053,6 +1069,7 @@
       chart.wrap,
       h('h3', {text: 'Producers'}), producers.wrap,
       h('h3', {text: 'Client connections'}), clients.wrap,
+      replay.panel,
       peek);
     page.poll(TABLE_REFRESH_MS, function () {
       return api('api/topics/' + enc(topic) + '/' + enc(channel)).then(function (data) {
@@ -1060,6 +1077,7 @@
         stats = data || {};
         producers.update(producerColumns('channel', quantiles(stats.e2e_processing_latency)), producerRows(stats));
         clients.update(clientColumns(false), clientRows(stats.clients));
+        replay.update(stats);
         badge.hidden = !stats.paused;
         showPauseButtons(stats, pause, unpause);
         // Peek is mqd's: shown when some broker producing the channel is an mqd (nsqd cannot).
@@ -1072,6 +1090,112 @@
     }, true);
     page.historyChart(chart, {topic: topic, channel: channel});
     return page;
+  }
+
+  // ---------------------------------------------------------------- retained log and replay (mqd)
+
+  function bytesText(n) {
+    if (typeof n !== 'number' || !isFinite(n)) return '';
+    var units = ['B', 'kB', 'MB', 'GB', 'TB'];
+    var i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i++; }
+    return (i ? n.toFixed(1) : String(n)) + ' ' + units[i];
+  }
+
+  /* What a broker keeps of a topic: "1d0h0m0s", "10.0 GB", or both ("whichever comes first"). */
+  function retentionText(r) {
+    if (!r) return '';
+    var parts = [];
+    if (r.time_ms) parts.push(seconds(r.time_ms / 1000));
+    if (r.bytes) parts.push(bytesText(r.bytes));
+    return parts.join(' or ') || 'off';
+  }
+
+  function keepsLog(stats) {
+    return (stats && stats.nodes || []).some(function (n) { return !!n.retention; });
+  }
+
+  function retainedPanel() {
+    var table = new Table('retained-table', 'No broker keeps a retained log of this topic.');
+    function field(name) { return function (r) { return r.retained ? r.retained[name] : null; }; }
+    var columns = [
+      {key: 'node', label: 'Broker', sig: function (r) { return r.node + '|' + r.hostname; }, cell: nodeCell},
+      {key: 'epoch', label: 'Epoch', title: "the log's life: a new one when the topic is deleted and created again",
+        value: function (r) { return r.retained ? r.retained.epoch_text : ''; }},
+      {key: 'earliest', label: 'Earliest offset', title: 'the oldest record kept', value: field('earliest')},
+      {key: 'latest', label: 'Latest offset', title: 'the offset the next message will get', value: field('latest')},
+      {key: 'records', label: 'Records', value: function (r) {
+        var x = r.retained;
+        return x && typeof x.latest === 'number' && typeof x.earliest === 'number' ? x.latest - x.earliest : null;
+      }},
+      {key: 'bytes', label: 'Retained', fmt: bytesText, value: field('bytes')},
+      {key: 'oldest_age', label: 'Oldest record', title: 'how long ago the oldest record kept was published',
+        fmt: seconds, value: function (r) {
+          var age = r.retained && r.retained.oldest_age_ms;
+          return typeof age === 'number' ? age / 1000 : null;
+        }},
+      {key: 'retention', label: 'Kept for', title: "the broker's retention of this topic (time, bytes, or both)",
+        value: function (r) { return retentionText(r.retention); }},
+    ];
+    var panel = h('section', {'class': 'retained', test: 'retained-panel', hidden: true},
+      h('h3', {text: 'Retained log'}), table.wrap);
+    return {panel: panel, update: function (stats) {
+      var rows = (stats && stats.nodes || []).filter(function (n) { return n.retention || n.retained; })
+        .map(function (n) { return {key: n.node, data: n}; });
+      table.update(columns, rows);
+      panel.hidden = rows.length === 0;
+    }};
+  }
+
+  function pad(n, width) { var s = String(n); while (s.length < width) s = '0' + s; return s; }
+
+  /* A Date as a datetime-local input's value (the browser's local time, to the second). */
+  function localInputValue(d) {
+    return d.getFullYear() + '-' + pad(d.getMonth() + 1, 2) + '-' + pad(d.getDate(), 2) + 'T' +
+      pad(d.getHours(), 2) + ':' + pad(d.getMinutes(), 2) + ':' + pad(d.getSeconds(), 2);
+  }
+
+  function replayPanel(topic, channel, currentStats) {
+    var name = topic + '/' + channel;
+    var when = h('input', {test: 'replay-from', name: 'replay-from', type: 'datetime-local', step: '1',
+      value: localInputValue(new Date(Date.now() - 3600 * 1000))});
+    var table = new Table('replay-table', 'No replay is running into this channel.');
+    var columns = [
+      {key: 'node', label: 'Broker', sig: function (r) { return r.node + '|' + r.hostname; }, cell: nodeCell},
+      {key: 'position', label: 'Position', title: 'the next offset the replay queues',
+        value: function (r) { return r.replay.position; }},
+      {key: 'end', label: 'End', title: 'the replay stops at this offset (the latest when it began)',
+        value: function (r) { return r.replay.end; }},
+      {key: 'remaining', label: 'Remaining', value: function (r) {
+        return typeof r.replay.end === 'number' && typeof r.replay.position === 'number' ?
+          Math.max(0, r.replay.end - r.replay.position) : null;
+      }},
+      {key: 'skipped', label: 'Skipped', title: 'records that expired before the replay reached them',
+        value: function (r) { return r.replay.skipped; }},
+    ];
+    function start() {
+      // A datetime-local value without a zone is the browser's local time, as Date reads it.
+      var moment = when.value ? new Date(when.value) : null;
+      if (!moment || !isFinite(moment.getTime())) {
+        showResults('Replay channel ' + name, 'failed', 'Choose the time to replay from.', []);
+        return;
+      }
+      runAction({label: 'Replay channel ' + name, title: 'Replay channel ' + name + '?', method: 'POST',
+        path: 'api/replay/' + enc(topic) + '/' + enc(channel), body: {timestamp: moment.getTime()},
+        lines: ['Queue into channel ' + name + ' again every message of ' + topic + ' published at or after ' +
+          moment.toString() + ' that the retained log still holds: its consumers receive them again ' +
+          '(a replay already running into the channel is replaced).', targetLines(currentStats())]});
+    }
+    var panel = h('section', {'class': 'replay', test: 'replay-panel', hidden: true},
+      h('h3', {text: 'Replay from the retained log'}),
+      h('div', {'class': 'form-row'}, h('label', null, 'From ', when),
+        h('button', {type: 'button', test: 'replay-start', 'class': 'warn', text: 'Replay from…', on: {click: start}})),
+      table.wrap);
+    return {panel: panel, update: function (stats) {
+      panel.hidden = !keepsLog(stats);
+      table.update(columns, (stats && stats.nodes || []).filter(function (n) { return !!n.replay; })
+        .map(function (n) { return {key: n.node, data: n}; }));
+    }};
   }
 
   // ---------------------------------------------------------------- peek

@@ -102,6 +102,13 @@ _CHANNEL_FIELDS = (
     ("paused", "paused", "gauge", "1 if the channel is paused."),
 )
 
+# (/stats "retained" key, metric suffix, help) of a topic's retained log.
+_RETAINED_FIELDS = (
+    ("earliest", "earliest", "Offset of the oldest record the topic's retained log keeps."),
+    ("latest", "latest", "Offset the next record published to the topic will get."),
+    ("bytes", "bytes", "Bytes the topic's retained log keeps, as --retention-bytes counts them."),
+)
+
 
 def metrics_text(broker: Broker) -> str:
     """The whole /metrics page for `broker`."""
@@ -139,6 +146,18 @@ def metrics_text(broker: Broker) -> str:
         family(f"nsq_topic_{suffix}", kind, help).add_all(topic_labels, [t[key] for t in topics])
     for key, suffix, kind, help in _CHANNEL_FIELDS:
         family(f"nsq_channel_{suffix}", kind, help).add_all(channel_labels, [c[key] for c in channel_rows])
+
+    # The retained logs (mqd's own): only the topics that retain have samples.
+    retaining = [(t["retained"], tl) for t, tl in zip(topics, topic_labels, strict=True) if "retained" in t]
+    if retaining:
+        labels = [tl for _, tl in retaining]
+        now_ms = broker.clock.seconds() * 1000
+        for key, suffix, help in _RETAINED_FIELDS:
+            family(f"mqd_topic_retained_{suffix}", "gauge", help).add_all(labels, [r[key] for r, _ in retaining])
+        family("mqd_topic_retained_oldest_age_seconds", "gauge",
+               "Age of the oldest record the topic's retained log keeps (0 when it keeps none).").add_all(
+            labels, [0.0 if r["oldest_timestamp"] is None else max(0.0, (now_ms - r["oldest_timestamp"]) / 1000)
+                     for r, _ in retaining])
 
     # End-to-end latency (only with --e2e-processing-latency-percentile): a
     # rolling window, so gauges with a quantile label rather than a summary

@@ -4,7 +4,10 @@ The endpoints themselves live in one module per concept: status.py
 (/ping, /info, /stats), metrics.py (/metrics), publish.py (/pub, /mpub),
 topics.py (/topic/*, /channel/*), config.py (/config/:opt), snapshot.py
 (/snapshot, the broker's whole queue state for the Spark bridge), peek.py
-(/channel/peek, /topic/peek: mqd's look at messages without consuming them).
+(/channel/peek, /topic/peek: mqd's look at messages without consuming them),
+retained.py (/topic/retention, /topic/offsets, /topic/read: a topic's
+retained log), replay.py (/channel/replay: a range of that log queued into
+a channel again).
 What those last two keep between requests is an `HttpState`
 (mqd.nsqd.http.state), given to the site or built by it.
 
@@ -37,6 +40,8 @@ from mqd.nsqd.http.config import Config
 from mqd.nsqd.http.metrics import Metrics
 from mqd.nsqd.http.peek import ChannelPeek, TopicPeek
 from mqd.nsqd.http.publish import Mpub, Pub
+from mqd.nsqd.http.replay import ChannelReplay, admin_on_replayed_channel
+from mqd.nsqd.http.retained import TopicOffsets, TopicRead, TopicRetention
 from mqd.nsqd.http.snapshot import Snapshot
 from mqd.nsqd.http.state import HttpState
 from mqd.nsqd.http.status import Info, Ping, Stats, includes_clients
@@ -65,8 +70,9 @@ def _stats_grant(request: server.Request, state: AuthState) -> bool:
 
 
 # What each route needs under --http-auth-required (mqd.http.authorization
-# has the rules). Peek answers `any_grant` here because it checks its own
-# `subscribe` grant (as it does whenever auth is configured); `/snapshot`
+# has the rules). Peek and the retained log's readers (/topic/offsets,
+# /topic/read) answer `any_grant` here because they check their own
+# `subscribe` grant (as they do whenever auth is configured); `/snapshot`
 # checks its own too, after this one.
 GRANTS: dict[str, Rule] = {
     "/stats": _stats_grant,
@@ -85,6 +91,10 @@ GRANTS: dict[str, Rule] = {
     "/channel/unpause": admin_on_channel,
     "/channel/peek": any_grant,
     "/topic/peek": any_grant,
+    "/topic/retention": admin_on_topic,
+    "/topic/offsets": any_grant,
+    "/topic/read": any_grant,
+    "/channel/replay": admin_on_replayed_channel,
     "/snapshot": admin_everywhere,
     _CONFIG_PREFIX: admin_everywhere,
 }
@@ -119,6 +129,10 @@ class NsqdAPI(Router):
             "/channel/unpause": ChannelPause(broker, paused=False),
             "/channel/peek": ChannelPeek(broker, auth, state.peeks),
             "/topic/peek": TopicPeek(broker, auth, state.peeks),
+            "/topic/retention": TopicRetention(broker),
+            "/topic/offsets": TopicOffsets(broker, auth, state.peeks),
+            "/topic/read": TopicRead(broker, auth, state.peeks),
+            "/channel/replay": ChannelReplay(broker),
             "/snapshot": Snapshot(broker, auth, state.snapshots),
         }
         config: Endpoint = Config(broker, ports)

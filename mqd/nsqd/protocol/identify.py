@@ -92,6 +92,7 @@ def negotiate(
     msg_timeout: float,
     tls_available: bool,
     auth_required: bool,
+    http_port: int = 0,
 ) -> Negotiated:
     """nsqd's IDENTIFY: its checks, in its order, with its texts.
 
@@ -99,6 +100,11 @@ def negotiate(
     settings are the connection's current ones, which a 0 in the request
     keeps (a second IDENTIFY starts from what the first one set). Raises
     the fatal E_BAD_BODY errors nsqd sends for a value out of range.
+
+    `http_port` is the broker's HTTP port, which the JSON answer names as
+    one key more than nsqd's, `"http_port"` (a client reading a topic's
+    retained log finds the HTTP API there; NSQ clients ignore the key);
+    0 (no HTTP listener) leaves the answer nsqd's exactly.
     """
     heartbeat = request["heartbeat_interval"]
     if heartbeat == -1:
@@ -187,5 +193,7 @@ def negotiate(
         "topology_region": "",
         "topology_zone": "",
     }
+    if http_port:
+        response["http_port"] = http_port
     return Negotiated(**settings, deflate_level=deflate_level, response=response,
                       tls_v1=tls_v1, deflate=deflate, snappy=snappy)

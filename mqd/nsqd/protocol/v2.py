@@ -933,6 +933,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             msg_timeout=client.msg_timeout,
             tls_available=upgrades.tls_available,
             auth_required=self._auth_on,
+            http_port=self.broker.http_port,
         )
         client.identified(settled)
         self._start_heartbeats()  # at the new interval
