@@ -109,14 +109,17 @@ HTTP_PATHS = [
     "/config/nsqlookupd_tcp_addresses", "/config/x", "/", "//ping", "/ping/", "/PING", "/%ff",
     "/%", "/a/../ping", "/lookup", "/topics", "/channels", "/nodes", "/debug",
     "/topic/tombstone", "/tombstone_topic_producer", "/create_topic", "/delete_topic",
+    "/topic/retention", "/topic/offsets", "/topic/read", "/channel/replay",
 ]
 HTTP_QUERY_KEYS = ["topic", "channel", "defer", "format", "out", "node", "binary", "channel",
-                   "include_clients", "include_mem", "topic", "x", ""]
+                   "include_clients", "include_mem", "topic", "x", "", "offset", "timestamp",
+                   "max_messages", "max_bytes", "time", "bytes", "default"]
 HTTP_QUERY_VALUES = [
     "t", "c", "t#ephemeral", "bad!", "", "json", "text", "prometheus", "true", "1", "-1",
     str(HUGE), "-" + str(HUGE), "1e400", "NaN", "%ff", "%ed%a0%80", "%00", "..", "a/../..",
     "/etc", "x" * 300, "%25", "snap1", "a/b", ".", "./x", "..%2fx", "nul%00l", "%c3%a9",
     "a%2fb%2fc", "x" * 5000, LONG_NUMBER.decode(), str(2**63), str(2**64 + 1),
+    "earliest", "latest", "0", "24h", "10GB", "0.5KiB",
 ]
 HTTP_BODIES = [
     b"", b"hello", b"\x00" * 10, b"null", b"[]", b'["127.0.0.1:1"]', b'"info"', b"info", b"debug",
@@ -135,8 +138,10 @@ HTTP_ROUTES = [
     ("PUT", "/config/nsqlookupd_tcp_addresses"), ("PUT", "/config/x"),
     ("GET", "/lookup"), ("GET", "/topics"), ("GET", "/channels"), ("GET", "/nodes"),
     ("GET", "/debug"), ("POST", "/topic/tombstone"),
+    ("GET", "/topic/retention"), ("POST", "/topic/retention"), ("GET", "/topic/offsets"),
+    ("GET", "/topic/read"), ("POST", "/channel/replay"), ("DELETE", "/channel/replay"),
 ]
-SWEEP_KEYS = ["topic", "channel", "defer", "out", "format", "node"]
+SWEEP_KEYS = ["topic", "channel", "defer", "out", "format", "node", "offset", "bytes"]
 
 
 def http_sweep() -> Iterator[tuple[str, str, bytes | None]]:
