@@ -33,6 +33,7 @@ from twisted.internet.task import Clock
 
 import mqd.nsqd.http.snapshot as snapshot_endpoint
 from mqd.nsqd.broker import Broker
+from tests.support.admin import AdminProcess
 from tests.support.authd import AuthServer
 from tests.support.certs import Certs, make_certs
 from tests.support.http_client import HTTPClient
@@ -224,6 +225,21 @@ def start_lookupd(tmp_path) -> Iterator[Callable[..., LookupdProcess]]:
     yield start
     for lookupd in started:
         lookupd.kill()
+
+
+@pytest.fixture
+def start_admin(tmp_path) -> Iterator[Callable[..., AdminProcess]]:
+    """start_admin(*flags) -> a running mqadmin, killed at teardown like start_broker's."""
+    started: list[AdminProcess] = []
+
+    def start(*args: str) -> AdminProcess:
+        admin = AdminProcess(tmp_path / f"admin{len(started)}", args)
+        started.append(admin)
+        return admin.start()
+
+    yield start
+    for admin in started:
+        admin.kill()
 
 
 @pytest.fixture

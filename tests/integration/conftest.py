@@ -1,4 +1,4 @@
-"""The integration tests' `twistd_broker`: a real twistd mqd, a process of its own.
+"""The integration tests' `twistd_broker` (a real twistd mqd, a process of its own) and `browser`.
 
 Its in-process counterpart, `inproc_broker` (a Broker object on a
 `task.Clock`), and the other fixtures of real processes (`start_broker`,
@@ -17,3 +17,12 @@ from tests.support.processes import FAST_SCAN, BrokerProcess
 def twistd_broker(start_broker) -> BrokerProcess:
     """A running twistd mqd with default settings but a fast queue scan."""
     return start_broker(*FAST_SCAN)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium per test module (mqadmin's pages), quit at the module's end."""
+    from tests.support.admin import chromium
+
+    with chromium() as driver:
+        yield driver

@@ -27,7 +27,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from tests.support.admin import Cluster, NotificationSink, Page, RecordedNsqd, chromium
+from tests.support.admin import Cluster, NotificationSink, Page, RecordedNsqd
 from tests.support.processes import http_request, wait_for
 from tests.support.raw_conn import RawConn, command
 
@@ -51,12 +51,6 @@ def cluster(tmp_path_factory, notifications) -> Iterator[Cluster]:
         yield c.start()
     finally:
         c.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as driver:
-        yield driver
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.admin import Cluster, Page, chromium
+from tests.support.admin import Cluster, Page
 from tests.support.processes import http_request, wait_for
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         yield c.start()
     finally:
         c.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as driver:
-        yield driver
 
 
 @pytest.fixture

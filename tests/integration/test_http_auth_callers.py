@@ -42,20 +42,6 @@ def get(admin: AdminProcess, path: str, headers: dict[str, str] | None = None) -
         return e.code, json.loads(e.read()), dict(e.headers)
 
 
-@pytest.fixture
-def start_admin(tmp_path):
-    started: list[AdminProcess] = []
-
-    def start(*args: str) -> AdminProcess:
-        admin = AdminProcess(tmp_path / f"admin{len(started)}", args)
-        started.append(admin)
-        return admin.start()
-
-    yield start
-    for admin in started:
-        admin.kill()
-
-
 # -- mqadmin ----------------------------------------------------------------------------------------
 
 

@@ -40,7 +40,6 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -49,7 +48,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.support.admin import AdminProcess
 from tests.support.admin_fuzz import DOCUMENTED_5XX, NODE, fuzzed_admin_request, spare_control
 from tests.support.auth_fuzz import FULL, FULL_SECRET, PARTIAL, REFUSED_AS, caller
 from tests.support.authd import AuthServer, grant
@@ -83,21 +81,6 @@ def guarded(authd: AuthServer, start_lookupd, start_broker) -> tuple[LookupdProc
     control = Control(broker, secret=FULL_SECRET.encode())
     control.setup(20)
     return lookupd, broker, control
-
-
-@pytest.fixture
-def start_admin(tmp_path) -> Iterator[Any]:
-    """start_admin(*flags) -> a running mqadmin, killed at teardown."""
-    started: list[AdminProcess] = []
-
-    def start(*args: str) -> AdminProcess:
-        admin = AdminProcess(tmp_path / f"admin{len(started)}", args)
-        started.append(admin)
-        return admin.start()
-
-    yield start
-    for admin in started:
-        admin.kill()
 
 
 def read(process: TwistdProcess, path: str) -> Any:

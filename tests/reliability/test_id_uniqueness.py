@@ -20,12 +20,12 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
 import mqd.nsqd.broker
 from mqd.message import IdFactory, IdTimeLease
 from mqd.nsqd.metadata import ID_LEASE_FILE
+from tests.support.held_jobs import HeldJobs
 from tests.support.inprocess_broker import START_TIME, new_broker
 
 EXAMPLES = int(os.environ.get("MQD_ID_EXAMPLES", "40"))
@@ -62,26 +62,6 @@ class Recording(IdFactory):
         return ids
 
 
-class Late:
-    """A lease runner whose writes end only when the test says ("land")."""
-
-    def __init__(self) -> None:
-        self.jobs: list = []
-
-    def __call__(self, f, *args):
-        d: Deferred = Deferred()
-        self.jobs.append((d, f, args))
-        return d
-
-    def land(self) -> None:
-        jobs, self.jobs = self.jobs, []
-        for d, f, args in jobs:
-            try:
-                d.callback(f(*args))
-            except Exception as e:  # noqa: BLE001 - handed to the Deferred as a pool would
-                d.errback(e)
-
-
 def lease_bound(path: str) -> int:
     with open(os.path.join(path, ID_LEASE_FILE), "rb") as f:
         raw = f.read()
@@ -93,7 +73,7 @@ class History:
         self.path = path
         self.flags = flags
         self.issued: list[bytes] = []
-        self.late: Late | None = None
+        self.late: HeldJobs | None = None
         # The time of the last id issued (ids increase: the largest).
         self.top = -1
         clock = Clock()
@@ -115,9 +95,9 @@ class History:
         elif kind == "lease":
             lease = broker.metadata.lease
             if arg == "late" and self.late is None:
-                self.late = lease.runner = Late()
+                self.late = lease.runner = HeldJobs()
             elif arg == "land" and self.late is not None:
-                self.late.land()
+                self.late.run()
         else:
             self.restart(clean=arg == "clean")
         ids = self.broker.ids.issued
@@ -136,7 +116,7 @@ class History:
             if getattr(broker.store, "env", None) is not None:
                 broker.store.env.close()
         if self.late is not None:
-            self.late.land()  # a renewal that ends after the process is gone changes nothing
+            self.late.run()  # a renewal that ends after the process is gone changes nothing
             self.late = None
         clock = Clock()
         clock.advance(broker.clock.seconds())

@@ -18,6 +18,7 @@ from backends.lmdb_records import RECORD, RECORD_SIZE
 from mqd.message import IdFactory, id_time, id_time_span
 from mqd.nsqd.metadata import ID_LEASE_FILE, LEASE_SECONDS
 from mqd.options import ConfigError
+from tests.support.held_jobs import HeldJobs
 from tests.support.inprocess_broker import START_TIME, new_broker
 from tests.support.v2_client import Client
 from tests.support.v2_frames import err, identify, mpub, ok, pub
@@ -181,33 +182,10 @@ def test_durable_restart_with_the_clock_behind_stores_no_id_twice(tmp_path, cloc
 # -- renewals ----------------------------------------------------------------------------------
 
 
-class Jobs:
-    """A runner whose jobs wait until the test runs them (a slow disk)."""
-
-    def __init__(self) -> None:
-        self.jobs: list = []
-
-    def __call__(self, f, *args):
-        from twisted.internet.defer import Deferred
-
-        d: Deferred = Deferred()
-        self.jobs.append((d, f, args))
-        return d
-
-    def run(self) -> int:
-        jobs, self.jobs = self.jobs, []
-        for d, f, args in jobs:
-            try:
-                d.callback(f(*args))
-            except Exception as e:  # noqa: BLE001 - handed to the Deferred as a pool would
-                d.errback(e)
-        return len(jobs)
-
-
 def test_the_lease_is_renewed_in_the_background_before_ids_reach_it(tmp_path, clock):
     broker = new_broker(tmp_path, clock)
     lease = broker.metadata.lease
-    lease.runner = jobs = Jobs()
+    lease.runner = jobs = HeldJobs()
     c = Client(broker)
     first = lease_bound(tmp_path)
     clock.advance(LEASE_SECONDS / 2 - 0.5)
@@ -224,7 +202,7 @@ def test_the_lease_is_renewed_in_the_background_before_ids_reach_it(tmp_path, cl
 
 def test_ids_wait_for_a_synchronous_write_rather_than_pass_a_late_lease(tmp_path, clock):
     broker = new_broker(tmp_path, clock)
-    broker.metadata.lease.runner = jobs = Jobs()  # never run: the renewal is late
+    broker.metadata.lease.runner = jobs = HeldJobs()  # never run: the renewal is late
     c = Client(broker)
     assert c.request(identify(heartbeat_interval=-1)) == [ok()]
     ids: list[bytes] = []

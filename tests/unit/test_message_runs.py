@@ -46,6 +46,14 @@ def msgs_of(start: int, n: int, ts: int = 7) -> list[Message]:
 # -- a run and its messages ------------------------------------------------------------------
 
 
+def delivered(channel) -> list[bytes]:
+    """The bodies a consumer added to `channel` now is given."""
+    consumer = Consumer()
+    channel.add_client(consumer)
+    channel.deliver()
+    return [m.body for m in consumer.got]
+
+
 def test_a_run_makes_what_a_publish_of_messages_makes():
     run = run_of(0, 5, ts=42)
     made = run_messages(run, 1, 4)
@@ -385,10 +393,7 @@ def test_runs_waiting_at_a_paused_topic_reach_a_new_channel_in_order(topic, cloc
     topic.unpause()
     clock.advance(0)
     assert (topic.depth(), channel.depth()) == (0, 6)
-    consumer = Consumer()
-    channel.add_client(consumer)
-    channel.deliver()
-    assert [m.body for m in consumer.got] == bodies(0, 6)
+    assert delivered(channel) == bodies(0, 6)
 
 
 def test_empty_and_pause_act_on_runs_as_on_messages(topic):
@@ -465,10 +470,7 @@ def test_a_refused_drain_gives_a_runs_messages_back_in_order(tmp_path, clock, mo
     clock.advance(1.0)  # the retry: both steps go through
     clock.advance(0)
     assert (topic.depth(), channel.depth()) == (0, 6)
-    consumer = Consumer()
-    channel.add_client(consumer)
-    channel.deliver()
-    assert [m.body for m in consumer.got] == bodies(0, 6)
+    assert delivered(channel) == bodies(0, 6)
 
 
 def test_a_snapshot_capture_sees_a_runs_messages_as_queued(make_broker):
