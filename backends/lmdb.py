@@ -76,6 +76,7 @@ from backends.lmdb_records import (
     drop_range,
     encode_record,
     is_log_name,
+    record_seq,
 )
 from backends.lmdb_replay import replay_publish_log
 from backends.lmdb_retained import LmdbLog, load_log
@@ -197,15 +198,20 @@ class LmdbStore(SpillingShutdown):
         qid = self._known.get(registered)
         new = qid is None
         if qid is None:
-            qid = self._next_qid
-            self._next_qid += 1
-            self._known[registered] = qid
-            self._writes.register(registered.encode(), QID.pack(qid))
+            qid = self._register(registered)
         retained = self._logs[name] = load_log(
             name, qid, new, self.env, self.meta_db, self.data_db, self._writes,
             spilled=self._spilled.pop(qid, []), durable=self.durable,
             check_writable=self._check_writable, read_records=self._pages.read, forget=self._forget_log)
         return retained
+
+    def _register(self, name: str) -> int:
+        """Give registry name `name` (a queue's, or a log's) the next queue id, staged with the next commit."""
+        qid = self._next_qid
+        self._next_qid += 1
+        self._known[name] = qid
+        self._writes.register(name.encode(), QID.pack(qid))
+        return qid
 
     def _forget_log(self, retained: LmdbLog) -> None:
         self._logs.pop(retained.name, None)
@@ -219,10 +225,7 @@ class LmdbStore(SpillingShutdown):
         qid = self._known.get(name)
         first = nxt = depth = 0
         if qid is None:
-            qid = self._next_qid
-            self._next_qid += 1
-            self._known[name] = qid
-            self._writes.register(name.encode(), QID.pack(qid))
+            qid = self._register(name)
         else:
             first, nxt, depth = self._scan(qid)
         spilled = self._spilled.pop(qid, None)
@@ -232,8 +235,8 @@ class LmdbStore(SpillingShutdown):
             # Read back from the spill file, every one has its record's key.
             spilled.sort(key=lambda m: cast(bytes, m.key))
             if not depth:
-                first = KEY.unpack(cast(bytes, spilled[0].key))[1]
-            nxt = max(nxt, KEY.unpack(cast(bytes, spilled[-1].key))[1] + 1)
+                first = record_seq(spilled[0])
+            nxt = max(nxt, record_seq(spilled[-1]) + 1)
             depth += len(spilled)
         queue = self._queues[name] = LmdbQueue(
             name, qid, first, nxt, depth, env=self.env, data_db=self.data_db, writes=self._writes,
@@ -310,9 +313,7 @@ class LmdbStore(SpillingShutdown):
         """
         self._writes.probe()
         if self.failure is None:
-            self.failure = error
-            if self.health_listener is not None:
-                self.health_listener(error)
+            self._failing(error)
         self._writes.retry_in(self.RETRY_AFTER)
 
     def cut(self) -> lmdb.Transaction[bytes]:
@@ -434,9 +435,7 @@ class LmdbStore(SpillingShutdown):
         if self.failure is None:
             log.error("publish log write failed, retrying every {s}s: {error}", s=self.RETRY_AFTER,
                       error=text)
-            if self.health_listener is not None:
-                self.health_listener(f"LMDB write failed: {text}")
-        self.failure = f"LMDB write failed: {text}"
+        self._failing(f"LMDB write failed: {text}")
         self._roll_back([fresh for chunk in chunks for fresh in chunk.fresh])
         for chunk in chunks:
             for callback in chunk.waiters:
@@ -495,6 +494,13 @@ class LmdbStore(SpillingShutdown):
         if not self.durable and self.sync_every and self._unsynced >= self.sync_every:
             self.sync()
         self._hand_over(waiters, [(queue, held) for queue in touched if (held := queue.committed()) is not None])
+
+    def _failing(self, failure: str) -> None:
+        """A write failed: the store refuses new messages with `failure`; the broker hears when it starts failing."""
+        started = self.failure is None
+        self.failure = failure
+        if started and self.health_listener is not None:
+            self.health_listener(failure)
 
     def _healthy(self) -> None:
         """A write succeeded: a failure is over."""
@@ -616,9 +622,7 @@ class LmdbStore(SpillingShutdown):
         """
         if self.failure is None:
             log.error("LMDB commit failed, retrying every {s}s: {error}", s=self.RETRY_AFTER, error=error)
-            if self.health_listener is not None:
-                self.health_listener(f"LMDB write failed: {error}")
-        self.failure = f"LMDB write failed: {error}"
+        self._failing(f"LMDB write failed: {error}")
         self._roll_back(self._writes.take_fresh())
         # The retry writes something even if FINs have emptied what was
         # pending by then; otherwise nothing would ever clear the failure.
@@ -651,10 +655,6 @@ class LmdbStore(SpillingShutdown):
     def io_records(self) -> int:
         """Records read or written through the map since its pages were last looked at."""
         return self._pages.io_records
-
-    def check_mapped_pages(self) -> None:
-        """Release the mapped pages (release_mapped_pages) once they have grown enough (backends.lmdb_pages)."""
-        self._pages.check()
 
     def release_mapped_pages(self) -> int:
         """Unmap the pages of the data file this process has read through LMDB's map; bytes released.

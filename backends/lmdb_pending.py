@@ -215,13 +215,18 @@ class PendingWrites(Generic[Q]):
         Record i gets the key of its first sequence; the next free
         sequence is returned.
         """
+        seq = self._key_spans(qid, seq, messages, spans)
+        self._staged(queue, messages, fresh)
+        return seq
+
+    def _key_spans(self, qid: int, seq: int, messages: Sequence[Message], spans: Sequence[int]) -> int:
+        """Key record i of `messages` at its first sequence from `seq` on (`spans[i]` each) and stage it; the next free sequence."""
         puts = self._puts
         pack = KEY.pack
         for msg, span in zip(messages, spans, strict=True):
             msg.key = key = pack(qid, seq)
             puts[key] = msg
             seq += span
-        self._staged(queue, messages, fresh)
         return seq
 
     def finish(self, keys: list[bytes]) -> None:
@@ -254,13 +259,7 @@ class PendingWrites(Generic[Q]):
 
     def drop_queue(self, qid: int, bound: int) -> None:
         """Every record of queue `qid` below sequence `bound` goes, written or not; their messages lose their keys."""
-        prefix = QID.pack(qid)
-        self._drops.append((qid, bound))
-        for table in (self._puts, self._updates):
-            for key in [k for k in table if k.startswith(prefix)]:
-                table[key].key = None
-                del table[key]
-        self.schedule()
+        self._drop(qid, bound, every=True)
 
     def drop_below(self, qid: int, bound: int) -> None:
         """Every record of queue `qid` below sequence `bound` goes, written or not (a retained log's expired head).
@@ -268,11 +267,15 @@ class PendingWrites(Generic[Q]):
         Pending records from `bound` on stay, to be written after the
         range is deleted; those below lose their keys.
         """
+        self._drop(qid, bound, every=False)
+
+    def _drop(self, qid: int, bound: int, every: bool) -> None:
+        """Stage the drop of queue `qid`'s records below `bound`; unstage its pending ones (`every`: all of them)."""
         prefix = QID.pack(qid)
         stop = KEY.pack(qid, bound)
         self._drops.append((qid, bound))
         for table in (self._puts, self._updates):
-            for key in [k for k in table if k.startswith(prefix) and k < stop]:
+            for key in [k for k in table if k.startswith(prefix) and (every or k < stop)]:
                 table[key].key = None
                 del table[key]
         self.schedule()
@@ -288,12 +291,7 @@ class PendingWrites(Generic[Q]):
         for msg in messages:
             if msg.key is not None:
                 puts.pop(msg.key, None)
-        pack = KEY.pack
-        for msg, span in zip(messages, spans if spans is not None else [1] * len(messages), strict=True):
-            msg.key = key = pack(qid, seq)
-            puts[key] = msg
-            seq += span
-        return seq
+        return self._key_spans(qid, seq, messages, spans if spans is not None else [1] * len(messages))
 
     # -- staging, by the store ----------------------------------------------------------
 

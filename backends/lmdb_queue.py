@@ -100,17 +100,13 @@ class LmdbQueue:
 
     def _tail_start(self) -> int:
         # Every message the queue has put (tail, flying, staged) has its record's key.
-        seq: int
         if self._tail:
-            seq = KEY.unpack(cast(bytes, self._tail[0].key))[1]
-            return seq
+            return record_seq(self._tail[0])
         for staged, _ in self._flying:
             if staged:
-                seq = KEY.unpack(cast(bytes, staged[0].key))[1]
-                return seq
+                return record_seq(staged[0])
         if self._staged:
-            seq = KEY.unpack(cast(bytes, self._staged[0].key))[1]
-            return seq
+            return record_seq(self._staged[0])
         return self._next_seq
 
     def put(self, messages: Sequence[Message], fresh: bool = False) -> None:
@@ -148,7 +144,7 @@ class LmdbQueue:
         while tail and len(out) < count:
             out.append(tail.popleft())
         if out:
-            self._read_seq = KEY.unpack(cast(bytes, out[-1].key))[1] + 1
+            self._read_seq = record_seq(out[-1]) + 1
             depth = self._depth - len(out)
             if depth < 0:
                 # More read than the queue held: a record was read twice. Say

@@ -56,7 +56,7 @@ from backends.lmdb_batches import (
     seek_batch,
     stored_count,
 )
-from backends.lmdb_records import KEY, QID, RECORD_HEAD, RETAINED, RETAINED_META
+from backends.lmdb_records import KEY, QID, RECORD_HEAD, RETAINED, RETAINED_META, record_seq
 from backends.retained_index import (
     MAX_BATCH_BYTES,
     MAX_BATCH_RECORDS,
@@ -90,15 +90,9 @@ _SCAN = struct.Struct(">q10x" + BATCH_HEAD.format.lstrip(">"))
 Visit = Callable[[BatchView], bool]
 
 
-def _first(batch: Message) -> int:
-    """The offset of a staged batch's first record (from its key)."""
-    first: int = KEY.unpack(cast(bytes, batch.key))[1]
-    return first
-
-
 def _view(batch: Message) -> BatchView:
     """A staged batch's records, read in place."""
-    return BatchView(_first(batch), batch.timestamp, memoryview(batch.data))
+    return BatchView(record_seq(batch), batch.timestamp, memoryview(batch.data))
 
 
 class LogState:
@@ -193,7 +187,7 @@ def load_log(name: str, qid: int, new: bool, env: Any, meta_db: Any, data_db: An
         writes.drop_below(qid, state.head)
     spilled.sort(key=lambda m: cast(bytes, m.key))
     if spilled and state.earliest == state.latest:
-        state = new_state(_first(spilled[0]))
+        state = new_state(record_seq(spilled[0]))
     retained = LmdbLog(name, qid, epoch, state, env=env, data_db=data_db, writes=writes, durable=durable,
                        check_writable=check_writable, read_records=read_records, forget=forget)
     if spilled:
@@ -401,12 +395,12 @@ class LmdbLog:
         """The first offset held in memory, not in LMDB: `latest` when none is."""
         tail = self._tail
         # Every batch in the tail has its key (expiry takes them off the tail first).
-        return _first(tail[0]) if tail else self._latest
+        return record_seq(tail[0]) if tail else self._latest
 
     def _tail_from(self, offset: int) -> list[Message]:
         """The batches of the tail from the one holding `offset` on."""
         tail = self._tail
-        return tail[max(bisect_right(tail, offset, key=_first) - 1, 0):]
+        return tail[max(bisect_right(tail, offset, key=record_seq) - 1, 0):]
 
     def _stored(self, cursor: Any, offset: int, stop: int, visit: Visit) -> bool:
         """`visit` each stored batch from the one holding `offset` up to offset `stop`; False if `visit` stopped.
@@ -469,7 +463,7 @@ class LmdbLog:
                             break
                         out.append((first, _TS.unpack_from(value)[0]))
         lo = max(lo, tail_start)
-        out += [(first, batch.timestamp) for batch in self._tail_from(lo) if lo <= (first := _first(batch)) < hi]
+        out += [(first, batch.timestamp) for batch in self._tail_from(lo) if lo <= (first := record_seq(batch)) < hi]
         return out
 
     # -- the head -----------------------------------------------------------------------
@@ -487,7 +481,7 @@ class LmdbLog:
         if head > cut.first_head:  # whole batches went: their records, written or not
             tail = self._tail
             k = 0
-            while k < len(tail) and _first(tail[k]) < head:
+            while k < len(tail) and record_seq(tail[k]) < head:
                 k += 1
             del tail[:k]
             self._writes.drop_below(self.qid, head)
@@ -508,7 +502,7 @@ class LmdbLog:
         """
         spans = [stored_count(b.data) for b in batches]
         at = self._latest
-        if [_first(b) for b in batches] != [at + sum(spans[:i]) for i in range(len(spans))]:
+        if [record_seq(b) for b in batches] != [at + sum(spans[:i]) for i in range(len(spans))]:
             log.error("retained log {name}: spilled records do not follow offset {n}; renumbered",
                       name=self.name, n=self._latest)
             self._writes.rekey(self.qid, at, batches, spans)

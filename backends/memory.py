@@ -84,11 +84,11 @@ class MemoryStore:
     durable = False
     # Set by the broker; never called, as RAM never fails a write.
     health_listener: Callable[[str | None], Any] | None = None
-    # The topics' retained logs (backends.memory_log), made by the first open_log.
-    _logs: dict[str, MemoryLog] | None = None
 
     def __init__(self, options: Any = None, clock: Any = None) -> None:
         self._queues: dict[str, MemoryQueue] = {}
+        # The topics' retained logs (backends.memory_log).
+        self._logs: dict[str, MemoryLog] = {}
 
     def open_queue(self, name: str) -> MemoryQueue:
         queue = self._queues.get(name)
@@ -106,8 +106,6 @@ class MemoryStore:
 
     def open_log(self, name: str) -> MemoryLog:
         """Topic `name`'s retained log in RAM, new (with a new epoch) unless open already."""
-        if self._logs is None:
-            self._logs = {}
         found = self._logs.get(name)
         if found is None:
             found = self._logs[name] = MemoryLog(name, self._forget_log)
@@ -115,11 +113,11 @@ class MemoryStore:
 
     def log_names(self) -> list[str]:
         """The topics with a retained log in RAM."""
-        return sorted(self._logs or ())
+        return sorted(self._logs)
 
     def _forget_log(self, retained: MemoryLog) -> None:
         """A deleted log goes; the next open_log makes a new one."""
-        if self._logs is not None and self._logs.get(retained.name) is retained:
+        if self._logs.get(retained.name) is retained:
             del self._logs[retained.name]
 
     def begin_close(self) -> None:

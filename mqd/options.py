@@ -305,6 +305,11 @@ _HTTP_AUTH_REQUIRED = Option(
     "every HTTP(S) endpoint but /ping and /info needs `Authorization: Bearer <secret>` with the grant "
     "docs/security.md lists, asked of the --auth-http-address servers as AUTH asks them")
 
+# Where either daemon that sends a bearer secret (the broker, mqadmin) may read it from.
+_HTTP_CLIENT_AUTH_SECRET_FILE = Option(
+    "http-client-auth-secret-file", "str", "",
+    "file holding --http-client-auth-secret (read at start-up), so it is not on the command line")
+
 
 def check_http_auth(settings: Settings) -> None:
     """ConfigError when `--http-auth-required` is given without `--auth-http-address`.
@@ -373,8 +378,7 @@ MQD_OPTIONS: tuple[Option, ...] = (
     Option("http-client-auth-secret", "str", "",
            "secret sent as 'Authorization: Bearer' with the lookupd /channels queries, for lookupds "
            "run with --http-auth-required"),
-    Option("http-client-auth-secret-file", "str", "",
-           "file holding --http-client-auth-secret (read at start-up), so it is not on the command line"),
+    _HTTP_CLIENT_AUTH_SECRET_FILE,
     Option("broadcast-address", "str", None, "address this broker is known by (default: the hostname)"),
     Option("broadcast-tcp-port", "int", 0, "TCP port announced to lookupd (0: the bound port)", _between(0, 65535)),
     Option("broadcast-http-port", "int", 0, "HTTP port announced to lookupd (0: the bound port)", _between(0, 65535)),
@@ -590,8 +594,7 @@ MQADMIN_OPTIONS: tuple[Option, ...] = (
     Option("http-client-auth-secret", "str", "",
            "secret sent as 'Authorization: Bearer' to lookupds and brokers that require one "
            "(--http-auth-required); a request's own bearer header is passed on instead"),
-    Option("http-client-auth-secret-file", "str", "",
-           "file holding --http-client-auth-secret (read at start-up), so it is not on the command line"),
+    _HTTP_CLIENT_AUTH_SECRET_FILE,
     Option("acl-http-header", "str", "X-Forwarded-User",
            "HTTP header naming the user a reverse proxy authenticated"),
     Option("admin-user", "list", [],

@@ -143,6 +143,7 @@ class _Plan:
     max_outstanding: int
     timeout: float
     options: dict[str, str]
+    auth_secret: str  # the client option, also sent to lookupd as `Authorization: Bearer`
 
 
 def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
@@ -168,10 +169,10 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
         raise StreamOptionError("mqd: option topic is required")
     timeout = option_duration(options, "publishTimeout", DEFAULT_PUBLISH_TIMEOUT)
     plain = {str(k): str(v) for k, v in options.items() if v is not None}
-    client_config(plain)  # fails here, on the driver, with the option's name
+    auth_secret = client_config(plain).auth_secret  # fails here, on the driver, with the option's name
     if lookupd:
         try:
-            check_secret(_auth_secret(plain), "mqd: option auth_secret")  # it goes in an HTTP header too
+            check_secret(auth_secret, "mqd: option auth_secret")  # it goes in an HTTP header too
         except ValueError as e:
             raise StreamOptionError(str(e)) from None
     return _Plan(
@@ -183,16 +184,11 @@ def _plan(options: Mapping[str, str], schema: StructType) -> _Plan:
         batch_bytes=option_int(options, "batchBytes", DEFAULT_BATCH_BYTES),
         max_outstanding=option_int(options, "maxOutstanding", DEFAULT_MAX_OUTSTANDING),
         timeout=timeout,
-        options=plain,
+        options=plain, auth_secret=auth_secret,
     )
 
 
 # -- brokers ---------------------------------------------------------------------------
-
-
-def _auth_secret(options: Mapping[str, str]) -> str:
-    """The `auth_secret` option (Spark's option keys are case-insensitive), or ""."""
-    return next((v for k, v in options.items() if k.lower() == "auth_secret"), "")
 
 
 def lookupd_brokers(lookupds: tuple[str, ...], timeout: float = LOOKUPD_TIMEOUT, auth_secret: str = "") -> list[str]:
@@ -244,7 +240,7 @@ def _task_position() -> tuple[int, int]:
 
 
 def _pick_broker(plan: _Plan) -> str:
-    brokers = list(plan.nsqd) or lookupd_brokers(plan.lookupd, auth_secret=_auth_secret(plan.options))
+    brokers = list(plan.nsqd) or lookupd_brokers(plan.lookupd, auth_secret=plan.auth_secret)
     partition, attempt = _task_position()
     return brokers[(partition + attempt) % len(brokers)]
 

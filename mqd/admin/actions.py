@@ -51,7 +51,7 @@ or 403 back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
@@ -75,7 +75,7 @@ from mqd.logs import get_logger
 from mqd.names import QUEUE_STATES, is_valid_name
 from mqd.wire.go_json import GoJSONError, decode_go_object, unmarshal
 
-__all__ = ["ACTIONS", "PEEK_ANSWER_MAX", "SNAPSHOT_TIMEOUT", "routes"]
+__all__ = ["ACTIONS", "PEEK_ANSWER_MAX", "SNAPSHOT_TIMEOUT", "ActionEndpoint", "ActionRun", "post_all", "routes"]
 
 log = get_logger(__name__)
 
@@ -145,8 +145,13 @@ def _failed_result(failure, target: str, address: str, path: str, url: str) -> d
 
 
 def _post_one(upstream: Any, target: str, address: str, base: str, path: str,
-              params: Mapping[str, str]) -> Deferred[dict[str, Any]]:
-    """POST one admin endpoint; fires with its result, never fails."""
+              params: Mapping[str, str],
+              fields: Callable[[bytes], Mapping[str, Any]] | None = None) -> Deferred[dict[str, Any]]:
+    """POST one admin endpoint; fires with its result, never fails.
+
+    `fields(body)`, when given, adds what a 200 answer reports to the result
+    (a replay's offsets).
+    """
     url = _url(base, path, params)
     log.debug("querying {target} {url}", target=target, url=url)
     d = maybeDeferred(upstream.post, url)
@@ -154,7 +159,10 @@ def _post_one(upstream: Any, target: str, address: str, base: str, path: str,
     def answered(answer: tuple[int, bytes]) -> dict[str, Any]:
         status, body = answer
         if status == 200:
-            return _result(target, address, path, None)
+            result = _result(target, address, path, None)
+            if fields is not None:
+                result.update(fields(body))
+            return result
         return _result(target, address, path, error_text(status, body),
                        UpstreamError(url, "", status, body, "POST").go_text, status)
 
@@ -162,10 +170,11 @@ def _post_one(upstream: Any, target: str, address: str, base: str, path: str,
     return d
 
 
-async def _post_all(upstream: Any, target: str, targets: Iterable[Target], path: str,
-                    params: Mapping[str, str]) -> list[dict[str, Any]]:
+async def post_all(upstream: Any, target: str, targets: Iterable[Target], path: str,
+                    params: Mapping[str, str],
+                    fields: Callable[[bytes], Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """POST `path` to every target at once (through `upstream`); their results in the targets' order."""
-    return list(await gatherResults([_post_one(upstream, target, name, base, path, params)
+    return list(await gatherResults([_post_one(upstream, target, name, base, path, params, fields)
                                      for name, base in targets]))
 
 
@@ -181,7 +190,7 @@ def _broker_refusal(request: Request, code: int, message: str) -> ApiError:
     return ApiError(code, message)
 
 
-class _Run:
+class ActionRun:
     """One action's outcome: every request's result, and the failures to report.
 
     `problems` are mqd's lines (for the log: which target, which path);
@@ -266,7 +275,7 @@ class ActionEndpoint(AdminEndpoint):
                 raise upstream_error(errors)
             raise ApiError(404, "NODE_NOT_FOUND")
 
-    async def producers_of(self, request: Request, run: _Run, topic: str) -> list[Target]:
+    async def producers_of(self, request: Request, run: ActionRun, topic: str) -> list[Target]:
         """The topic's producers (lookupds' /lookup, or each broker's /stats); 502 when none could say.
 
         As nsqadmin: when no lookupd answered (or every one said 404, an
@@ -296,21 +305,21 @@ class CreateTopicChannel(ActionEndpoint):
         return Deferred.fromCoroutine(self.create(request, topic, channel))
 
     async def create(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
-        run = _Run("create topic/channel")
+        run = ActionRun("create topic/channel")
         upstream = self.upstream_for(request)
         lookupds = self.lookupds()
         both = {"topic": topic, "channel": channel}
         if lookupds:
-            run.add(await _post_all(upstream, "lookupd", lookupds, "/topic/create", {"topic": topic}))
+            run.add(await post_all(upstream, "lookupd", lookupds, "/topic/create", {"topic": topic}))
             if channel:
-                run.add(await _post_all(upstream, "lookupd", lookupds, "/channel/create", both))
+                run.add(await post_all(upstream, "lookupd", lookupds, "/channel/create", both))
                 producers = await self.producers_of(request, run, topic)
-                run.add(await _post_all(upstream, "nsqd", producers, "/channel/create", both))
+                run.add(await post_all(upstream, "nsqd", producers, "/channel/create", both))
         else:
             brokers = [(a, base_url(a)) for a in self.admin.settings.nsqd_http_address]
-            run.add(await _post_all(upstream, "nsqd", brokers, "/topic/create", {"topic": topic}))
+            run.add(await post_all(upstream, "nsqd", brokers, "/topic/create", {"topic": topic}))
             if channel:
-                run.add(await _post_all(upstream, "nsqd", brokers, "/channel/create", both))
+                run.add(await post_all(upstream, "nsqd", brokers, "/channel/create", both))
         answer = run.answer()
         self.notify(request, "create_topic", topic)
         if channel:
@@ -340,24 +349,24 @@ class _TopicChannelActions(ActionEndpoint):
 
     async def act(self, request: Request, action: str, topic: str, channel: str) -> dict[str, Any]:
         kind = "channel" if channel else "topic"
-        run = _Run(f"{action} {kind}")
+        run = ActionRun(f"{action} {kind}")
         upstream = self.upstream_for(request)
         producers = await self.producers_of(request, run, topic)
         query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
-        run.add(await _post_all(upstream, "nsqd", producers, f"/{kind}/{action}", query))
+        run.add(await post_all(upstream, "nsqd", producers, f"/{kind}/{action}", query))
         answer = run.answer()
         self.notify(request, f"{action}_{kind}", topic, channel)
         return answer
 
     async def delete(self, request: Request, topic: str, channel: str) -> dict[str, Any]:
         kind = "channel" if channel else "topic"
-        run = _Run(f"delete {kind}")
+        run = ActionRun(f"delete {kind}")
         upstream = self.upstream_for(request)
         # Found before the lookupds forget the topic, after which they could not say.
         producers = await self.producers_of(request, run, topic)
         query = {"topic": topic, "channel": channel} if channel else {"topic": topic}
-        run.add(await _post_all(upstream, "lookupd", self.lookupds(), f"/{kind}/delete", query))
-        run.add(await _post_all(upstream, "nsqd", producers, f"/{kind}/delete", query))
+        run.add(await post_all(upstream, "lookupd", self.lookupds(), f"/{kind}/delete", query))
+        run.add(await post_all(upstream, "nsqd", producers, f"/{kind}/delete", query))
         answer = run.answer()
         self.notify(request, f"delete_{kind}", topic, channel)
         return answer
@@ -386,11 +395,11 @@ class TombstoneNode(ActionEndpoint):
 
     async def tombstone(self, request: Request, topic: str, node: str) -> dict[str, Any]:
         await self.known_node(request, node)
-        run = _Run("tombstone node for topic")
+        run = ActionRun("tombstone node for topic")
         upstream = self.upstream_for(request)
-        run.add(await _post_all(upstream, "lookupd", self.lookupds(), "/topic/tombstone",
+        run.add(await post_all(upstream, "lookupd", self.lookupds(), "/topic/tombstone",
                                 {"topic": topic, "node": node}))
-        run.add(await _post_all(upstream, "nsqd", [self.node(node)], "/topic/delete", {"topic": topic}))
+        run.add(await post_all(upstream, "nsqd", [self.node(node)], "/topic/delete", {"topic": topic}))
         answer = run.answer()
         self.notify(request, "tombstone_topic_producer", topic, node=node)
         return answer

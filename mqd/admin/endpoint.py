@@ -64,10 +64,10 @@ class AdminEndpoint(Endpoint):
 
     def cluster_for(self, request: Request) -> Any:
         """The cluster's queries as this request makes them (upstream_for's client)."""
-        cluster = self.admin.cluster
-        if user_bearer(request) is None:
-            return cluster
-        return cluster.using(self.upstream_for(request))
+        headers = user_bearer(request)
+        if headers is None:
+            return self.admin.cluster
+        return self.admin.cluster.using(Authorized(self.admin.upstream, headers))
 
 
 def user_bearer(request: Request) -> dict[bytes, list[bytes]] | None:

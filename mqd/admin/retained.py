@@ -28,24 +28,15 @@ notified as `replay_channel`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlencode
 
-from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
+from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
-from mqd.admin.actions import ActionEndpoint
-from mqd.admin.endpoint import (
-    Admin,
-    AdminEndpoint,
-    ApiError,
-    go_lines,
-    refusal_status,
-    upstream_error,
-)
-from mqd.clusterinfo.aggregate import NodeStats, node_id
-from mqd.clusterinfo.upstream import UpstreamError, error_text, go_line, reason_of
+from mqd.admin.actions import ActionEndpoint, ActionRun, post_all
+from mqd.admin.endpoint import Admin, AdminEndpoint, ApiError
+from mqd.clusterinfo.aggregate import NodeStats
 from mqd.http.endpoint import read_body
 from mqd.logs import get_logger
 from mqd.names import is_valid_name
@@ -162,62 +153,22 @@ class Replay(ActionEndpoint):
         return Deferred.fromCoroutine(self.replay(request, topic, channel, timestamp))
 
     async def replay(self, request: Request, topic: str, channel: str, timestamp: int) -> dict[str, Any]:
-        producers, errors = await self.cluster_for(request).topic_producers(topic)
-        if producers is None:
-            raise upstream_error(errors)
-        upstream = self.upstream_for(request)
+        run = ActionRun("replay channel")
+        producers = await self.producers_of(request, run, topic)
         query = {"topic": topic, "channel": channel, "timestamp": str(timestamp)}
-        results = list(await gatherResults([
-            self._one(upstream, node_id(p), query) for p in producers or ()]))
-        # Lookupds that did not answer while others did, then each broker that failed.
-        problems: list[str] = list(errors)
-        go = [getattr(e, "go", e) for e in errors]
-        codes = [getattr(e, "code", None) for e in errors]
-        for r in results:
-            go_text, code = r.pop("_go"), r.pop("_code")
-            if not r["ok"]:
-                problems.append(f"nsqd {r['address']} {REPLAY_PATH}: {r['error']}")
-                go.append(go_text)
-                codes.append(code)
-        if problems and not any(r["ok"] for r in results):
-            log.error("failed to replay channel - {errors}", errors="; ".join(problems))
-            raise ApiError(refusal_status(codes) or 502, "UPSTREAM_ERROR: " + go_lines(go))
-        if problems:
-            log.warn("replay channel: {errors}", errors="; ".join(problems))
+        run.add(await post_all(self.upstream_for(request), "nsqd", producers, REPLAY_PATH, query, _replayed))
+        answer = run.answer()
         self.notify(request, "replay_channel", topic, channel)
-        return {"message": "WARNING: " + go_lines(go) if go else "", "results": results, "timestamp": timestamp}
+        answer["timestamp"] = timestamp
+        return answer
 
-    def _one(self, upstream: Any, node: str, query: Mapping[str, str]) -> Deferred[dict[str, Any]]:
-        """POST one broker's /channel/replay; fires with its result entry, never fails."""
-        url = self.admin.cluster.node_url(node) + REPLAY_PATH + "?" + urlencode(query)
-        d = maybeDeferred(upstream.post, url)
 
-        def entry(error: str | None = None, go: str | None = None, code: int | None = None,
-                  answer: Mapping[str, Any] | None = None) -> dict[str, Any]:
-            row: dict[str, Any] = {"target": "nsqd", "address": node, "path": REPLAY_PATH, "ok": error is None,
-                                   "error": error, "_go": go if go is not None else error, "_code": code}
-            for key in ("epoch", "start", "end"):
-                value = _int((answer or {}).get(key))
-                if value is not None:
-                    row[key] = value
-            return row
-
-        def answered(answer: Sequence[Any]) -> dict[str, Any]:
-            status, body = answer
-            if status != 200:
-                return entry(error_text(status, body), UpstreamError(url, "", status, body, "POST").go_text, status)
-            try:
-                data = unmarshal(body)
-            except GoJSONError:
-                data = None
-            return entry(answer=data if isinstance(data, Mapping) else None)
-
-        def failed(failure: Any) -> dict[str, Any]:
-            error = failure.value
-            if not failure.check(UpstreamError):
-                log.failure("request to {url} failed unexpectedly", failure, url=url)
-                return entry(reason_of(error))
-            return entry(reason_of(error), go_line(error, "nsqd"), error.code)
-
-        d.addCallbacks(answered, failed)
-        return d
+def _replayed(body: bytes) -> dict[str, int]:
+    """What a broker's 200 answer to /channel/replay reports: the replay's `epoch`, `start` and `end` offsets."""
+    try:
+        data = unmarshal(body)
+    except GoJSONError:
+        data = None
+    answer = data if isinstance(data, Mapping) else {}
+    found = {key: _int(answer.get(key)) for key in ("epoch", "start", "end")}
+    return {key: value for key, value in found.items() if value is not None}

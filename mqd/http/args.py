@@ -26,6 +26,7 @@ __all__ = [
     "go_parse_bool",
     "max_body_arg",
     "parse_query",
+    "positive_arg",
     "query_of",
     "state_arg",
     "topic_arg",
@@ -109,18 +110,19 @@ def topic_arg(query: Query, invalid: str | None = "INVALID_TOPIC") -> str:
     return name
 
 
-def topic_channel_args(query: Query) -> tuple[str, str]:
+def topic_channel_args(query: Query, invalid_topic: str = "INVALID_ARG_TOPIC",
+                       invalid_channel: str = "INVALID_ARG_CHANNEL") -> tuple[str, str]:
     """`topic` and `channel` for the /channel/* endpoints (nsqd's GetTopicChannelArgs).
 
     Their error texts differ from /pub's and /topic/*'s: INVALID_ARG_TOPIC,
-    not INVALID_TOPIC.
+    not INVALID_TOPIC (mqd's own /channel/replay passes the latter).
     """
-    topic = topic_arg(query, "INVALID_ARG_TOPIC")
+    topic = topic_arg(query, invalid_topic)
     channel = query.first("channel")
     if channel is None:
         raise ApiError(400, "MISSING_ARG_CHANNEL")
     if not is_valid_name(channel):
-        raise ApiError(400, "INVALID_ARG_CHANNEL")
+        raise ApiError(400, invalid_channel)
     return topic, channel
 
 
@@ -141,14 +143,19 @@ def _digits_value(raw: str) -> int:
     return int(digits) if len(digits) <= 18 else 10**18
 
 
+def positive_arg(query: Query, key: str, default: int, cap: int, invalid: str) -> int:
+    """A positive integer argument, `default` when absent, at most `cap`; 400 `invalid` otherwise."""
+    raw = query.first(key)
+    if raw is None:
+        return default
+    if not _DIGITS.fullmatch(raw) or _digits_value(raw) <= 0:
+        raise ApiError(400, invalid)
+    return min(_digits_value(raw), cap)
+
+
 def count_arg(query: Query) -> int:
     """`n`: how many to answer, at most MAX_PEEK; 400 INVALID_N unless a positive integer."""
-    raw = query.first("n")
-    if raw is None:
-        return DEFAULT_PEEK
-    if not _DIGITS.fullmatch(raw) or _digits_value(raw) <= 0:
-        raise ApiError(400, "INVALID_N")
-    return min(_digits_value(raw), MAX_PEEK)
+    return positive_arg(query, "n", DEFAULT_PEEK, MAX_PEEK, "INVALID_N")
 
 
 def state_arg(query: Query, allowed: tuple[str, ...]) -> str:

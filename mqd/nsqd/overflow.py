@@ -325,7 +325,6 @@ class OverflowQueue:
         rewritten, so they come back in their place with their attempts.
         """
         held = self.mem.take(self.mem.count)
-        self.mem.clear()
         if also:
             held.extend(also)
         kept = [m for m in held if m.key is not None]

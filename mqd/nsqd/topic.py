@@ -180,7 +180,6 @@ class Topic:
             # The id lease cannot be written: no id may be issued past it.
             raise BackendError(str(e)) from None
         store = self.store
-        msgs = None
         if self.log is not None:
             # The retained log first: an append the store refuses (BackendError)
             # fails the publish before any channel has seen it. It only reads
@@ -191,7 +190,7 @@ class Topic:
             # Held in memory only, due now: one run, not a Message per message and channel.
             self.put(new_run(ids, bodies, ts))
             return
-        if msgs is None:
+        else:
             msgs = new_messages(ids, bodies, ts)
         if defer > 0:
             due = now + defer

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from mqd import __version__
-from mqd.clusterinfo.bearer import SECRET_ENV
+from mqd.clusterinfo.bearer import SECRET_ENV, check_secret, env_secret, refusal_hint
 from mqd.options import parse_duration
 from mqd.wire.errors import go_quote
 
@@ -151,7 +151,7 @@ class ToolParser(argparse.ArgumentParser):
         self.add_argument(
             "--http-auth-secret", default=None, metavar="STRING",
             help=f"secret sent as 'Authorization: Bearer' to lookupds and nsqds that require one "
-                 f"(default: ${HTTP_AUTH_SECRET_ENV})")
+                 f"(default: ${SECRET_ENV})")
 
     def add_config_opts(self, kind: str) -> None:
         """`--consumer-opt` / `--producer-opt` (kind "consumer" / "producer").
@@ -279,18 +279,15 @@ def parse_checked(parser: argparse.ArgumentParser, check: Callable[[Any], Any],
 
 
 # -- the HTTP auth secret -------------------------------------------------------
-
-# Read when --http-auth-secret is not given: a flag shows in `ps` and in the shell's history.
-HTTP_AUTH_SECRET_ENV = SECRET_ENV
+# $MQ_HTTP_AUTH_SECRET is read when --http-auth-secret is not given: a flag
+# shows in `ps` and in the shell's history.
 
 
 def http_auth_secret(args: Any) -> str:
     """The tool's HTTP auth secret: `--http-auth-secret`, else $MQ_HTTP_AUTH_SECRET, else ""; ToolError if unusable."""
-    from mqd.clusterinfo.bearer import check_secret, env_secret
-
     given = getattr(args, "http_auth_secret", None)
     secret, what = (given, "--http-auth-secret") if given is not None else (
-        env_secret(HTTP_AUTH_SECRET_ENV), HTTP_AUTH_SECRET_ENV)
+        env_secret(SECRET_ENV), SECRET_ENV)
     try:
         return check_secret(secret, what)
     except ValueError as e:
@@ -303,8 +300,6 @@ def refused_line(error: Any) -> str:
     `error` is an `HTTPRefusedError` (mqd.clusterinfo.bearer); the line
     names the node and the answer, and what to do, never the secret.
     """
-    from mqd.clusterinfo.bearer import refusal_hint
-
     return f"ERROR: {error}: {refusal_hint(error.code, error.body, '--http-auth-secret')}"
 
 

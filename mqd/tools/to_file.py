@@ -632,31 +632,27 @@ async def lookupd_topics(addresses: Sequence[str], args: Any) -> list[str]:
     treq has one timeout for the whole request: --http-client-request-timeout
     (--http-client-connect-timeout is checked, as nsq_to_file does, but the
     request's timeout covers the connection too). The request carries the
-    HTTP auth secret; a lookupd refusing it raises its HTTPRefusedError.
+    HTTP auth secret, as the consumers' /lookup does (BearerHTTP); a lookupd
+    refusing it raises its HTTPRefusedError.
     """
     import json
 
     import treq
 
     from mqd.client.discovery import ACCEPT, MAX_RESPONSE_SIZE
-    from mqd.clusterinfo.bearer import REFUSALS, HTTPRefusedError, bearer_headers
+    from mqd.clusterinfo.bearer import BearerHTTP, HTTPRefusedError
     from mqd.http_body import read_bounded
 
-    headers = {b"Accept": [ACCEPT], **bearer_headers(getattr(args, "http_auth_secret", "") or "")}
-
+    client = BearerHTTP(getattr(args, "http_auth_secret", "") or "", http=treq)
     topics: set[str] = set()
     errors: list[str] = []
     for address in addresses:
         base = address if "://" in address else f"http://{address}"
         url = base.rstrip("/") + "/topics"
         try:
-            response = await treq.get(
-                url, headers=headers,  # type: ignore[arg-type]  # treq's dict types are invariant
-                timeout=args.http_client_request_timeout
-            )
+            response = await client.get(url, headers={b"Accept": [ACCEPT]},
+                                        timeout=args.http_client_request_timeout)
             body = await read_bounded(response, MAX_RESPONSE_SIZE, ValueError)
-            if response.code in REFUSALS:
-                raise HTTPRefusedError("nsqlookupd", url, response.code, body)
             if response.code != 200:
                 raise ValueError(f"HTTP {response.code}")
             doc = json.loads(body)

@@ -29,28 +29,27 @@ from typing import TYPE_CHECKING, Any
 from twisted.web.server import Request
 
 from backends.interface import OffsetOutOfRange
-from mqd.http.args import Query, query_of, topic_arg
-from mqd.http.endpoint import Endpoint
+from mqd.http.args import Query, query_of, topic_channel_args
 from mqd.http.response import ApiError
-from mqd.names import is_valid_name
-from mqd.nsqd.http.retained import offset_arg, out_of_range, timestamp_arg
+from mqd.nsqd.http.retained import (
+    offset_arg,
+    out_of_range,
+    retained_log,
+    start_offset,
+    timestamp_arg,
+)
+from mqd.nsqd.http.topics import TopicEndpoint
 from mqd.nsqd.replay import replay_into
 
 if TYPE_CHECKING:
     from mqd.http.auth import AuthState
-    from mqd.nsqd.topic import Topic
 
 __all__ = ["ChannelReplay", "admin_on_replayed_channel", "replay_args"]
 
+
 def replay_args(query: Query) -> tuple[str, str]:
     """`topic` and `channel`, with the replay's error texts (INVALID_TOPIC, INVALID_CHANNEL)."""
-    topic = topic_arg(query)
-    channel = query.first("channel")
-    if channel is None:
-        raise ApiError(400, "MISSING_ARG_CHANNEL")
-    if not is_valid_name(channel):
-        raise ApiError(400, "INVALID_CHANNEL")
-    return topic, channel
+    return topic_channel_args(query, "INVALID_TOPIC", "INVALID_CHANNEL")
 
 
 def admin_on_replayed_channel(request: Request, state: AuthState) -> bool:
@@ -71,36 +70,24 @@ def _start(query: Query) -> tuple[int | str | None, int | None]:
     return (None if timestamp_ns is not None else offset_arg(query)), timestamp_ns
 
 
-class ChannelReplay(Endpoint):
+class ChannelReplay(TopicEndpoint):
     """`/channel/replay`: POST starts (or replaces) a channel's replay, DELETE stops it."""
-
-    def _topic(self, name: str) -> Topic:
-        topic: Topic | None = self.broker.topics.get(name)
-        if topic is None:
-            raise ApiError(404, "TOPIC_NOT_FOUND")
-        return topic
 
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         query = query_of(request)
         topic_name, channel_name = replay_args(query)
         offset, timestamp_ns = _start(query)
-        topic = self._topic(topic_name)
-        log = topic.log
-        if log is None:
-            raise ApiError(400, "RETENTION_OFF")
-        end = log.latest()
-        if timestamp_ns is not None:
+        topic = self.existing_topic(topic_name)
+        log = retained_log(topic)
+        if offset is None:
+            assert timestamp_ns is not None
+            end = log.latest()
             start = log.offset_for_timestamp(timestamp_ns)
-        elif offset == "earliest":
-            start = log.earliest()
-        elif offset == "latest":
-            start = end
         else:
-            assert isinstance(offset, int)
-            start = offset
-            earliest = log.earliest()
-            if not earliest <= start <= end:
-                return out_of_range(request, OffsetOutOfRange(start, earliest, end))
+            try:
+                start, _, end = start_offset(log, offset)
+            except OffsetOutOfRange as e:
+                return out_of_range(request, e)
         broker = self.broker
         channel = topic.channel(channel_name)
         replay = replay_into(topic, channel, log, start, end, clock=broker.clock,
@@ -110,7 +97,7 @@ class ChannelReplay(Endpoint):
 
     def handle_DELETE(self, request: Request, params: Mapping[str, str]) -> dict[str, Any]:
         topic_name, channel_name = replay_args(query_of(request))
-        channel = self._topic(topic_name).channels.get(channel_name)
+        channel = self.existing_topic(topic_name).channels.get(channel_name)
         feed = channel.replay if channel is not None else None
         if feed is None:
             raise ApiError(404, "REPLAY_NOT_FOUND")

@@ -47,14 +47,14 @@ from zope.interface import implementer
 
 from backends import BackendError
 from backends.interface import OffsetOutOfRange
-from mqd.http.args import go_parse_bool, max_body_arg, query_of, topic_arg
+from mqd.http.args import Query, go_parse_bool, max_body_arg, positive_arg, query_of, topic_arg
 from mqd.http.authorization import AuthCache, require_grant
 from mqd.http.endpoint import LATER, client_gone
 from mqd.http.response import JSON_CONTENT_TYPE, ApiError, dumps, respond_v1
 from mqd.logs import get_logger
 from mqd.message import Message
 from mqd.nsqd.http.peek import PEEK_ANSWERS, PeekWork, peek_message
-from mqd.nsqd.http.topics import TopicEndpoint
+from mqd.nsqd.http.topics import TopicEndpoint, answer_once_persisted
 from mqd.nsqd.stats import go_duration, retention_json
 from mqd.options import parse_duration, parse_size
 from mqd.wire.log_frames import FRAME_HEAD, FRAME_OVERHEAD
@@ -74,7 +74,9 @@ __all__ = [
     "TopicOffsets",
     "TopicRead",
     "TopicRetention",
+    "retained_log",
     "retention_answer",
+    "start_offset",
 ]
 
 log = get_logger(__name__)
@@ -101,21 +103,7 @@ def _digits(raw: str | None) -> int | None:
     return int(digits) if len(digits) <= 19 else None
 
 
-def _bounded(query, key: str, default: int, cap: int, error: str) -> int:
-    """A positive integer argument, `default` when absent, larger values capped; 400 `error` otherwise."""
-    raw = query.first(key)
-    if raw is None:
-        return default
-    if not raw.isascii() or not raw.isdigit():
-        raise ApiError(400, error)
-    digits = raw.lstrip("0")
-    if not digits:
-        raise ApiError(400, error)
-    # A number that long is past any cap: not converted (Python refuses over 4,300 digits).
-    return cap if len(digits) > 19 else min(int(digits), cap)
-
-
-def offset_arg(query) -> int | str:
+def offset_arg(query: Query) -> int | str:
     """`offset`: an integer >= 0, `earliest` or `latest`; 400 INVALID_OFFSET otherwise (and when absent)."""
     raw = query.first("offset")
     if raw in ("earliest", "latest"):
@@ -126,7 +114,7 @@ def offset_arg(query) -> int | str:
     return value
 
 
-def timestamp_arg(query) -> int | None:
+def timestamp_arg(query: Query) -> int | None:
     """`timestamp`: milliseconds since the Unix epoch, as ns; None when absent; 400 INVALID_TIMESTAMP otherwise."""
     raw = query.first("timestamp")
     if raw is None:
@@ -137,7 +125,7 @@ def timestamp_arg(query) -> int | None:
     return min(value * 1_000_000, _INT64)
 
 
-def _time_arg(query) -> float | None:
+def _time_arg(query: Query) -> float | None:
     raw = query.first("time")
     if raw is None:
         return None
@@ -150,7 +138,7 @@ def _time_arg(query) -> float | None:
     return seconds
 
 
-def _bytes_arg(query) -> int | None:
+def _bytes_arg(query: Query) -> int | None:
     raw = query.first("bytes")
     if raw is None:
         return None
@@ -223,13 +211,7 @@ class TopicRetention(TopicEndpoint):
                            else "INVALID_BYTES") from None
         except BackendError:
             raise ApiError(500, "INTERNAL_ERROR") from None
-        answer = retention_answer(topic)
-        written = broker.metadata.written(topic.name)
-        # A write that fails is logged, and the change stands (as /topic/pause's).
-        written.addErrback(lambda failure: log.error("failed to persist metadata: {error}", error=failure.value))
-        if written.called:
-            return answer
-        return written.addCallback(lambda _: answer)
+        return answer_once_persisted(broker, request, topic.name, retention_answer(topic))
 
 
 # -- the log's readers --------------------------------------------------------------------------
@@ -258,12 +240,28 @@ class _LogEndpoint(TopicEndpoint):
         return query, self.existing_topic(name)
 
 
-def _log_of(topic: Topic) -> IRetainedLog:
+def retained_log(topic: Topic) -> IRetainedLog:
     """The topic's retained log, or 400 RETENTION_OFF."""
     retained = topic.log
     if retained is None:
         raise ApiError(400, "RETENTION_OFF")
     return retained
+
+
+def start_offset(retained: IRetainedLog, asked: int | str) -> tuple[int, int, int]:
+    """(offset, earliest, latest): where `asked` (offset_arg's answer) starts in the log, and its bounds now.
+
+    OffsetOutOfRange for an offset outside [earliest, latest].
+    """
+    earliest, latest = retained.earliest(), retained.latest()
+    if asked == "earliest":
+        return earliest, earliest, latest
+    if asked == "latest":
+        return latest, earliest, latest
+    offset = int(asked)
+    if not earliest <= offset <= latest:
+        raise OffsetOutOfRange(offset, earliest, latest)
+    return offset, earliest, latest
 
 
 class TopicOffsets(_LogEndpoint):
@@ -272,7 +270,7 @@ class TopicOffsets(_LogEndpoint):
     def answer(self, request: Request, auth: AuthState | None) -> object:
         query, topic = self.retaining_topic(request, auth)
         timestamp = timestamp_arg(query)
-        retained = _log_of(topic)
+        retained = retained_log(topic)
         oldest = retained.oldest_timestamp()
         body: dict[str, Any] = {
             "topic": topic.name,
@@ -295,20 +293,16 @@ class TopicRead(_LogEndpoint):
     def answer(self, request: Request, auth: AuthState | None) -> object:
         query, topic = self.retaining_topic(request, auth)
         asked = offset_arg(query)
-        max_messages = _bounded(query, "max_messages", DEFAULT_MAX_MESSAGES, MAX_MESSAGES, "INVALID_MAX_MESSAGES")
-        max_bytes = _bounded(query, "max_bytes", DEFAULT_MAX_BYTES, MAX_BYTES, "INVALID_MAX_BYTES")
+        max_messages = positive_arg(query, "max_messages", DEFAULT_MAX_MESSAGES, MAX_MESSAGES,
+                                    "INVALID_MAX_MESSAGES")
+        max_bytes = positive_arg(query, "max_bytes", DEFAULT_MAX_BYTES, MAX_BYTES, "INVALID_MAX_BYTES")
         as_json = query.first("format") == "json"
         max_body = max_body_arg(query, self.broker.options.peek_max_body_bytes) if as_json else 0
-        retained = _log_of(topic)
-        earliest, latest = retained.earliest(), retained.latest()
-        if asked == "earliest":
-            offset = earliest
-        elif asked == "latest":
-            offset = latest
-        else:
-            offset = int(asked)
-            if not earliest <= offset <= latest:
-                return out_of_range(request, OffsetOutOfRange(offset, earliest, latest))
+        retained = retained_log(topic)
+        try:
+            offset, earliest, latest = start_offset(retained, asked)
+        except OffsetOutOfRange as e:
+            return out_of_range(request, e)
         try:
             if as_json:
                 return self._json(request, topic, retained, offset, latest, max_messages, max_bytes, max_body)

@@ -100,8 +100,6 @@ GRANTS: dict[str, Rule] = {
 }
 
 
-
-
 class NsqdAPI(Router):
     """Serves every nsqd endpoint from one leaf resource with nsqd's routing rules.
 

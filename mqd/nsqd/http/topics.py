@@ -16,7 +16,7 @@ background). The write runs in a thread; only the answer waits for it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from twisted.web.server import Request
 
@@ -41,13 +41,14 @@ __all__ = [
     "TopicEmpty",
     "TopicEndpoint",
     "TopicPause",
+    "answer_once_persisted",
 ]
 
 log = get_logger(__name__)
 
 
-def _answer_once_persisted(broker, request: Request, topic: str) -> object:
-    """The empty 200, once nsqd.dat holds the change to `topic` (written in a thread).
+def answer_once_persisted(broker: Any, request: Request, topic: str, answer: Any = None) -> object:
+    """The 200 with `answer` (empty by default), once nsqd.dat holds the change to `topic` (written in a thread).
 
     A failed write is logged and the answer is still 200, as nsqd ignores
     PersistMetadata's error (the change stands).
@@ -59,8 +60,8 @@ def _answer_once_persisted(broker, request: Request, topic: str) -> object:
     d = broker.metadata.written(topic)
     d.addErrback(failed)
     if d.called:  # written inline (a test clock has no threads)
-        return None
-    d.addCallback(lambda _: finish_v1(request, 200))
+        return answer
+    d.addCallback(lambda _: finish_v1(request, 200, answer))
     return LATER
 
 
@@ -91,7 +92,7 @@ class TopicCreate(TopicEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         name = topic_arg(query_of(request))
         self.broker.topic(name)
-        return _answer_once_persisted(self.broker, request, name)
+        return answer_once_persisted(self.broker, request, name)
 
 
 class TopicDelete(TopicEndpoint):
@@ -102,7 +103,7 @@ class TopicDelete(TopicEndpoint):
         name = topic_arg(query_of(request), invalid=None)
         if not self.broker.delete_topic(name):
             raise ApiError(404, "TOPIC_NOT_FOUND")
-        return _answer_once_persisted(self.broker, request, name)
+        return answer_once_persisted(self.broker, request, name)
 
 
 class TopicEmpty(TopicEndpoint):
@@ -125,7 +126,7 @@ class TopicPause(TopicEndpoint):
             topic.pause()
         else:
             topic.unpause()
-        return _answer_once_persisted(self.broker, request, topic.name)
+        return answer_once_persisted(self.broker, request, topic.name)
 
 
 # -- channels -------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class ChannelCreate(ChannelEndpoint):
     def handle_POST(self, request: Request, params: Mapping[str, str]) -> object:
         topic, name = self.topic_and_name(request)
         topic.channel(name)
-        return _answer_once_persisted(self.broker, request, topic.name)
+        return answer_once_persisted(self.broker, request, topic.name)
 
 
 class ChannelDelete(ChannelEndpoint):
@@ -167,7 +168,7 @@ class ChannelDelete(ChannelEndpoint):
         if name not in topic.channels:
             raise ApiError(404, "CHANNEL_NOT_FOUND")
         topic.delete_channel(name)
-        return _answer_once_persisted(self.broker, request, topic.name)
+        return answer_once_persisted(self.broker, request, topic.name)
 
 
 class ChannelEmpty(ChannelEndpoint):
@@ -190,4 +191,4 @@ class ChannelPause(ChannelEndpoint):
             channel.pause()
         else:
             channel.unpause()
-        return _answer_once_persisted(self.broker, request, channel.topic_name)
+        return answer_once_persisted(self.broker, request, channel.topic_name)
