@@ -22,7 +22,7 @@ from backends.interface import (
 )
 
 if TYPE_CHECKING:
-    from mqd.message import Message
+    from mqd.message import Message, Run
 
 
 @implementer(IBackendQueue)
@@ -79,7 +79,7 @@ class DummyLog:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def append(self, messages: Sequence[Message], fresh: bool = False) -> None:
+    def append(self, records: Sequence[Message] | Run, fresh: bool = False) -> None:
         """Accept and drop, as the dummy queue does."""
 
     def earliest(self) -> int:

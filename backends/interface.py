@@ -16,7 +16,7 @@ from zope.interface import Attribute, Interface
 if TYPE_CHECKING:
     from twisted.internet.defer import Deferred
 
-    from mqd.message import Message
+    from mqd.message import Message, Run
 
 
 class BackendError(Exception):
@@ -170,12 +170,14 @@ class IRetainedLog(Interface):
     epoch = Attribute("A random 63-bit int naming this life of the log; 0 for a store that keeps nothing.")
     kept = Attribute("False when the store keeps no records at all (the dummy store): every read is empty.")
 
-    def append(messages: Sequence[Message], fresh: bool = False) -> None:
-        """Give the messages the next offsets, in order, and store their records; raise BackendError on failure.
+    def append(records: Sequence[Message] | Run, fresh: bool = False) -> None:
+        """Give the records the next offsets, in order, and store them; raise BackendError on failure.
 
-        Only the messages' timestamp and `data` (id and body) are read;
-        nothing of the messages is changed or kept (their key, attempts
-        and deferral are the channels'). `fresh` as IBackendQueue.put: a
+        `records` are a publish's messages, or its run (mqd.message.Run,
+        a publish held compactly): only their timestamp and `data` (id and
+        body) are read; nothing of them is changed (their key, attempts
+        and deferral are the channels'), and a run's list of data may be
+        kept as it is, as nothing changes it. `fresh` as IBackendQueue.put: a
         durable store whose commit fails drops these records and gives
         their offsets out again, as nobody could read them.
         """

@@ -57,15 +57,9 @@ from backends.lmdb_batches import (
     stored_count,
 )
 from backends.lmdb_records import KEY, QID, RECORD_HEAD, RETAINED, RETAINED_META, record_seq
-from backends.retained_index import (
-    MAX_BATCH_BYTES,
-    MAX_BATCH_RECORDS,
-    TimeIndex,
-    batch_bounds,
-    new_epoch,
-)
+from backends.retained_index import TimeIndex, new_epoch, record_columns, split_columns
 from mqd.logs import get_logger
-from mqd.message import Message
+from mqd.message import Message, Run
 from mqd.wire.log_frames import FRAME_OVERHEAD
 
 if TYPE_CHECKING:
@@ -260,21 +254,16 @@ class LmdbLog:
 
     # -- IRetainedLog -------------------------------------------------------------------
 
-    def append(self, messages: Sequence[Message], fresh: bool = False) -> None:
-        """Stage the messages as the next batch (two or more past the bounds); readable now, or (durable) once committed."""
+    def append(self, records: Sequence[Message] | Run, fresh: bool = False) -> None:
+        """Stage the records as the next batch (two or more past the bounds); readable now, or (durable) once committed."""
         if self._deleted:
             raise BackendError(f"the retained log of {self.name} was deleted")
         self._check_writable()
-        n = len(messages)
-        if not n:
+        if not len(records):
             return
-        batch = make_batch(messages) if n <= MAX_BATCH_RECORDS else None
-        if batch is not None and frames_size(batch.data) <= MAX_BATCH_BYTES:
-            batches, spans = [batch], [n]
-        else:
-            bounds = batch_bounds(messages)
-            batches = [make_batch(messages[start:stop]) for start, stop in bounds]
-            spans = [stop - start for start, stop in bounds]
+        columns = split_columns(*record_columns(records))
+        batches = [make_batch(datas, stamps) for datas, stamps in columns]
+        spans = [len(datas) for datas, _ in columns]
         durable = self._durable
         self._next = self._writes.add_spans(self, self.qid, self._next, batches, spans, durable)
         if durable:

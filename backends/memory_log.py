@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 from zope.interface import implementer
 
 from backends.interface import BackendError, IRetainedLog, OffsetOutOfRange
-from backends.retained_index import MAX_BATCH_RECORDS, TimeIndex, new_epoch
+from backends.retained_index import Stamps, TimeIndex, new_epoch, record_columns, split_columns
 from mqd.wire.log_frames import FRAME_HEAD, FRAME_OVERHEAD
 
 if TYPE_CHECKING:
-    from mqd.message import Message
+    from mqd.message import Message, Run
 
 __all__ = ["MemoryLog"]
 
@@ -45,9 +45,8 @@ _SIZED = FRAME_OVERHEAD - 4
 # The slots of dropped batches go once there are this many and they are half the lists.
 _COMPACT_AFTER = 4096
 
-# A batch's data: one message's, or a list; its timestamps: one for all, or a list.
+# A batch's data: one message's, or a list (its timestamps: backends.retained_index.Stamps).
 _Datas = bytes | list[bytes]
-_Stamps = int | list[int]
 
 
 @implementer(IRetainedLog)
@@ -64,7 +63,7 @@ class MemoryLog:
         self.epoch = new_epoch()
         self._starts: list[int] = []
         self._datas: list[_Datas] = []
-        self._stamps: list[_Stamps] = []
+        self._stamps: list[Stamps] = []
         # The index of the batch holding `earliest`, and how many of its records expired.
         self._head = 0
         self._skip = 0
@@ -75,36 +74,25 @@ class MemoryLog:
         self._forget = forget
         self._deleted = False
 
-    def append(self, messages: Sequence[Message], fresh: bool = False) -> None:
+    def append(self, records: Sequence[Message] | Run, fresh: bool = False) -> None:
         if self._deleted:
             raise BackendError(f"the retained log of {self.name} was deleted")
-        n = len(messages)
-        if n > MAX_BATCH_RECORDS:
-            for start in range(0, n, MAX_BATCH_RECORDS):
-                self._add(messages[start:start + MAX_BATCH_RECORDS])
-        elif n:
-            self._add(messages)
+        if len(records):
+            for datas, stamps in split_columns(*record_columns(records)):
+                self._add(datas, stamps)
 
-    def _add(self, messages: Sequence[Message]) -> None:
-        """One batch of the next offsets: the messages' data and timestamps, nothing else of them."""
-        n = len(messages)
+    def _add(self, datas: list[bytes], stamps: Stamps) -> None:
+        """One batch of the next offsets: the records' data and timestamps, nothing else of them."""
+        n = len(datas)
         at = self._end
+        top = stamps if isinstance(stamps, int) else max(stamps)
+        self._stamps.append(stamps)
         if n == 1:
-            m = messages[0]
-            data = m.data
-            top = m.timestamp
+            data = datas[0]
             self._datas.append(data)
-            self._stamps.append(top)
             size = len(data)
         else:
-            datas = [m.data for m in messages]
-            stamps = [m.timestamp for m in messages]
-            top = stamps[0]
-            if stamps.count(top) == n:
-                self._stamps.append(top)
-            else:
-                top = max(stamps)
-                self._stamps.append(stamps)
+            # The list itself: a run's is never changed, so the log and the channels share it.
             self._datas.append(datas)
             size = sum(map(len, datas))
         self._starts.append(at)
@@ -249,7 +237,7 @@ class MemoryLog:
     # -- reading ------------------------------------------------------------------------
 
     def _pieces(self, offset: int, max_messages: int,
-                max_bytes: int) -> Iterator[tuple[int, list[bytes], _Stamps, int, int]]:
+                max_bytes: int) -> Iterator[tuple[int, list[bytes], Stamps, int, int]]:
         """What a read from `offset` returns, a piece per batch: (first offset, data, timestamps, lo, hi).
 
         Records `lo` to `hi - 1` of the batch; at most `max_messages` in
@@ -311,7 +299,7 @@ def _count(datas: _Datas) -> int:
     return 1 if isinstance(datas, bytes) else len(datas)
 
 
-def _first_at_or_after(stamps: _Stamps, start: int, timestamp: int) -> int | None:
+def _first_at_or_after(stamps: Stamps, start: int, timestamp: int) -> int | None:
     """The first record of a batch from `start` whose timestamp is >= `timestamp`, or None."""
     if isinstance(stamps, int):
         return start if stamps >= timestamp else None

@@ -43,12 +43,17 @@ import secrets
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from mqd.message import Run
 from mqd.wire.log_frames import FRAME_OVERHEAD
 
 if TYPE_CHECKING:
     from mqd.message import Message
 
-__all__ = ["FANOUT", "MAX_BATCH_BYTES", "MAX_BATCH_RECORDS", "TimeIndex", "batch_bounds", "new_epoch"]
+__all__ = ["FANOUT", "MAX_BATCH_BYTES", "MAX_BATCH_RECORDS", "Stamps", "TimeIndex", "batch_bounds", "new_epoch",
+           "record_columns", "split_columns"]
+
+# An append's timestamps: one for every record (a publish's share it), or one each.
+Stamps = int | list[int]
 
 # Offsets per block, and entries per group at each level above.
 FANOUT = 256
@@ -70,21 +75,46 @@ def new_epoch() -> int:
             return epoch
 
 
-def batch_bounds(messages: Sequence[Message]) -> list[tuple[int, int]]:
-    """Where an append's messages split into batches: (start, stop) indexes, one pair unless past the bounds."""
-    n = len(messages)
-    if n <= MAX_BATCH_RECORDS and sum([len(m.data) for m in messages]) + FRAME_OVERHEAD * n <= MAX_BATCH_BYTES:
+def record_columns(records: Sequence[Message] | Run) -> tuple[list[bytes], Stamps]:
+    """An append's records as what a log keeps of them: their data (id and body) and their timestamps.
+
+    A run (one publish held compactly) gives its own list and timestamp,
+    with nothing built per record; messages give one timestamp when they
+    all share it.
+    """
+    if isinstance(records, Run):
+        return records.datas, records.timestamp
+    datas = [m.data for m in records]
+    stamps = [m.timestamp for m in records]
+    top = stamps[0]
+    return datas, (top if stamps.count(top) == len(stamps) else stamps)
+
+
+def batch_bounds(datas: Sequence[bytes]) -> list[tuple[int, int]]:
+    """Where an append's records (their data) split into batches: (start, stop) indexes, one pair unless past the bounds."""
+    n = len(datas)
+    if n <= MAX_BATCH_RECORDS and sum(map(len, datas)) + FRAME_OVERHEAD * n <= MAX_BATCH_BYTES:
         return [(0, n)]
     out: list[tuple[int, int]] = []
     start = size = 0
-    for i, m in enumerate(messages):
-        frame = FRAME_OVERHEAD + len(m.data)
+    for i, data in enumerate(datas):
+        frame = FRAME_OVERHEAD + len(data)
         if i > start and (i - start >= MAX_BATCH_RECORDS or size + frame > MAX_BATCH_BYTES):
             out.append((start, i))
             start, size = i, 0
         size += frame
     out.append((start, n))
     return out
+
+
+def split_columns(datas: list[bytes], stamps: Stamps) -> list[tuple[list[bytes], Stamps]]:
+    """An append's columns cut into its batches (`batch_bounds`): itself when it is one."""
+    bounds = batch_bounds(datas)
+    if len(bounds) == 1:
+        return [(datas, stamps)]
+    if isinstance(stamps, int):
+        return [(datas[start:stop], stamps) for start, stop in bounds]
+    return [(datas[start:stop], stamps[start:stop]) for start, stop in bounds]
 
 
 class TimeIndex:

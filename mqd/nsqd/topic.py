@@ -180,18 +180,20 @@ class Topic:
             # The id lease cannot be written: no id may be issued past it.
             raise BackendError(str(e)) from None
         store = self.store
-        if self.log is not None:
-            # The retained log first: an append the store refuses (BackendError)
-            # fails the publish before any channel has seen it. It only reads
-            # the messages (their id, body and timestamp): the channels get them next.
-            msgs = new_messages(ids, bodies, ts)
-            self.log.append(msgs, fresh=store.durable)
-        elif not store.durable and defer <= 0 and len(bodies) > 1:
+        log = self.log
+        # The retained log first: an append the store refuses (BackendError)
+        # fails the publish before any channel has seen it. It only reads
+        # the records (their id, body and timestamp): the channels get them next.
+        if not store.durable and defer <= 0 and len(bodies) > 1:
             # Held in memory only, due now: one run, not a Message per message and channel.
-            self.put(new_run(ids, bodies, ts))
+            run = new_run(ids, bodies, ts)
+            if log is not None:
+                log.append(run)
+            self.put(run)
             return
-        else:
-            msgs = new_messages(ids, bodies, ts)
+        msgs = new_messages(ids, bodies, ts)
+        if log is not None:
+            log.append(msgs, fresh=store.durable)
         if defer > 0:
             due = now + defer
             for msg in msgs:

@@ -20,6 +20,7 @@ from backends.interface import BackendError, IRetainedLog, IRetainingStore, Offs
 from backends.lmdb_batches import BATCH_HEAD
 from backends.lmdb_records import KEY, RECORD_HEAD, RETAINED, RETAINED_META
 from backends.retained_index import TimeIndex
+from mqd.message import Run
 from mqd.wire.log_frames import FRAME_OVERHEAD, iter_frames
 from tests.support.inprocess_broker import failing_once
 from tests.support.retained_stores import KINDS, LMDB_KINDS, LogStores, records_of
@@ -125,6 +126,23 @@ def test_appending_changes_nothing_of_the_messages(stores):
     stores.settle()
     assert [(m.key, m.attempts) for m in messages] == [(b"their own", 4)] * 3
     assert everything(log) == expected(STAMPS[:3])
+
+
+def test_a_run_is_retained_as_its_messages_would_be(stores, monkeypatch):
+    # A publish held as a run (one timestamp, a list of id + body) and the
+    # same publish as Messages leave the same records, split at the same bounds.
+    monkeypatch.setattr(retained_index, "MAX_BATCH_RECORDS", 3)
+    runs = stores.store.open_log("runs")
+    messages = stores.store.open_log("messages")
+    for start, stop in ((0, 1), (1, 8), (8, 9)):
+        publish = records_of([STAMPS[start]] * (stop - start), start=start)
+        runs.append(Run([m.data for m in publish], STAMPS[start]))
+        messages.append(publish)
+    stores.settle()
+    assert everything(runs) == everything(messages)
+    assert [ts for _, ts, _ in everything(runs)] == [STAMPS[0]] + [STAMPS[1]] * 7 + [STAMPS[8]]
+    assert runs.retained_bytes() == messages.retained_bytes()
+    assert runs.offset_for_timestamp(STAMPS[1] + 1) == 8
 
 
 def test_durable_records_are_readable_only_once_committed(lmdb_stores):
@@ -287,13 +305,8 @@ def test_a_batch_goes_whole_only_once_every_record_of_it_must(stores):
 
 
 def test_a_publish_is_one_batch_split_only_past_the_bounds(stores, monkeypatch):
-    import backends.lmdb_retained as lmdb_retained
-    import backends.memory_log as memory_log
-
     log = stores.store.open_log("t")
     log.append(records_of(STAMPS[:8]))
-    monkeypatch.setattr(lmdb_retained, "MAX_BATCH_RECORDS", 3)
-    monkeypatch.setattr(memory_log, "MAX_BATCH_RECORDS", 3)
     monkeypatch.setattr(retained_index, "MAX_BATCH_RECORDS", 3)
     log.append(records_of(STAMPS[8:], start=8))  # 12 records: 4 batches of 3
     stores.settle()
@@ -306,18 +319,19 @@ def test_a_publish_is_one_batch_split_only_past_the_bounds(stores, monkeypatch):
             assert [KEY.unpack(k)[1] for k, _ in txn.cursor() if KEY.unpack(k)[0] == log.qid] == [11, 14, 17]
 
 
-def test_a_batch_is_split_past_its_bytes_bound(lmdb_stores, monkeypatch):
-    import backends.lmdb_retained as lmdb_retained
-
-    s = lmdb_stores
+def test_a_batch_is_split_past_its_bytes_bound(stores, monkeypatch):
     size = FRAME_OVERHEAD + len(expected(STAMPS)[12][2])
     monkeypatch.setattr(retained_index, "MAX_BATCH_BYTES", 4 * size)
-    monkeypatch.setattr(lmdb_retained, "MAX_BATCH_BYTES", 4 * size)
-    log = filled(s, STAMPS[10:])  # 10 records of the same size
-    s.settle()
-    with s.store.env.begin(db=s.store.data_db) as txn:
-        assert [KEY.unpack(k)[1] for k, _ in txn.cursor() if KEY.unpack(k)[0] == log.qid] == [0, 4, 8]
+    log = filled(stores, STAMPS[10:])  # 10 records of the same size
+    stores.settle()
     assert [ts for _, ts, _ in everything(log)] == STAMPS[10:]
+    # Batches of 4, 4 and 2: expiry takes a batch whole only once all of it is due.
+    assert log.expire(STAMPS[14], 0) == 4
+    assert log.earliest() == 4
+    if stores.lmdb:
+        stores.settle()
+        with stores.store.env.begin(db=stores.store.data_db) as txn:
+            assert [KEY.unpack(k)[1] for k, _ in txn.cursor() if KEY.unpack(k)[0] == log.qid] == [4, 8]
 
 
 # -- the time search ---------------------------------------------------------------------------
