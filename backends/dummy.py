@@ -106,6 +106,10 @@ class DummyLog:
         self.read(offset, max_messages, max_bytes)
         return b"", 0
 
+    def frames_extent(self, offset: int, max_messages: int, max_bytes: int) -> tuple[int, int]:
+        self.read(offset, max_messages, max_bytes)
+        return 0, 0
+
     def expire(self, before_ns: int, max_bytes: int) -> int:
         return 0
 

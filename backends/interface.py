@@ -215,6 +215,14 @@ class IRetainedLog(Interface):
         record.
         """
 
+    def frames_extent(offset: int, max_messages: int, max_bytes: int) -> tuple[int, int]:
+        """What `read_frames(offset, max_messages, max_bytes)` would give, measured: (its length, the offset after).
+
+        For a reader that must know an answer's size before building it
+        (`/topic/read`'s Content-Length): a store answers from its records'
+        lengths, without building a frame.
+        """
+
     def expire(before_ns: int, max_bytes: int) -> int:
         """Drop the oldest records while one is older than `before_ns` or the log is past `max_bytes`.
 

@@ -32,8 +32,8 @@ from backends.retained_index import Stamps
 from mqd.message import Message
 from mqd.wire.log_frames import FRAME_HEAD, FRAME_OVERHEAD
 
-__all__ = ["BATCH_HEAD", "BatchView", "FrameReader", "HeadCut", "RecordReader", "frames_size", "make_batch", "seek_batch",
-           "stored_count"]
+__all__ = ["BATCH_HEAD", "BatchView", "FrameReader", "FrameSizes", "HeadCut", "RecordReader", "frames_size", "make_batch",
+           "seek_batch", "stored_count"]
 
 BATCH_HEAD = struct.Struct(">IB")
 _HEAD = BATCH_HEAD.size
@@ -207,6 +207,23 @@ class FrameReader:
 
     def joined(self) -> bytes:
         return b"".join(self.parts)
+
+
+class FrameSizes(FrameReader):
+    """`FrameReader` that only counts (`size`): the bytes its frames would take, none built.
+
+    What a binary read's measuring pass needs (its Content-Length): a sum
+    over each batch's lengths, no Python per record.
+    """
+
+    __slots__ = ("size",)
+
+    def __init__(self, offset: int, max_messages: int, max_bytes: int) -> None:
+        super().__init__(offset, max_messages, max_bytes)
+        self.size = 0
+
+    def _frames(self, batch: BatchView, lo: int, hi: int) -> None:
+        self.size += sum(batch.lengths[lo:hi]) + FRAME_OVERHEAD * (hi - lo)
 
 
 class RecordReader(FrameReader):

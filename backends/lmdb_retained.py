@@ -49,6 +49,7 @@ from backends.lmdb_batches import (
     BATCH_HEAD,
     BatchView,
     FrameReader,
+    FrameSizes,
     HeadCut,
     RecordReader,
     frames_size,
@@ -320,6 +321,12 @@ class LmdbLog:
         """`read` framed (mqd.wire.log_frames): built from the batches' records in place, one struct call each."""
         reader = FrameReader(offset, max_messages, max_bytes)
         return self._read(reader), reader.at
+
+    def frames_extent(self, offset: int, max_messages: int, max_bytes: int) -> tuple[int, int]:
+        """`read_frames` measured, not built: a sum of the batches' lengths each."""
+        reader = FrameSizes(offset, max_messages, max_bytes)
+        self._read(reader)
+        return reader.size, reader.at
 
     def _read(self, reader: FrameReader) -> bytes:
         """What `reader` takes from its offset on, LMDB's batches then the tail's; the frames it took, joined."""

@@ -160,6 +160,15 @@ class MemoryLog:
             at = first + hi
         return b"".join(parts), at
 
+    def frames_extent(self, offset: int, max_messages: int, max_bytes: int) -> tuple[int, int]:
+        """`read_frames` measured, not built: one sum of lengths per batch."""
+        size = 0
+        at = offset
+        for first, datas, _stamps, lo, hi in self._pieces(offset, max_messages, max_bytes):
+            size += sum(map(len, datas[lo:hi])) + FRAME_OVERHEAD * (hi - lo)
+            at = first + hi
+        return size, at
+
     def expire(self, before_ns: int, max_bytes: int) -> int:
         """Drop head records a bound says must go: whole batches where every record must, then records of one."""
         if self._earliest == self._end:

@@ -46,6 +46,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                      "the Spark bridge's snapshot, analyze and export of a backlog"),
     "spark-stream": ("bench.scenarios.spark_stream", "main",
                      "the Structured Streaming source and sink: throughput and latency"),
+    "spark-cluster": ("bench.scenarios.spark_cluster", "main",
+                      "the offset-mode source on a Spark standalone cluster: one worker vs two"),
     "torture": ("bench.scenarios.torture", "main",
                 "fuzz, kill -9 and abuse a broker, longer than CI does"),
     "lmdb-layout": ("bench.experiments.lmdb_layout", "main",

@@ -7,7 +7,10 @@
   whose memory-held messages the files lack, unless `--lmdb-only`);
 - `analyze` answers "what is stuck where, since when, and why" with
   PySpark (local by default, `--master` for a cluster) as a terminal
-  table and an HTML report;
+  table and an HTML report; with `--topic` instead of a snapshot, it
+  analyses a window of the topics' retained logs ("the last 6 hours of
+  events": `--since 6h`, or `--start-offsets` / `--end-offsets`) read
+  from the brokers by offset, with the questions records can answer;
 - `export` writes a snapshot as Parquet for tools outside Spark.
 
 Imports are absolute so spark-submit can run this file directly
@@ -22,6 +25,7 @@ import fcntl
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,6 +36,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from mqd.nsqd.snapshot_format import DATA_FILE, Manifest, SnapshotError, take_snapshot
 
@@ -291,8 +296,10 @@ def parser() -> argparse.ArgumentParser:
     snap.set_defaults(run=_snapshot, usage_error=snap.error)
 
 
-    an = sub.add_parser("analyze", help="backlog, ages, sizes, attempts and deferrals per queue, with PySpark")
-    an.add_argument("snapshot", metavar="SNAPDIR", help="a snapshot directory")
+    an = sub.add_parser("analyze", help="backlog, ages, sizes, attempts and deferrals per queue of a snapshot, "
+                                        "or a window of topics' retained logs, with PySpark")
+    an.add_argument("snapshot", metavar="SNAPDIR", nargs="?",
+                    help="a snapshot directory (or --topic: a window of retained logs)")
     an.add_argument("--master", help="Spark master URL (default: spark-submit's, else local[*])")
     an.add_argument("--report", metavar="FILE", help="also write an HTML report with charts here")
     an.add_argument("--json-field", metavar="NAME", help="group JSON bodies by this top-level field")
@@ -302,6 +309,31 @@ def parser() -> argparse.ArgumentParser:
                     help="a Spark setting, as spark-submit's --conf (repeatable)")
     an.add_argument("--partitions", type=int, metavar="N",
                     help="Spark partitions to read with (default: the session's parallelism)")
+    log = an.add_argument_group(
+        "a window of topics' retained logs instead of a snapshot (brokers run with retention)")
+    log.add_argument("--topic", action="append", metavar="TOPIC",
+                     help="a topic whose retained log is analysed (repeatable)")
+    log.add_argument("--nsqd-tcp-address", action="append", metavar="ADDR",
+                     help="nsqd TCP address (repeatable)")
+    log.add_argument("--lookupd-http-address", action="append", metavar="ADDR",
+                     help="lookupd HTTP address (repeatable): every broker it lists with the topic")
+    log.add_argument("--since", metavar="DURATION|RFC3339",
+                     help="from the first record published at or after this time (6h: six hours ago; or "
+                          "2006-01-02T15:04:05Z); default: the earliest record kept")
+    log.add_argument("--until", metavar="DURATION|RFC3339",
+                     help="up to the last record published before this time (default: the latest record)")
+    log.add_argument("--start-offsets", metavar="earliest|JSON",
+                     help='where each log starts, as offsets JSON: {"TOPIC": {"HOST:TCPPORT": OFFSET}} '
+                          '(or {"offset": N, "epoch": E}; -2: earliest); default: earliest')
+    log.add_argument("--end-offsets", metavar="latest|JSON",
+                     help="where each log ends (exclusive), as --start-offsets (-1: latest); default: latest")
+    log.add_argument("--consumer-opt", action="append", default=[], metavar="NAME=VALUE",
+                     help="a client option for the brokers' IDENTIFY, as mq-tail's (tls_v1, "
+                          "tls_root_ca_file, tls_cert, tls_key, auth_secret, ...; repeatable)")
+    log.add_argument("--http-auth-secret", metavar="SECRET",
+                     help="the secret for brokers and lookupds that ask who is calling (sent as AUTH and "
+                          "as Authorization: Bearer) unless --consumer-opt gives auth_secret; default: "
+                          "$MQ_HTTP_AUTH_SECRET")
     an.set_defaults(run=_analyze)
 
     sm = sub.add_parser("sample", help="write a sample broker backlog (to try the bridge on)")
@@ -324,18 +356,152 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _analyze(args: argparse.Namespace) -> int:
-    from mqd.nsqd.snapshot_format import read_manifest
-    from spark_bridge.analysis import DEFAULT_POISON_ATTEMPTS, analyze
-    from spark_bridge.jvm_archive import java_options
-    from spark_bridge.report import load_charting, render_text, write_html
-    from spark_bridge.session import build_session
+# The window flags of `analyze` (what goes with --topic, not with a snapshot).
+_WINDOW_FLAGS = ("topic", "nsqd_tcp_address", "lookupd_http_address", "since", "until", "start_offsets",
+                 "end_offsets", "consumer_opt", "http_auth_secret")
+# The offset mode's option names, as the flags that set them are named (for its one-line errors).
+_FLAG_OF_OPTION = {
+    "startingOffsets": "--start-offsets", "endingOffsets": "--end-offsets", "startingTimestamp": "--since",
+    "endingTimestamp": "--until", "topic": "--topic", "topics": "--topic", "nsqd": "--nsqd-tcp-address",
+    "lookupd": "--lookupd-http-address", "minPartitions": "--partitions", "auth_secret": "--http-auth-secret",
+}
+
+
+class _BadWindow(Exception):
+    """A window flag that cannot be used: one line (exit status 2)."""
+
+
+def _flag_names(text: str) -> str:
+    """An offset-mode error line with the flags' names for the options' (`option endingOffsets` -> --end-offsets)."""
+    text = text.removeprefix("mqd: ")
+    return re.sub(r"\boption (\w+)", lambda m: _FLAG_OF_OPTION.get(m.group(1), m.group(0)), text)
+
+
+def _when(flag: str, text: str, now: float) -> int:
+    """`--since` / `--until`: a duration back from `now` or an RFC 3339 time, in ms since the Unix epoch."""
+    from mqd.moments import parse_since
 
     try:
-        read_manifest(args.snapshot)
-    except (OSError, ValueError) as e:
-        print(f"analyze failed: {args.snapshot}: not an mqd snapshot ({e})", file=sys.stderr)
-        return 1
+        return parse_since(text).ms(now)
+    except ValueError as e:
+        raise _BadWindow(f"{flag} {text!r}: {e}") from None
+
+
+def window_options(args: argparse.Namespace, now: float | None = None) -> dict[str, str]:
+    """The offset mode's batch options (spark_bridge.log_options) `analyze`'s window flags ask for.
+
+    Raises _BadWindow for flags that do not go together; the values
+    themselves are checked by the options' own parser.
+    """
+    from mqd.client.config import Config, split_config_opt
+    from mqd.client.errors import ClientConfigError
+    from mqd.clusterinfo.bearer import SECRET_ENV, check_secret, env_secret
+
+    now = time.time() if now is None else now
+    topics = args.topic or []
+    if not args.nsqd_tcp_address and not args.lookupd_http_address:
+        raise _BadWindow("--nsqd-tcp-address or --lookupd-http-address required")
+    if args.nsqd_tcp_address and args.lookupd_http_address:
+        raise _BadWindow("use --nsqd-tcp-address or --lookupd-http-address not both")
+    options = {"topics": ",".join(topics)} if len(topics) > 1 else {"topic": topics[0]}
+    if args.nsqd_tcp_address:
+        options["nsqd"] = ",".join(args.nsqd_tcp_address)
+    else:
+        options["lookupd"] = ",".join(args.lookupd_http_address)
+    for flag, offsets in (("--since", "--start-offsets"), ("--until", "--end-offsets")):
+        if getattr(args, flag[2:]) is not None and getattr(args, offsets[2:].replace("-", "_")) is not None:
+            raise _BadWindow(f"use {flag} or {offsets} not both")
+    since = None if args.since is None else _when("--since", args.since, now)
+    until = None if args.until is None else _when("--until", args.until, now)
+    if since is not None and until is not None and until < since:
+        raise _BadWindow(f"--until {args.until!r} is before --since {args.since!r}")
+    if since is not None:
+        options["startingTimestamp"] = str(since)
+    if until is not None:
+        options["endingTimestamp"] = str(until)
+    if args.start_offsets is not None:
+        options["startingOffsets"] = args.start_offsets
+    if args.end_offsets is not None:
+        options["endingOffsets"] = args.end_offsets
+    for opt in args.consumer_opt:
+        name, value = split_config_opt(opt)
+        try:
+            Config().set(name, value)
+        except (ClientConfigError, ValueError, TypeError) as e:
+            raise _BadWindow(f"--consumer-opt {opt!r}: {e}") from None
+        options[name.lower()] = value
+    if "auth_secret" not in options:
+        try:
+            secret = check_secret(args.http_auth_secret if args.http_auth_secret is not None
+                                  else env_secret(SECRET_ENV), "--http-auth-secret")
+        except ValueError as e:
+            raise _BadWindow(str(e)) from None
+        if secret:
+            options["auth_secret"] = secret
+    if args.partitions is not None:
+        options["minPartitions"] = str(args.partitions)
+    return options
+
+
+def _spark_failure(error: BaseException) -> str | None:
+    """The `mqd: ...` line of a data source error Spark passed on (with its traceback), if there is one."""
+    found = re.search(r"^[\w.]+: (mqd: .+)$", str(error), re.M)
+    return None if found is None else _flag_names(found.group(1))
+
+
+def _resolve(args: argparse.Namespace) -> tuple[int, Any]:
+    """(0, the LogWindow) `analyze --topic` reads, or (exit status, None) with its one line said."""
+    from spark_bridge.analysis import WindowError, WindowOptionError, resolve_window
+
+    given = [f"--{name.replace('_', '-')}" for name in _WINDOW_FLAGS if getattr(args, name)]
+    if args.snapshot is not None:
+        if args.topic:
+            return _failed("give a snapshot directory or --topic, not both"), None
+        if given:
+            return _failed(f"{given[0]} goes with --topic (a window of retained logs), not with a snapshot"), None
+        return 0, None
+    if not args.topic:
+        return _failed("--topic required (or a snapshot directory)" if given else
+                       "give a snapshot directory, or --topic with --nsqd-tcp-address or "
+                       "--lookupd-http-address for a window of its retained log"), None
+    if args.poison_attempts is not None:
+        return _failed("--poison-attempts goes with a snapshot: records of the retained log carry no "
+                       "attempts"), None
+    try:
+        options = window_options(args)
+    except _BadWindow as e:
+        return _failed(str(e)), None
+    _status(f"resolving the window of {', '.join(args.topic)} on the brokers")
+    try:
+        return 0, resolve_window(options)
+    except WindowError as e:
+        return _failed(_flag_names(str(e)), status=2 if isinstance(e, WindowOptionError) else 1), None
+
+
+def _failed(line: str, status: int = 2) -> int:
+    print(f"analyze failed: {line}", file=sys.stderr)
+    return status
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from mqd.nsqd.snapshot_format import read_manifest
+    from spark_bridge.analysis import DEFAULT_POISON_ATTEMPTS, analyze, analyze_window
+    from spark_bridge.jvm_archive import java_options
+    from spark_bridge.report import load_charting, render_text, window_span, write_html
+    from spark_bridge.session import build_session
+
+    status, window = _resolve(args)
+    if status:
+        return status
+    if window is None:
+        try:
+            read_manifest(args.snapshot)
+        except (OSError, ValueError) as e:
+            print(f"analyze failed: {args.snapshot}: not an mqd snapshot ({e})", file=sys.stderr)
+            return 1
+    else:
+        _status(f"window: {window.records:,} records of {', '.join(window.topics)} on "
+                f"{len(window.brokers())} broker(s), {window_span(window)}")
     # No web UI unless asked for (--conf spark.ui.enabled=true): a short
     # local run does not need one, and it costs start-up time.
     conf = {"spark.ui.enabled": "false"}
@@ -366,10 +532,20 @@ def _analyze(args: argparse.Namespace) -> int:
             _status(f"[{step}/{steps}] {label}: {seconds:.1f} s")
 
     try:
-        poison = DEFAULT_POISON_ATTEMPTS if args.poison_attempts is None else args.poison_attempts
-        result = analyze(spark, args.snapshot, poison_attempts=poison,
-                         json_field_name=args.json_field, partitions=args.partitions,
-                         progress=progress)
+        if window is not None:
+            result = analyze_window(spark, window, json_field_name=args.json_field, partitions=args.partitions,
+                                    progress=progress)
+        else:
+            poison = DEFAULT_POISON_ATTEMPTS if args.poison_attempts is None else args.poison_attempts
+            result = analyze(spark, args.snapshot, poison_attempts=poison,
+                             json_field_name=args.json_field, partitions=args.partitions,
+                             progress=progress)
+    except Exception as e:
+        spark.stop()
+        line = _spark_failure(e) if window is not None else None
+        if line is None:
+            raise
+        return _failed(line, status=1)
     except BaseException:
         spark.stop()
         raise

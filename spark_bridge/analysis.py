@@ -19,17 +19,30 @@ Each row has a `state`: where the broker held the message at that instant
 large in-flight share of its channel with old ages (`queue_summary`,
 `state_counts`); `deferred` counts the state, `scheduled` every message
 with a due time (a DPUB still at its topic is queued, yet scheduled).
+
+A window of topics' retained logs (`resolve_window`, `read_window`,
+`analyze_window`: "the last 6 hours of events", no snapshot needed) gets
+the questions its rows can answer. A record of the log is what was
+published (topic, id, publish time, body, the broker's address and the
+offset), not where the message is now: no channel, no state, no
+attempts, no due time. `window_rows` gives its rows the snapshot's
+columns (kind "topic", state and deferred_until null, body_size, the
+offset as sequence), so the same functions run on both; `analyze_window`
+leaves out the questions of states, attempts, poison and deferrals, and
+adds each broker's range. Ages are measured from the window's end: its
+`until` time, else the moment its offsets were resolved.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -39,17 +52,27 @@ from mqd.nsqd.snapshot_format import STATES, Manifest, read_manifest
 from spark_bridge.datasource import FORMAT_NAME, register
 from spark_bridge.records import SPARK_SCHEMA_DDL
 
+if TYPE_CHECKING:
+    from spark_bridge.log_fetch import BrokerLog
+    from spark_bridge.log_options import Bound
+
 __all__ = [
     "AGE_BUCKETS",
     "Analysis",
+    "BrokerRange",
     "DEFAULT_POISON_ATTEMPTS",
     "DUE_BUCKETS",
     "PERCENTILES",
     "SIZE_BUCKETS",
     "STATES",
+    "LogWindow",
+    "WindowError",
+    "WindowOptionError",
     "age_histogram",
     "analyze",
+    "analyze_window",
     "attempts_histogram",
+    "broker_counts",
     "bucket_counts",
     "deferred_backlog",
     "json_field",
@@ -57,9 +80,12 @@ __all__ = [
     "poison_messages",
     "queue_summary",
     "read_snapshot",
+    "read_window",
+    "resolve_window",
     "size_histogram",
     "snapshot_time",
     "state_counts",
+    "window_rows",
     "with_age",
 ]
 
@@ -281,8 +307,8 @@ def json_field_counts(df: DataFrame, name: str) -> DataFrame:
 class Analysis:
     """The answers of `analyze`, collected to the driver (a few rows per queue)."""
 
-    path: str
-    manifest: Manifest
+    path: str  # the snapshot; for a window, its topics
+    manifest: Manifest | None  # None: a window of retained logs (`window`)
     as_of: datetime
     poison_attempts: int
     queues: list[dict[str, Any]]
@@ -296,6 +322,9 @@ class Analysis:
     seconds: dict[str, float] = field(default_factory=dict)
     # state_counts' rows (rolled up from the bucket counts).
     states: list[dict[str, Any]] = field(default_factory=list)
+    # A window of retained logs: what it was, and per (topic, broker) its range and what was read of it.
+    window: LogWindow | None = None
+    brokers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -308,7 +337,7 @@ class Analysis:
     @property
     def left_out(self) -> list[dict[str, Any]]:
         """The queues the snapshot did not take (ephemeral ones), as its manifest lists them."""
-        return list(self.manifest.left_out)
+        return [] if self.manifest is None else list(self.manifest.left_out)
 
     @property
     def poison_total(self) -> int:
@@ -361,7 +390,8 @@ def analyze(spark: SparkSession, path: str, *, poison_attempts: int = DEFAULT_PO
     deferred = _rollup_rows(counts, "due_bucket", DUE_BUCKETS, keep_due=True)
     return Analysis(
         path=path, manifest=manifest, as_of=as_of, poison_attempts=poison_attempts,
-        queues=_with_empty_queues(queues, manifest), age_histogram=ages, size_histogram=sizes,
+        queues=_with_empty_queues(queues, [(q.topic, q.channel, q.kind) for q in manifest.queues]),
+        age_histogram=ages, size_histogram=sizes,
         attempts_histogram=attempts, poison=poison, deferred=deferred,
         json_field=json_field_name, json_counts=json_counts[0] if json_counts else [],
         seconds=seconds, states=_state_rows(counts, as_of),
@@ -472,14 +502,15 @@ def _collect(df: DataFrame) -> list[dict[str, Any]]:
     return rows
 
 
-def _with_empty_queues(rows: list[dict[str, Any]], manifest: Manifest) -> list[dict[str, Any]]:
-    """The summary rows plus a zero row for each queue the manifest lists empty."""
+def _with_empty_queues(rows: list[dict[str, Any]], queues: Sequence[tuple[str, str | None, str]],
+                       ) -> list[dict[str, Any]]:
+    """The summary rows plus a zero row for each of `queues` (topic, channel, kind) that has none."""
     seen = {(r["topic"], r["channel"]) for r in rows}
     out = list(rows)
-    for q in manifest.queues:
-        if (q.topic, q.channel) not in seen:
-            out.append({"topic": q.topic, "channel": q.channel,
-                        "kind": q.kind,
+    for topic, channel, kind in queues:
+        if (topic, channel) not in seen:
+            out.append({"topic": topic, "channel": channel,
+                        "kind": kind,
                         "messages": 0, "bytes": 0, "oldest": None, "newest": None,
                         "oldest_age_s": None, "size_max": None, "max_attempts": None,
                         **dict.fromkeys(STATES, 0), "scheduled": 0,
@@ -493,3 +524,292 @@ def _with_empty_queues(rows: list[dict[str, Any]], manifest: Manifest) -> list[d
 def _queue_order(topic: str, channel: str | None) -> tuple[str, bool, str]:
     """Report order in Python, as `_sorted`'s in Spark: by topic, its own queue before its channels."""
     return topic, channel is not None, channel or ""
+
+
+# -- a window of topics' retained logs -------------------------------------------------------------
+
+# The options that bound a window: resolve_window turns them into offsets, read_window reads those.
+_BOUND_OPTIONS = frozenset({"startingoffsets", "startingtimestamp", "endingoffsets", "endingtimestamp"})
+
+
+class WindowError(ValueError):
+    """A window of retained logs that cannot be resolved as asked: one line naming the option, broker and topic."""
+
+
+class WindowOptionError(WindowError):
+    """The window's options themselves are wrong (before any broker is asked)."""
+
+
+@dataclass(frozen=True)
+class BrokerRange:
+    """Offsets [start, end) of `topic`'s retained log on broker `nsqd` (its TCP address), in the log's life `epoch`."""
+
+    topic: str
+    nsqd: str
+    epoch: int
+    start: int
+    end: int
+
+    @property
+    def records(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class LogWindow:
+    """A window of topics' retained logs, resolved to offsets once, so every question reads the same records.
+
+    `ranges` has one entry per (topic, broker) that keeps the topic's log,
+    empty ranges too, so the offsets name every broker; `missing` lists
+    the (topic, broker) pairs whose broker has no such topic. `starting`
+    and `ending` say how each end was given (earliest, latest, timestamp,
+    offsets), `since` / `until` the times asked. `options` are the Spark
+    options of the read without its bounds (brokers, client settings; the
+    secret among them, hence not in the repr).
+    """
+
+    topics: tuple[str, ...]
+    ranges: tuple[BrokerRange, ...]
+    resolved_at: datetime
+    starting: str
+    ending: str
+    since: datetime | None = None
+    until: datetime | None = None
+    missing: tuple[tuple[str, str], ...] = ()
+    options: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def records(self) -> int:
+        """Records between the bounds when they were resolved (fewer are read if some expire meanwhile)."""
+        return sum(r.records for r in self.ranges)
+
+    @property
+    def as_of(self) -> datetime:
+        """The window's end in time, the 'now' of its ages: `until` (if past), else when it was resolved."""
+        return self.resolved_at if self.until is None else min(self.until, self.resolved_at)
+
+    def brokers(self) -> list[str]:
+        """The brokers of the ranges, in their order, each once."""
+        return list(dict.fromkeys(r.nsqd for r in self.ranges))
+
+    def offsets(self, end: bool) -> dict[str, dict[str, dict[str, int]]]:
+        """The start (or end) offsets as the offset mode's JSON has them: topic -> broker -> epoch, offset."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for r in self.ranges:
+            out.setdefault(r.topic, {})[r.nsqd] = {"epoch": r.epoch, "offset": r.end if end else r.start}
+        return out
+
+    def offsets_json(self, end: bool) -> str:
+        return json.dumps(self.offsets(end), separators=(",", ":"))
+
+
+def resolve_window(options: Mapping[str, str], now: datetime | None = None) -> LogWindow:
+    """The window the offset mode's batch options name (topic(s), nsqd or lookupd, the bounds), as offsets.
+
+    Each broker is asked its log's offsets (and where each time bound
+    falls in it) now, once: the window read later is these offsets, even
+    on a topic still being published to. The brokers are those the
+    `nsqd` or `lookupd` option names then; `read_window` reads them by
+    their TCP address. Raises WindowError (one line) for bad options, a
+    broker or lookupd that cannot be asked or refuses, a topic without
+    retention or on no broker, and offsets the logs do not hold.
+    """
+    from spark_bridge.log_brokers import BrokerError, LogBrokers
+    from spark_bridge.log_fetch import LogFetchError, RetentionOff, TopicMissing
+    from spark_bridge.log_options import log_options
+    from spark_bridge.stream_options import StreamOptionError
+
+    try:
+        parsed = log_options(options, batch=True)
+    except StreamOptionError as e:
+        raise WindowOptionError(str(e)) from None
+    resolved_at = now or datetime.now(UTC)
+    brokers = LogBrokers(parsed)
+    ranges: list[BrokerRange] = []
+    missing: list[tuple[str, str]] = []
+    for topic in parsed.topics:
+        try:
+            found, away = brokers.find(topic)
+        except BrokerError as e:
+            raise WindowError(str(e)) from None
+        for why in away.values():
+            raise WindowError(f"{why}; a window needs every broker of the topic (name the others with option "
+                              "nsqd to analyse without it)")
+        for bound, name in ((parsed.starting, "startingOffsets"), (parsed.ending, "endingOffsets")):
+            named = (bound.offsets or {}).get(topic, {}) if bound.kind == "offsets" else {}
+            unknown = sorted(set(named) - set(found))
+            if unknown:
+                raise WindowError(f"mqd: option {name} names nsqd {unknown[0]} for topic {topic!r}, which is not "
+                                  f"one of its brokers ({', '.join(sorted(found)) or 'none'})")
+        kept = 0
+        for nsqd, broker in found.items():
+            try:
+                start, end, epoch = _log_range(broker, topic, parsed.starting, parsed.ending)
+            except TopicMissing:
+                missing.append((topic, nsqd))
+                continue
+            except RetentionOff as e:
+                raise WindowError(f"{e}; or analyse a snapshot of the broker") from None
+            except LogFetchError as e:
+                raise WindowError(str(e)) from None
+            if end < start:
+                raise WindowError(f"mqd: the window of topic {topic!r} on nsqd {nsqd} ends before it starts "
+                                  f"(offsets {start} to {end})")
+            ranges.append(BrokerRange(topic, nsqd, epoch, start, end))
+            kept += 1
+        if not kept:
+            where = (f"nsqd {', '.join(parsed.nsqd)}" if parsed.nsqd
+                     else f"the brokers lookupd {', '.join(parsed.lookupd)} lists")
+            raise WindowError(f"mqd: topic {topic!r} does not exist on {where}")
+    read_options = {k: v for k, v in options.items()
+                    if k.lower() not in _BOUND_OPTIONS and k.lower() not in ("nsqd", "lookupd")}
+    read_options["nsqd"] = ",".join(dict.fromkeys(r.nsqd for r in ranges))
+
+    def moment(ms: int | None) -> datetime | None:
+        return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+    return LogWindow(
+        topics=parsed.topics, ranges=tuple(ranges), resolved_at=resolved_at,
+        starting=parsed.starting.kind, ending=parsed.ending.kind,
+        since=moment(parsed.starting.timestamp_ms), until=moment(parsed.ending.timestamp_ms),
+        missing=tuple(missing), options=read_options)
+
+
+def _log_range(broker: BrokerLog, topic: str, starting: Bound, ending: Bound) -> tuple[int, int, int]:
+    """(start, end, epoch) of the window on one broker's log of `topic` (its bounds: log_options.Bound)."""
+    from spark_bridge.log_fetch import log_offsets
+    from spark_bridge.log_options import EARLIEST, LATEST
+
+    # The times first, then the log's bounds: an offset found for a time is
+    # then never past the latest (the log only grows while it is asked).
+    at_time = {b.timestamp_ms: log_offsets(broker, topic, b.timestamp_ms)
+               for b in (starting, ending) if b.kind == "timestamp"}
+    offs = log_offsets(broker, topic)
+    where = f"topic {topic} on nsqd {broker.nsqd}"
+    if any(found.epoch != offs.epoch for found in at_time.values()):
+        raise WindowError(f"mqd: the log of {where} was recreated while the window was resolved: try again")
+
+    def offset(bound: Bound, name: str) -> int:
+        if bound.kind == "earliest":
+            return offs.earliest
+        if bound.kind == "latest":
+            return offs.latest
+        if bound.kind == "timestamp":
+            found = at_time[bound.timestamp_ms]
+            first = found.latest if found.offset_for_timestamp is None else found.offset_for_timestamp
+            return min(max(first, offs.earliest), offs.latest)
+        given = (bound.offsets or {}).get(topic, {}).get(broker.nsqd)
+        if given is None:
+            raise WindowError(f"mqd: option {name} gives no offset for nsqd {broker.nsqd} of topic {topic!r}: "
+                              "give every broker of the topic (-2 = earliest, -1 = latest)")
+        value, epoch = given
+        if epoch is not None and epoch != offs.epoch:
+            raise WindowError(f"mqd: option {name}: the log of {where} is epoch {offs.epoch} now, not {epoch}: "
+                              "the topic was deleted and created again since, and the records those offsets "
+                              "name are gone")
+        if value == EARLIEST:
+            return offs.earliest
+        if value == LATEST:
+            return offs.latest
+        if not offs.earliest <= value <= offs.latest:
+            raise WindowError(f"mqd: option {name}: offset {value} is out of range for {where}: "
+                              f"earliest {offs.earliest}, latest {offs.latest}")
+        return value
+
+    return offset(starting, "startingOffsets"), offset(ending, "endingOffsets"), offs.epoch
+
+
+def read_window(spark: SparkSession, window: LogWindow, partitions: int | None = None) -> DataFrame:
+    """The window's records, one row per record (the offset mode's rows: log_fetch.OFFSET_SCHEMA_DDL).
+
+    Read by the brokers' TCP addresses at the resolved offsets, with
+    `failOnDataLoss` false: records that expire before they are read are
+    left out (compare the rows with `window.records`), not a failure.
+    `partitions` (default: the session's parallelism) is `minPartitions`.
+    """
+    from spark_bridge.log_fetch import OFFSET_SCHEMA_DDL
+
+    register(spark)
+    n = partitions or spark.sparkContext.defaultParallelism
+    reader = spark.read.format(FORMAT_NAME).schema(OFFSET_SCHEMA_DDL)
+    for key, value in window.options.items():
+        reader = reader.option(key, value)
+    return (reader.option("startingOffsets", window.offsets_json(end=False))
+            .option("endingOffsets", window.offsets_json(end=True))
+            .option("minPartitions", n).option("failOnDataLoss", "false").load())
+
+
+def window_rows(df: DataFrame) -> DataFrame:
+    """Retained-log rows with the snapshot's columns the analysis uses (see the module), the log's kept too.
+
+    kind "topic" (a log is the topic's, no channel's), state and
+    deferred_until null (a record has neither), body_size, and the offset
+    as `sequence` (the order within a broker's log).
+    """
+    return (df.withColumn("kind", F.lit("topic"))
+            .withColumn("state", F.lit(None).cast("string"))
+            .withColumn("deferred_until", F.lit(None).cast("timestamp"))
+            .withColumn("body_size", F.octet_length("body"))
+            .withColumn("sequence", F.col("offset")))
+
+
+def broker_counts(df: DataFrame) -> DataFrame:
+    """Per topic and broker (`nsqd`): records, bytes, first and last offset, oldest and newest publication.
+
+    `df`: window_rows (body_size and offset).
+    """
+    return (df.groupBy("topic", "nsqd")
+            .agg(F.count(F.lit(1)).alias("messages"), F.sum("body_size").alias("bytes"),
+                 F.min("offset").alias("first_offset"), F.max("offset").alias("last_offset"),
+                 F.min("timestamp").alias("oldest"), F.max("timestamp").alias("newest"))
+            .transform(_sorted, "topic", "nsqd"))
+
+
+def analyze_window(spark: SparkSession, window: LogWindow, *, json_field_name: str | None = None,
+                   partitions: int | None = None, progress: Progress | None = None) -> Analysis:
+    """The questions a window of retained logs can answer, over one read of it (as `analyze` reads a snapshot).
+
+    Per topic: records, bytes, oldest and newest publication, ages (from
+    `window.as_of`) and sizes with their percentiles and histograms, the
+    JSON field's values; per broker: its range and the records read of
+    it. No states, attempts, poison or deferrals: records have none.
+    """
+    as_of = window.as_of
+    rows = window_rows(read_window(spark, window, partitions))
+    if json_field_name is not None:
+        rows = rows.withColumn("json_value", json_field(json_field_name))
+    base = rows.drop("body").persist(StorageLevel.MEMORY_AND_DISK)
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        (f"reading {window.records:,} records, per broker", lambda: broker_counts(base)),
+        ("messages, ages and sizes per topic", lambda: queue_summary(base, as_of)),
+        ("ages and sizes", lambda: bucket_counts(base, as_of)),
+    ]
+    if json_field_name is not None:
+        steps.append((f"JSON field {json_field_name!r}", lambda: json_field_counts(base, json_field_name)))
+    try:
+        results, seconds = _run_concurrently(spark, steps, progress)
+    finally:
+        base.unpersist()
+    brokers, queues, counts, *json_counts = results
+    return Analysis(
+        path=", ".join(window.topics), manifest=None, as_of=as_of, poison_attempts=DEFAULT_POISON_ATTEMPTS,
+        queues=_with_empty_queues(queues, [(t, None, "topic") for t in window.topics]),
+        age_histogram=_rollup_rows(counts, "age_bucket", AGE_BUCKETS, keep_due=False),
+        size_histogram=_rollup_rows(counts, "size_bucket", SIZE_BUCKETS, keep_due=False),
+        attempts_histogram=[], poison=[], deferred=[],
+        json_field=json_field_name, json_counts=json_counts[0] if json_counts else [],
+        seconds=seconds, window=window, brokers=_broker_rows(brokers, window),
+    )
+
+
+def _broker_rows(counted: list[dict[str, Any]], window: LogWindow) -> list[dict[str, Any]]:
+    """Each range of the window with what was read of it (zero rows for ranges nothing was read of)."""
+    read = {(r["topic"], r["nsqd"]): r for r in counted}
+    out = []
+    for r in window.ranges:
+        got = read.get((r.topic, r.nsqd), {})
+        out.append({"topic": r.topic, "nsqd": r.nsqd, "epoch": r.epoch, "start": r.start, "end": r.end,
+                    "records": r.records, "messages": got.get("messages", 0), "bytes": got.get("bytes") or 0,
+                    "first_offset": got.get("first_offset"), "last_offset": got.get("last_offset"),
+                    "oldest": got.get("oldest"), "newest": got.get("newest")})
+    return out

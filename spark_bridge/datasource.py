@@ -1,9 +1,17 @@
 """The `mqd` format: snapshots read in batch, topics read and written as streams.
 
 `spark.read.format("mqd").load(SNAPDIR)` reads a snapshot (below);
-`spark.readStream.format("mqd").option("topic", ...)` consumes a topic's
-channel (stream_source.py); `df.write` / `df.writeStream.format("mqd")`
+`spark.readStream.format("mqd").option("topic", ...).option("channel", ...)`
+consumes a topic's channel (stream_source.py); without a channel, the
+stream (and `spark.read` with a topic) reads the topic's retained log by
+offset (log_source.py); `df.write` / `df.writeStream.format("mqd")`
 publish rows (sink.py).
+
+Each mode's modules are imported where it is chosen, not here: Spark
+starts the driver's Python source process afresh for every streaming
+query, and the snapshot reader's (records.py: LMDB, and pandas through
+pyarrow) were most of what that process spent importing before its
+first offset.
 
 Registered per session with `register(spark)` (Spark has no entry point
 for Python data sources outside `pyspark_*` packages). Spark pickles the
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -47,16 +55,8 @@ from pyspark.sql.datasource import (
     IsNull,
 )
 
-from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError, read_manifest
-from spark_bridge.records import (
-    SPARK_SCHEMA_DDL,
-    KeyRange,
-    QueueFilter,
-    open_snapshot,
-    plan_partitions,
-    read_ranges,
-    snapshot_ranges,
-)
+if TYPE_CHECKING:
+    from spark_bridge.records import KeyRange, QueueFilter
 
 __all__ = ["FORMAT_NAME", "MqdDataSource", "register"]
 
@@ -79,9 +79,14 @@ class SnapshotReader(DataSourceReader):
         self.path = path
         self.partitions_wanted = partitions
         self.bodies = bodies
+        from spark_bridge.records import QueueFilter
+
         self.where = QueueFilter()
 
     def partitions(self) -> list[RangesPartition]:
+        from mqd.nsqd.snapshot_format import read_manifest
+        from spark_bridge.records import plan_partitions, snapshot_ranges
+
         manifest = read_manifest(self.path)
         plan = plan_partitions(snapshot_ranges(manifest, self.where), self.partitions_wanted)
         # An empty result still needs one (empty) task.
@@ -90,6 +95,8 @@ class SnapshotReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator:  # a RangesPartition
         if not partition.value:
             return
+        from spark_bridge.records import open_snapshot, read_ranges
+
         _, env = open_snapshot(self.path)
         try:
             yield from read_ranges(env, partition.value, bodies=self.bodies)
@@ -135,19 +142,34 @@ class MqdDataSource(DataSource):
     def name(cls) -> str:
         return FORMAT_NAME
 
+    def _by_offset(self) -> bool:
+        """A read of topics' retained logs by offset: a topic named, no channel, no snapshot path."""
+        named = self.options.get("topic") or self.options.get("topics")
+        return bool(named) and not self.options.get("channel") and not self.options.get("path")
+
     def schema(self) -> str:
-        # A streaming read names a topic; a snapshot read names a path.
+        # A snapshot read names a path; a channel's stream a topic and a channel; a log read a topic only.
+        if self._by_offset():
+            from spark_bridge.log_fetch import OFFSET_SCHEMA_DDL
+
+            return OFFSET_SCHEMA_DDL
         if self.options.get("topic") and not self.options.get("path"):
-            from spark_bridge.stream_source import STREAM_SCHEMA_DDL
+            from spark_bridge.stream_schema import STREAM_SCHEMA_DDL
 
             return STREAM_SCHEMA_DDL
+        from spark_bridge.records import SPARK_SCHEMA_DDL
+
         return SPARK_SCHEMA_DDL
 
     def streamReader(self, schema):
-        """`spark.readStream.format("mqd")`: a topic's channel as a stream (stream_source.py)."""
-        from spark_bridge.stream_source import TopicStreamReader
+        """`spark.readStream.format("mqd")`: a topic's channel consumed (stream_source.py), or its log by offset (log_source.py)."""
+        if self.options.get("channel"):
+            from spark_bridge.stream_source import TopicStreamReader
 
-        return TopicStreamReader(self.options)
+            return TopicStreamReader(self.options)
+        from spark_bridge.log_source import LogStreamReader
+
+        return LogStreamReader(self.options)
 
     def writer(self, schema, overwrite: bool):
         """`df.write.format("mqd")`: each row's body published to a topic (sink.py)."""
@@ -161,7 +183,14 @@ class MqdDataSource(DataSource):
 
         return TopicStreamWriter(self.options, schema)
 
-    def reader(self, schema) -> SnapshotReader:
+    def reader(self, schema) -> DataSourceReader:
+        """`spark.read.format("mqd")`: a snapshot (`load(SNAPDIR)`), or a topic's log between two bounds."""
+        if self._by_offset():
+            from spark_bridge.log_source import LogBatchReader
+
+            return LogBatchReader(self.options)
+        from mqd.nsqd.snapshot_format import MANIFEST, SnapshotError
+
         path = self.options.get("path")
         if not path:
             raise SnapshotError('mqd: no snapshot given: spark.read.format("mqd").load(SNAPDIR)')

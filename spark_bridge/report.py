@@ -14,7 +14,7 @@ import io
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from spark_bridge.analysis import (
@@ -24,9 +24,10 @@ from spark_bridge.analysis import (
     SIZE_BUCKETS,
     STATES,
     Analysis,
+    LogWindow,
 )
 
-__all__ = ["format_age", "format_bytes", "load_charting", "render_html", "render_text", "write_html"]
+__all__ = ["format_age", "format_bytes", "load_charting", "render_html", "render_text", "window_span", "write_html"]
 
 
 def format_age(seconds: float | None) -> str:
@@ -80,6 +81,8 @@ def _states_line(analysis: Analysis) -> str:
 def _source_line(analysis: Analysis) -> str:
     """Where the rows come from, and so what they can hold."""
     m = analysis.manifest
+    if m is None:
+        return _NOT_IN_LOG
     if m.source == "broker":
         how = ", ".join(x for x in (m.backend, "durable" if m.durable else None) if x)
         return f"taken by the broker{f' ({how})' if how else ''}: everything it held"
@@ -114,6 +117,8 @@ _NO_JSON_VALUE = "(not JSON / no field)"
 
 
 def _summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[bool]]:
+    if analysis.window is not None:
+        return _window_summary_rows(analysis)
     headers = ["queue", "kind", "backlog", *[_STATE_LABELS[s] for s in STATES], "in flight %",
                "bytes", "oldest", "oldest age", "oldest in flight",
                *[f"age {t}" for t in _TAGS], *[f"size {t}" for t in _TAGS], "max attempts",
@@ -134,6 +139,89 @@ def _summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[
     return headers, rows, right
 
 
+def _window_summary_rows(analysis: Analysis) -> tuple[list[str], list[list[Any]], list[bool]]:
+    """The summary of a window of retained logs: per topic, the columns its records have."""
+    headers = ["topic", "messages", "bytes", "oldest", "newest", "oldest age",
+               *[f"age {t}" for t in _TAGS], *[f"size {t}" for t in _TAGS], "size max"]
+    rows = [[q["topic"], f"{q['messages']:,}", format_bytes(q["bytes"]), _time(q["oldest"]),
+             _time(q["newest"]), format_age(q["oldest_age_s"]),
+             *[format_age(q[f"age_{t}_s"]) for t in _TAGS],
+             *[format_bytes(q[f"size_{t}"]) for t in _TAGS], format_bytes(q["size_max"])]
+            for q in analysis.queues]
+    return headers, rows, [False] + [True] * (len(headers) - 1)
+
+
+# What a window of retained logs cannot tell, said wherever it is analysed.
+_NOT_IN_LOG = ("records as published: no queue states (queued, in flight, deferred), attempts, due times or "
+               "poison messages, which only a snapshot has (python -m spark_bridge snapshot)")
+
+
+def _moment(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _topics(names: Sequence[str]) -> str:
+    return f"topic {names[0]}" if len(names) == 1 else f"topics {', '.join(names)}"
+
+
+def window_span(window: LogWindow) -> str:
+    """`published from <time> until <time>`, or how else the window's ends were given."""
+    if window.since is not None:
+        start = f"published from {_moment(window.since)}"
+    elif window.starting == "earliest":
+        start = "from the earliest record kept"
+    elif window.starting == "latest":
+        start = "from the latest offset"
+    else:
+        start = "from the offsets given"
+    if window.until is not None:
+        end = f"until {_moment(window.until)}"
+    elif window.ending == "latest":
+        end = f"to the latest record at {_moment(window.resolved_at)}"
+    else:
+        end = "to the offsets given"
+    return f"{start} {end}"
+
+
+def _count(n: int, what: str) -> str:
+    """`1 record`, `2,500 records`."""
+    return f"{n:,} {what}" if n == 1 else f"{n:,} {what}s"
+
+
+def _range_text(b: dict[str, Any]) -> str:
+    """`offsets 100-349 (250 records, epoch E)`, and what could not be read of them."""
+    if b["records"] == 0:
+        text = f"no records (offset {b['start']}, epoch {b['epoch']})"
+    else:
+        text = f"offsets {b['start']}-{b['end'] - 1} ({_count(b['records'], 'record')}, epoch {b['epoch']})"
+    lost = b["records"] - b["messages"]
+    if lost > 0:
+        text += f"; {lost:,} of them expired or were gone before they were read"
+    return text
+
+
+def _window_lines(analysis: Analysis) -> list[str]:
+    """The header of a window's report: its span, its ranges per broker, and how to read it again."""
+    w = analysis.window
+    assert w is not None
+    lost = sum(b["records"] - b["messages"] for b in analysis.brokers)
+    count = f"{_count(analysis.total, 'message')} in {_topics(w.topics)}"
+    if lost > 0:
+        count += (f" ({lost:,} of the window's {_count(w.records, 'record')} expired or were gone before they "
+                  "were read)")
+    lines = [
+        f"retained log of {_topics(w.topics)}, {window_span(w)}",
+        f"  ages are measured from {_moment(analysis.as_of)} (the window's end)",
+        f"  {_NOT_IN_LOG}",
+        f"  {count}",
+    ]
+    lines += [f"  nsqd {b['nsqd']} {b['topic']}: {_range_text(b)}" for b in analysis.brokers]
+    lines += [f"  nsqd {nsqd} has no topic {topic}" for topic, nsqd in w.missing]
+    lines.append(f"  these records again: --start-offsets '{w.offsets_json(end=False)}' "
+                 f"--end-offsets '{w.offsets_json(end=True)}'")
+    return lines
+
+
 def _by_queue(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -142,8 +230,17 @@ def _by_queue(rows: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]
 
 
 def render_text(analysis: Analysis) -> str:
-    """The terminal report: summary table, attempts, poison messages, deferred, JSON field."""
+    """The terminal report: summary table, attempts, poison messages, deferred, JSON field.
+
+    For a window of retained logs: its span and ranges, the summary per
+    topic, the JSON field (records have no attempts or due times).
+    """
     m = analysis.manifest
+    if m is None:
+        out = [*_window_lines(analysis), ""]
+        out += _table(*_summary_rows(analysis))
+        out += _json_lines(analysis)
+        return "\n".join(out) + "\n"
     out = [
         f"snapshot {analysis.path}",
         f"  broker {m.broker_id}, taken {m.created_at} (ages are measured from then)",
@@ -176,15 +273,21 @@ def render_text(analysis: Analysis) -> str:
                        for d in analysis.deferred], [False, False, True, False])
     else:
         out.append("  none")
-    if analysis.json_field is not None:
-        out += ["", f"JSON field {analysis.json_field!r} (top 10 values per queue)"]
-        rows = []
-        for name, values in _by_queue(analysis.json_counts).items():
-            for v in values[:10]:
-                value = _NO_JSON_VALUE if v["json_value"] is None else v["json_value"]
-                rows.append([name, value, f"{v['messages']:,}", format_bytes(v["bytes"])])
-        out += _table(["queue", "value", "messages", "bytes"], rows, [False, False, True, True])
+    out += _json_lines(analysis)
     return "\n".join(out) + "\n"
+
+
+def _json_lines(analysis: Analysis) -> list[str]:
+    """The terminal's JSON field table (nothing without --json-field)."""
+    if analysis.json_field is None:
+        return []
+    out = ["", f"JSON field {analysis.json_field!r} (top 10 values per queue)"]
+    rows = []
+    for name, values in _by_queue(analysis.json_counts).items():
+        for v in values[:10]:
+            value = _NO_JSON_VALUE if v["json_value"] is None else v["json_value"]
+            rows.append([name, value, f"{v['messages']:,}", format_bytes(v["bytes"])])
+    return out + _table(["queue", "value", "messages", "bytes"], rows, [False, False, True, True])
 
 
 # -- HTML ---------------------------------------------------------------------------
@@ -257,15 +360,16 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
     if not queues:
         return charts
     try:
-        # One segment per state: a stuck consumer is a long orange one.
-        fig, ax = _per_queue(len(queues))
-        left = [0] * len(queues)
-        for s in STATES:
-            values = [q[s] for q in analysis.queues]
-            ax.barh(queues, values, left=left, label=_STATE_LABELS[s], color=_STATE_COLORS[s])
-            left = [a + b for a, b in zip(left, values, strict=True)]
-        _legend_outside(ax)
-        charts.append(_queue_chart(fig, ax, "Backlog per queue by state", "messages"))
+        if analysis.window is None:  # a window's records have no state
+            # One segment per state: a stuck consumer is a long orange one.
+            fig, ax = _per_queue(len(queues))
+            left = [0] * len(queues)
+            for s in STATES:
+                values = [q[s] for q in analysis.queues]
+                ax.barh(queues, values, left=left, label=_STATE_LABELS[s], color=_STATE_COLORS[s])
+                left = [a + b for a, b in zip(left, values, strict=True)]
+            _legend_outside(ax)
+            charts.append(_queue_chart(fig, ax, "Backlog per queue by state", "messages"))
 
         aged = [(q, r["oldest_age_s"], r["oldest_in_flight_age_s"])
                 for q, r in zip(queues, analysis.queues, strict=True)
@@ -276,7 +380,7 @@ def _charts(analysis: Analysis) -> list[tuple[str, str]]:
             fig, ax = _per_queue(len(aged))
             ys = range(len(aged))
             ax.barh([y - 0.2 for y in ys], [max(a, 1e-3) for _, a, _ in aged], height=0.4,
-                    color="tab:red", label="any state")
+                    color="tab:red", label="any state" if analysis.window is None else "oldest record")
             flying = [(y, f) for y, (_, _, f) in zip(ys, aged, strict=True) if f is not None]
             if flying:
                 ax.barh([y + 0.2 for y, _ in flying], [max(f, 1e-3) for _, f in flying], height=0.4,
@@ -337,9 +441,54 @@ figure { margin: 1.5em 0; }
 """
 
 
+def _charts_html(analysis: Analysis) -> list[str]:
+    return [f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'
+            f"<figcaption>{html.escape(title)}</figcaption></figure>" for title, png in _charts(analysis)]
+
+
+def _json_html(analysis: Analysis) -> list[str]:
+    if analysis.json_field is None:
+        return []
+    return [f"<h2>JSON field {html.escape(repr(analysis.json_field))}</h2>",
+            _html_table(["queue", "value", "messages", "bytes", "oldest"],
+                        [[_queue_name(v), _NO_JSON_VALUE if v["json_value"] is None else v["json_value"],
+                          v["messages"], v["bytes"], _time(v["oldest"])] for v in analysis.json_counts])]
+
+
+def _window_html(analysis: Analysis) -> str:
+    """The report of a window of retained logs: span, per topic, per broker, charts, JSON field."""
+    w = analysis.window
+    assert w is not None
+    title = f"mqd retained log of {_topics(w.topics)}"
+    header = _window_lines(analysis)
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(title)}</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(title)}</h1>",
+        *[f"<p>{html.escape(line.strip())}</p>" for line in header[:4]],
+        "<h2>Topics</h2>",
+        _html_table(*_summary_rows(analysis)[:2]),
+        "<h2>Brokers</h2>",
+        _html_table(["topic", "nsqd", "epoch", "offsets", "records", "read", "bytes", "oldest", "newest"],
+                    [[b["topic"], b["nsqd"], b["epoch"],
+                      f"{b['start']}-{b['end'] - 1}" if b["records"] else f"{b['start']} (none)",
+                      f"{b['records']:,}", f"{b['messages']:,}", format_bytes(b["bytes"]), _time(b["oldest"]),
+                      _time(b["newest"])] for b in analysis.brokers]),
+        *[f"<p>{html.escape(line.strip())}</p>" for line in header[4 + len(analysis.brokers):]],
+        *_charts_html(analysis),
+        *_json_html(analysis),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
 def render_html(analysis: Analysis) -> str:
     """The report as one HTML page: the terminal's tables plus the charts, embedded."""
     m = analysis.manifest
+    if m is None:
+        return _window_html(analysis)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -361,9 +510,7 @@ def render_html(analysis: Analysis) -> str:
                       format_age(r["oldest_age_s"])]
                      for r in analysis.states]) if analysis.states else "<p>no messages</p>",
     ]
-    for title, png in _charts(analysis):
-        parts.append(f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'
-                     f"<figcaption>{html.escape(title)}</figcaption></figure>")
+    parts += _charts_html(analysis)
     parts.append(f"<h2>Poison messages (attempts &gt; {analysis.poison_attempts}): "
                  f"{analysis.poison_total:,}</h2>")
     if analysis.poison:
@@ -377,12 +524,7 @@ def render_html(analysis: Analysis) -> str:
     parts.append(_html_table(["queue", "due", "messages", "next due"],
                              [[_queue_name(d), d["bucket"], d["messages"], _time(d["next_due"])]
                               for d in analysis.deferred]) if analysis.deferred else "<p>none</p>")
-    if analysis.json_field is not None:
-        parts.append(f"<h2>JSON field {html.escape(repr(analysis.json_field))}</h2>")
-        parts.append(_html_table(
-            ["queue", "value", "messages", "bytes", "oldest"],
-            [[_queue_name(v), _NO_JSON_VALUE if v["json_value"] is None else v["json_value"],
-              v["messages"], v["bytes"], _time(v["oldest"])] for v in analysis.json_counts]))
+    parts += _json_html(analysis)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

@@ -76,6 +76,7 @@ from spark_bridge.stream_options import (
     option_int,
     topic_name,
 )
+from spark_bridge.stream_schema import ARROW_STREAM_SCHEMA, STREAM_SCHEMA_DDL
 from spark_bridge.stream_wal import RECORD_DTYPE, WalDirectory, foreign_checkpoint, lost_offsets
 
 if TYPE_CHECKING:
@@ -84,17 +85,6 @@ if TYPE_CHECKING:
 __all__ = ["ARROW_STREAM_SCHEMA", "STREAM_SCHEMA_DDL", "ChannelFeed", "StreamSourceError",
            "TopicStreamReader", "rows_of"]
 
-STREAM_SCHEMA_DDL = ("topic string, channel string, message_id string, timestamp timestamp, "
-                     "attempts int, body binary, nsqd string")
-ARROW_STREAM_SCHEMA = pa.schema([
-    pa.field("topic", pa.string()),
-    pa.field("channel", pa.string()),
-    pa.field("message_id", pa.string()),
-    pa.field("timestamp", pa.timestamp("us", tz="UTC")),
-    pa.field("attempts", pa.int32()),
-    pa.field("body", pa.binary()),
-    pa.field("nsqd", pa.string()),
-])
 DEFAULT_MAX_PER_TRIGGER = 10_000
 DEFAULT_MAX_BYTES_PER_TRIGGER = 128 * 1024 * 1024
 NSQD_MAX_RDY_COUNT = 2_500  # nsqd's --max-rdy-count default

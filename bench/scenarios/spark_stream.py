@@ -32,6 +32,15 @@ broker for every run:
    (bench/harness/load.py) on the output topic records arrival - publish time for
    every message: p50/p99.
 
+3. The offset mode (bench/scenarios/spark_offsets.py): the same source
+   without a channel reads a topic's retained log by offset, on an mqd
+   with ``--retention-bytes``: ``--messages`` records read by the stream
+   (Trigger.AvailableNow into a foreachBatch count; wall = N / (query
+   start -> query ended), the SparkSession built before), by a batch read
+   (``spark.read`` with the topic) and from a snapshot of the same records;
+   and the latency above with the offset source (``mqd offsets``).
+   ``--mode channel`` or ``--mode offset`` runs one mode only.
+
 ``--profile-source`` instead runs the source's driver side
 (TopicStreamReader) without Spark on a pre-filled mqd broker under
 cProfile, and under py-spy (all threads) when it is installed.
@@ -66,9 +75,18 @@ from bench.harness.broker import NSQD_BIN_ENV, REPO, Broker, BrokerError, find_n
 from bench.harness.load import ReaderConfig, WriterConfig, fill, reader_main, writer_main
 from bench.harness.pyspy import pyspy_path, thread_table
 from bench.harness.report import fmt, load_average, machine, median, percentile, save_json, today
+from bench.scenarios.spark_offsets import (
+    OffsetRun,
+    offset_markdown,
+    offset_reads,
+    offset_warmup,
+    retaining_broker,
+)
 
 MEM_QUEUE_SIZE = 10_000_000
 TOPIC, CHANNEL = "stream", "spark"
+# The latency runs' name for the offset mode on a retaining mqd (the others are brokers consumed by channel).
+OFFSETS = "mqd offsets"
 OUT_TOPIC, OUT_CHANNEL = "stream-out", "check"
 now = time.perf_counter
 
@@ -122,7 +140,7 @@ def read_bodies(address: tuple[str, int], topic: str, channel: str, count: int) 
 
 @contextlib.contextmanager
 def running(kind: str, args: argparse.Namespace) -> Iterator[Broker]:
-    broker = broker_for(kind, args)
+    broker = retaining_broker(args) if kind == OFFSETS else broker_for(kind, args)
     try:
         broker.start()
         if broker.http_address is None:
@@ -243,15 +261,21 @@ def throughput_run(spark, kind: str, args: argparse.Namespace, max_per_trigger: 
 
 
 def latency_run(spark, kind: str, args: argparse.Namespace) -> LatencyRun:
+    """Publish -> sink latency through a query: a channel consumed (a broker's name), or OFFSETS (its log read)."""
     ctx = mp.get_context("spawn")
     with running(kind, args) as broker:
-        wire.http_create(broker.http_address, TOPIC, CHANNEL)
+        wire.http_create(broker.http_address, TOPIC, *([] if kind == OFFSETS else [CHANNEL]))
         wire.http_create(broker.http_address, OUT_TOPIC, OUT_CHANNEL)
         address = f"{broker.address[0]}:{broker.address[1]}"
         checkpoint = tempfile.mkdtemp(prefix="spark-stream-lat-")
         per_trigger = max(10_000, 4 * int(args.rate))
         reader = spark.readStream.format("mqd")
-        for key, value in source_options(broker, args, per_trigger, checkpoint).items():
+        if kind == OFFSETS:
+            # The log from what is published once the query runs; Spark keeps the offsets.
+            options = {"topic": TOPIC, "nsqd": address, "startingOffsets": "latest"}
+        else:
+            options = source_options(broker, args, per_trigger, checkpoint)
+        for key, value in options.items():
             reader = reader.option(key, value)
         expected = int(args.rate * args.seconds)
         queue = ctx.Queue()
@@ -433,7 +457,7 @@ def nsqd_version(path: str) -> str:
 
 
 def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
-             lat: list[LatencyRun]) -> str:
+             lat: list[LatencyRun], offsets: list[OffsetRun] | None = None) -> str:
     rdy = (f"`--max-rdy-count={args.max_rdy}` on both brokers, source `connectionsPerBroker` = "
            f"ceil(2 x maxMessagesPerTrigger / {args.max_rdy})" if args.max_rdy
            else "brokers' default `--max-rdy-count` (2,500), the source's default connections")
@@ -442,15 +466,17 @@ def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
         f"Python {header['python']}, PySpark {header['pyspark']}, {header['nsqd']}, "
         f"spark_bridge from {header['spark_bridge']}",
         "",
-        f"- brokers: mqd `--backend=memory --mem-queue-size={MEM_QUEUE_SIZE}`, nsqd "
-        f"`--mem-queue-size={MEM_QUEUE_SIZE}`; {rdy}",
         f"- `local[2]` (build_session), SparkSession start {header['session_s']:.1f} s "
-        "(not in the rates); a fresh broker per run, brokers alternating; median of "
+        "(not in the rates); median of "
         f"{args.runs}; load average (1 min) at each run given as min-max of the runs",
     ]
+    if header["brokers"]:
+        lines.insert(2, f"- channel mode: mqd `--backend=memory --mem-queue-size={MEM_QUEUE_SIZE}`, nsqd "
+                        f"`--mem-queue-size={MEM_QUEUE_SIZE}`; {rdy}; a fresh broker per run, brokers "
+                        "alternating")
     if tput:
         lines += [
-            f"- throughput: {args.messages:,} x {args.size} B pre-published by MPUB, query "
+            f"- channel mode throughput: {args.messages:,} x {args.size} B pre-published by MPUB, query "
             "source -> foreachBatch(groupBy().count().write.format(\"mqd\")) (the per-batch "
             "counts read back add up to N); wall = N / (query start -> channel depth 0 and "
             "in flight 0); steady = rows / triggerExecution of the non-empty batches after the first",
@@ -476,17 +502,21 @@ def markdown(args: argparse.Namespace, header: dict, tput: list[ThroughputRun],
                 f"| {fmt(median([r.first_batch_s for r in runs]), '.1f')} "
                 f"| {' / '.join(fmt(ph[k], '.0f') for k in ph)} "
                 f"| {min(loads):.1f}-{max(loads):.1f} |")
+    lines += offset_markdown(args, offsets or [])
     if lat:
         lines += [
             "",
             f"- latency: {args.rate:,.0f} msgs/s for {args.seconds:g} s (paced MPUB of 10, publish "
             "time in each body) -> query select(body) -> writeStream.format(\"mqd\"), "
-            "trigger 1 s -> raw consumer on the output topic (arrival - publish time, every message)",
+            "trigger 1 s -> raw consumer on the output topic (arrival - publish time, every message); "
+            f"`{OFFSETS}`: the source reads the topic's retained log by offset (no channel, "
+            f"startingOffsets latest) on mqd `--backend={args.offset_backend} "
+            f"--retention-bytes={args.retention_bytes}`",
             "",
-            "| broker | published | received | p50 ms | p99 ms | max ms | load |",
+            "| source | published | received | p50 ms | p99 ms | max ms | load |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for kind in header["brokers"]:
+        for kind in header["latency"]:
             runs = [r for r in lat if r.broker == kind]
             if not runs:
                 continue
@@ -530,6 +560,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=5000.0, help="latency: msgs/s published")
     p.add_argument("--seconds", type=float, default=20.0, help="latency: seconds published")
     p.add_argument("--skip", choices=("throughput", "latency"), action="append", default=[])
+    p.add_argument("--mode", choices=("channel", "offset"), action="append",
+                   help="channel: the source consumes a channel (mqd, nsqd); offset: it reads the topic's "
+                   "retained log by offset (mqd), beside a batch read and a snapshot's (default: both)")
+    p.add_argument("--offset-backend", default="lmdb", help="offset mode: the retaining mqd's --backend")
+    p.add_argument("--retention-bytes", default="10GB", help="offset mode: the mqd's --retention-bytes")
+    p.add_argument("--offset-warmup", type=int, default=3,
+                   help="offset mode: untimed rounds of its three reads before the first timed one")
+    p.add_argument("--max-offsets-per-trigger", type=int, default=0,
+                   help="offset mode: the stream's maxOffsetsPerTrigger (0: none, one micro-batch)")
     p.add_argument("--timeout", type=float, default=600.0, help="per throughput run")
     p.add_argument("--profile-source", action="store_true",
                    help="profile TopicStreamReader without Spark instead (mqd only)")
@@ -538,6 +577,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tree", help="import spark_bridge from this directory instead (e.g. a patched "
                    "copy), here and in Spark's Python workers (through PYTHONPATH)")
     args = p.parse_args(argv)
+    args.mode = args.mode or ["channel", "offset"]
     value = args.nsqd_bin or os.environ.get(NSQD_BIN_ENV) or shutil.which("nsqd") or "none"
     try:
         args.nsqd_bin = find_nsqd(value)
@@ -574,7 +614,8 @@ def main(argv: list[str]) -> int:
 
     from spark_bridge.session import build_session
 
-    brokers = ["mqd"] + (["nsqd"] if args.nsqd_bin else [])
+    channel = "channel" in args.mode
+    brokers = ["mqd"] + (["nsqd"] if args.nsqd_bin else []) if channel else []
     t = now()
     spark = build_session("local[2]", conf={"spark.ui.enabled": "false"})
     session_s = now() - t
@@ -583,6 +624,7 @@ def main(argv: list[str]) -> int:
         "python": platform.python_version(), "pyspark": pyspark.__version__,
         "nsqd": nsqd_version(args.nsqd_bin) if args.nsqd_bin else "no nsqd",
         "session_s": session_s, "brokers": brokers,
+        "latency": brokers + ([OFFSETS] if "offset" in args.mode else []),
         "spark_bridge": os.path.dirname(os.path.dirname(sys.modules["spark_bridge"].__file__)),
     }
     print(f"SparkSession local[2] in {session_s:.1f} s; load {load_average():.2f}", flush=True)
@@ -594,12 +636,16 @@ def main(argv: list[str]) -> int:
             raise SystemExit("--tree: Spark's workers do not import spark_bridge from it")
     tput: list[ThroughputRun] = []
     lat: list[LatencyRun] = []
+    offsets: list[OffsetRun] = []
     failures: list[str] = []
     try:
-        # Untimed: the first query of a session starts Spark's Python workers.
-        r = throughput_run(spark, "mqd", args, args.max_per_trigger[0], 20_000)
-        print(f"warm-up: 20,000 in {r.seconds:.1f} s", flush=True)
-        if "throughput" not in args.skip:
+        if channel:
+            # Untimed: the first query of a session starts Spark's Python workers.
+            r = throughput_run(spark, "mqd", args, args.max_per_trigger[0], 20_000)
+            print(f"warm-up: 20,000 in {r.seconds:.1f} s", flush=True)
+        if "throughput" not in args.skip and "offset" in args.mode:
+            offsets = offset_reads(spark, args, failures)
+        if "throughput" not in args.skip and channel:
             for mpt in args.max_per_trigger:
                 def run(kind, mpt=mpt):
                     return throughput_run(spark, kind, args, mpt, args.messages)
@@ -612,7 +658,10 @@ def main(argv: list[str]) -> int:
                           f"phases {json.dumps({k: round(v) for k, v in r.durations_ms.items()})}"
                           f", load {r.load:.2f}", flush=True)
         if "latency" not in args.skip:
-            for rep, kind, r in _alternating(args.runs, brokers, "latency",
+            if "offset" in args.mode and not offsets:
+                # Untimed: the offset source's first read in this session (its modules, the JIT).
+                print(f"offset warm-up: 20,000 in {offset_warmup(spark, args):.1f} s", flush=True)
+            for rep, kind, r in _alternating(args.runs, header["latency"], "latency",
                                              lambda kind: latency_run(spark, kind, args), failures):
                 lat.append(r)
                 print(f"{kind:<4} latency run {rep + 1}: {r.received:,}/{r.published:,} "
@@ -623,9 +672,10 @@ def main(argv: list[str]) -> int:
     finally:
         spark.stop()
     print()
-    print(markdown(args, header, tput, lat))
+    print(markdown(args, header, tput, lat, offsets))
     if failures:
         print("\nfailed runs (left out of the medians):\n  " + "\n  ".join(failures))
     if args.json:
-        save_json(args.json, args, throughput=tput, latency=lat, header=header, failures=failures)
+        save_json(args.json, args, throughput=tput, latency=lat, offsets=offsets, header=header,
+                  failures=failures)
     return 1 if failures else 0

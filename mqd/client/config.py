@@ -24,7 +24,7 @@ from mqd.client.errors import ClientConfigError
 from mqd.options import parse_duration as _parse_go_duration
 from mqd.wire.json_encoding import encode_json
 
-__all__ = ["Config", "OPTIONS", "parse_duration", "format_duration"]
+__all__ = ["Config", "OPTIONS", "parse_duration", "format_duration", "split_config_opt"]
 
 _MS = 0.001
 _S = 1.0
@@ -445,3 +445,15 @@ def _check(name: str, value: Any) -> Any:
     if high is not None and value > high:
         raise ClientConfigError(f"{name}: {_show(name, value)} is above the maximum {_show(name, high)}")
     return value
+
+
+def split_config_opt(opt: str) -> tuple[str, str]:
+    """`name,value` (go-nsq's ConfigFlag), `name=value`, or a bare `name` meaning true.
+
+    Option names never contain "," or "=", so the first of either ends the
+    name and the value keeps the rest (an auth secret may contain both).
+    """
+    cut = min((i for i in (opt.find(","), opt.find("=")) if i >= 0), default=-1)
+    if cut < 0:
+        return opt.strip(), "true"
+    return opt[:cut].strip(), opt[cut + 1 :]

@@ -424,6 +424,11 @@ class Broker:
         """The HTTP port clients are told (IDENTIFY): `--broadcast-http-port`, else the bound one; 0 without HTTP."""
         return self.options.broadcast_http_port or self.ports.get("HTTP", 0)
 
+    @property
+    def https_port(self) -> int:
+        """The HTTPS port clients are told (IDENTIFY): the bound one of `--https-address`; 0 without that listener."""
+        return self.ports.get("HTTPS", 0)
+
     # -- clients -----------------------------------------------------------------
 
     def next_client_id(self) -> int:

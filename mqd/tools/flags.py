@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 from mqd import __version__
+from mqd.client.config import split_config_opt
 from mqd.clusterinfo.bearer import SECRET_ENV, check_secret, env_secret, refusal_hint
 from mqd.options import parse_duration
 from mqd.wire.errors import go_quote
@@ -304,18 +305,6 @@ def refused_line(error: Any) -> str:
 
 
 # -- client options ------------------------------------------------------------
-
-
-def split_config_opt(opt: str) -> tuple[str, str]:
-    """`name,value` (go-nsq's ConfigFlag), `name=value`, or a bare `name` meaning true.
-
-    Option names never contain "," or "=", so the first of either ends the
-    name and the value keeps the rest (an auth secret may contain both).
-    """
-    cut = min((i for i in (opt.find(","), opt.find("=")) if i >= 0), default=-1)
-    if cut < 0:
-        return opt.strip(), "true"
-    return opt[:cut].strip(), opt[cut + 1 :]
 
 
 def _config_opt(opt: str) -> str:

@@ -48,7 +48,7 @@ from mqd.clusterinfo.bearer import BearerHTTP, HTTPRefusedError
 from mqd.endpoints import join_host_port
 from mqd.http_body import read_bounded
 from mqd.logs import get_logger
-from mqd.options import parse_duration
+from mqd.moments import Since, parse_since
 from mqd.tools.flags import ToolError, bad_flag_value, refused_line
 from mqd.wire.log_frames import FrameError, iter_frames
 
@@ -105,20 +105,6 @@ class Start:
         return self.keyword or f"offset {self.offset}"
 
 
-@dataclass(frozen=True, slots=True)
-class Since:
-    """`--since`: a time back from now (`ago`, seconds) or a moment (`at_ms`, ms since the Unix epoch)."""
-
-    ago: float | None = None
-    at_ms: int | None = None
-
-    def ms(self, now: float) -> int:
-        """The moment in ms since the Unix epoch, `now` (seconds) being the tool's start."""
-        if self.at_ms is not None:
-            return self.at_ms
-        return int((now - (self.ago or 0.0)) * 1000)
-
-
 def offset_arg(text: str) -> Start:
     """`--offset`'s value: `earliest`, `latest` or an offset (an integer >= 0); a bad one is a bad flag (exit 2)."""
     value = text.strip()
@@ -130,24 +116,11 @@ def offset_arg(text: str) -> Start:
 
 
 def since_arg(text: str) -> Since:
-    """`--since`'s value: a Go duration back from now (`2h`, `90m`) or an RFC 3339 time with its zone."""
-    value = text.strip()
+    """`--since`'s value (mqd.moments); a bad one is a bad flag (exit 2)."""
     try:
-        ago = parse_duration(value)
-    except ValueError:
-        pass
-    else:
-        if ago < 0:
-            raise bad_flag_value(text, "a duration back from now cannot be negative")
-        return Since(ago=ago)
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        moment = None
-    if moment is None or "T" not in value.upper() or moment.tzinfo is None:
-        raise bad_flag_value(text, "want a duration back from now (2h) or an RFC 3339 time "
-                                   "(2006-01-02T15:04:05Z or with a +07:00 offset)")
-    return Since(at_ms=int(moment.timestamp() * 1000))
+        return parse_since(text)
+    except ValueError as e:
+        raise bad_flag_value(text, str(e)) from None
 
 
 def start_of(offset: Start | None, since: Since | None, now: float | None = None) -> Start:

@@ -39,6 +39,7 @@ import http.client
 import json
 import os
 import re
+import time
 from collections import Counter
 from http import HTTPStatus
 from typing import Any
@@ -109,6 +110,20 @@ class State:
         return ((self.queues, self.snapshots, self.topics, self.channels) ==
                 (before.queues, before.snapshots, before.topics, before.channels)
                 and self.tombstoned <= before.tombstoned)
+
+    @classmethod
+    def settled(cls, lookupd: LookupdProcess, broker: BrokerProcess, control: Control,
+                timeout: float = 5.0) -> State:
+        """The state once it stopped changing: a broker's changes reach the lookupd a moment later."""
+        state = cls(lookupd, broker, control)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            again = cls(lookupd, broker, control)
+            if again.same(state) and state.same(again):
+                return again
+            state = again
+        return state
 
     def queue(self, topic: str, channel: str = "") -> tuple[bool, int] | None:
         """(paused, depth) of a topic or a channel of it; None when the broker has none."""
@@ -241,13 +256,16 @@ def test_mqadmin_over_daemons_that_require_a_secret_survives_random_callers(guar
         # Topic t (channel c, a message) is there at the start of each example, whatever the last did.
         assert control.http("POST", "/pub?topic=t", b"m")[0] == 200
         assert control.http("POST", "/channel/create?topic=t&channel=c")[0] == 200
+        changed = True
         for (method, target, body, _, user), (kind, headers) in requests:
             target, body = spare_control(method, target.replace(NODE, node), body)
             if user is not None:
                 headers = {**headers, "X-Forwarded-User": user}
             sees = seen_as(kind, headers, own)
-            before = State(lookupd, broker, control)
+            # After a change, wait for the lookupd to hear of it: a refused request must change nothing.
+            before = State.settled(lookupd, broker, control) if changed else State(lookupd, broker, control)
             status, head, doc = ask(admin, method, target, body, headers)
+            changed = status == 200 and method in ("POST", "DELETE", "PUT")
             after = State(lookupd, broker, control)
             what = (f"{method} {target[:120]} {str(headers)[:80]} body={(body or b'')[:40]!r} -> {status} "
                     f"{str(doc)[:400]}")

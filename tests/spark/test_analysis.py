@@ -10,6 +10,10 @@ Percentiles are nearest-rank (what percentile_approx gives on few values).
 version 2): a channel whose rows are queued (stored and in memory), in
 flight with two clients, and deferred, so the per-state numbers are exact
 too.
+
+The last section analyses windows of real brokers' retained logs
+(`analyze --topic`): a window by time or by offsets must hold exactly the
+records published in it, on one broker or two.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 
 import pyarrow.parquet as pq
 import pytest
@@ -38,7 +43,15 @@ from spark_bridge.__main__ import main
 from spark_bridge.report import format_age, render_html, render_text, write_html
 from tests.ensure_browser import BROWSER, DRIVER
 from tests.support.known_snapshots import Held, build_snapshot, expected_rows, message, micros
-from tests.support.processes import REPO_ROOT, child_env
+from tests.support.processes import (
+    FAST_SCAN,
+    REPO_ROOT,
+    BrokerProcess,
+    LookupdProcess,
+    child_env,
+    http_request,
+    wait_for,
+)
 
 AGES_S = [15, 25, 35, 45, 55, 65, 75, 85, 95, 105]  # orders:billing, publication = now - age
 SIZES = [100 * (i + 1) for i in range(10)]
@@ -563,3 +576,306 @@ def test_analyze_under_spark_submit_keeps_its_master(snap, tmp_path):
     output = proc.stdout + proc.stderr
     assert re.search(r"^Spark ready in [\d.]+ s \(master local\[1\]\)$", output, re.M)
     assert "17 messages in 4 queues" in proc.stdout
+
+
+# -- a window of topics' retained logs (analyze --topic) --------------------------------------------
+#
+# Real brokers with retention, events published in three runs with a moment
+# marked between them: the window between the marks must hold exactly the
+# middle run, by time and by offsets alike.
+#
+# resolve_window finds brokers named by TCP address with an IDENTIFY on
+# the reactor thread (reactor_thread.py), and this process's reactor is
+# pytest-twisted's: in this process windows are resolved through a lookupd
+# (plain HTTP); the nsqd path runs in `python -m spark_bridge` processes.
+
+WINDOW_RUNS = (("a", 100), ("b", 250), ("c", 70))
+# Retention on; lookupd lists the broker by the address its TCP listener has (not the host's name).
+WINDOW_BROKER = ("--retention-bytes=50MB", "--broadcast-address=127.0.0.1")
+
+
+@pytest.fixture(scope="module")
+def window_lookupd(tmp_path_factory):
+    lookupd = LookupdProcess(tmp_path_factory.mktemp("lookupd"))
+    try:
+        yield lookupd.start()
+    finally:
+        lookupd.kill()
+
+
+@pytest.fixture(scope="module")
+def retaining(tmp_path_factory, window_lookupd):
+    broker = BrokerProcess(tmp_path_factory.mktemp("retaining"),
+                           [*FAST_SCAN, *WINDOW_BROKER, f"--lookupd-tcp-address={window_lookupd.tcp_address}"])
+    try:
+        yield broker.start()
+    finally:
+        broker.kill()
+
+
+def event_bodies(kind: str, n: int) -> list[bytes]:
+    """JSON events of one run: sizes vary with the number's digits."""
+    return [json.dumps({"type": kind, "i": i, "pad": "x" * (i % 37)}).encode() for i in range(n)]
+
+
+def publish_runs(brokers, topic: str, runs=(WINDOW_RUNS,)) -> tuple[list[float], list[dict[str, list[bytes]]]]:
+    """Publish run i of each broker's runs with /mpub, the brokers in turn; the moments between runs.
+
+    `runs[b]` are broker b's (kind, count) runs; returns the moments
+    (time.time()) marked between runs and each broker's bodies per kind.
+    """
+    marks: list[float] = []
+    bodies: list[dict[str, list[bytes]]] = [{} for _ in brokers]
+    for i in range(len(runs[0])):
+        if i:
+            time.sleep(0.05)
+            marks.append(time.time())
+            time.sleep(0.05)
+        for b, broker in enumerate(brokers):
+            kind, n = runs[b][i]
+            bodies[b][kind] = event_bodies(kind, n)
+            status, answer = http_request(broker.http_address, "POST", f"/mpub?topic={topic}",
+                                          b"\n".join(bodies[b][kind]))
+            assert status == 200, answer
+    return marks, bodies
+
+
+def registered(lookupd, topic: str, brokers: int = 1) -> None:
+    def listed() -> bool:
+        status, raw = http_request(lookupd.http_address, "GET", f"/lookup?topic={topic}")
+        return status == 200 and len(json.loads(raw)["producers"]) == brokers
+
+    wait_for(listed, timeout=15, what=f"topic {topic} on {brokers} broker(s) in lookupd")
+
+
+def rfc3339(moment: float) -> str:
+    return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def test_a_window_by_time_holds_exactly_the_records_published_in_it(spark, retaining, window_lookupd, name):
+    topic = name("events")
+    (t1, t2), (bodies,) = publish_runs([retaining], topic)
+    registered(window_lookupd, topic)
+    window = mq.resolve_window({"topic": topic, "lookupd": window_lookupd.http_address,
+                                "startingTimestamp": str(int(t1 * 1000)),
+                                "endingTimestamp": str(int(t2 * 1000))})
+    assert [(r.nsqd, r.start, r.end) for r in window.ranges] == [(retaining.tcp_address, 100, 350)]
+    assert window.records == 250 and window.since is not None and window.until is not None
+    assert window.as_of == window.until
+    assert window.options["nsqd"] == retaining.tcp_address and "lookupd" not in window.options
+
+    rows = mq.read_window(spark, window).select("offset", "body", "attempts", "channel", "nsqd").collect()
+    assert sorted(r["offset"] for r in rows) == list(range(100, 350))
+    assert sorted(bytes(r["body"]) for r in rows) == sorted(bodies["b"])
+    assert {(r["attempts"], r["channel"], r["nsqd"]) for r in rows} == {(0, None, retaining.tcp_address)}
+
+    steps = []
+    result = mq.analyze_window(spark, window, json_field_name="type", progress=lambda *a: steps.append(a))
+    assert result.total == 250 and result.manifest is None and result.window is window
+    (summary,) = result.queues
+    assert (summary["topic"], summary["channel"], summary["kind"]) == (topic, None, "topic")
+    sizes = [len(b) for b in bodies["b"]]
+    assert summary["bytes"] == sum(sizes) and summary["size_max"] == max(sizes)
+    assert summary["size_p50"] == nearest_rank(sizes, 0.5)
+    assert t1 <= summary["oldest"].timestamp() <= summary["newest"].timestamp() < t2
+    assert summary["max_attempts"] == 0 and summary["poison"] == 0
+    assert sum(h["messages"] for h in result.age_histogram) == 250
+    assert sum(h["messages"] for h in result.size_histogram) == 250
+    assert (result.attempts_histogram, result.poison, result.deferred, result.states) == ([], [], [], [])
+    assert [(j["json_value"], j["messages"]) for j in result.json_counts] == [("b", 250)]
+    (broker,) = result.brokers
+    assert (broker["start"], broker["end"], broker["records"], broker["messages"]) == (100, 350, 250, 250)
+    assert (broker["first_offset"], broker["last_offset"]) == (100, 349)
+    assert [s[2] for s in steps[:3]] == ["reading 250 records, per broker", "messages, ages and sizes per topic",
+                                         "ages and sizes"]
+
+    text = render_text(result)
+    assert f"retained log of topic {topic}, published from {rfc3339(t1)} until {rfc3339(t2)}" in text
+    assert f"250 messages in topic {topic}" in text and "no queue states" in text
+    assert f"nsqd {retaining.tcp_address} {topic}: offsets 100-349 (250 records, epoch " in text
+    assert "attempts (messages per number of attempts)" not in text and "deferred backlog" not in text
+    page = render_html(result)
+    assert re.findall(r'<img alt="([^"]+)"', page) == ["Oldest message age", "Message ages", "Body sizes"]
+
+
+def test_a_window_by_offsets_is_the_same_records(spark, retaining, window_lookupd, name):
+    topic = name("events")
+    publish_runs([retaining], topic)
+    registered(window_lookupd, topic)
+    where = {"topic": topic, "lookupd": window_lookupd.http_address}
+    window = mq.resolve_window({
+        **where, "startingOffsets": json.dumps({topic: {retaining.tcp_address: 100}}),
+        "endingOffsets": json.dumps({topic: {retaining.tcp_address: 350}})})
+    result = mq.analyze_window(spark, window, json_field_name="type")
+    assert result.total == 250
+    assert [(j["json_value"], j["messages"]) for j in result.json_counts] == [("b", 250)]
+    # The offsets it prints read the same records again, epoch checked.
+    again = mq.resolve_window({**where, "startingOffsets": window.offsets_json(end=False),
+                               "endingOffsets": window.offsets_json(end=True)})
+    assert again.ranges == window.ranges
+    # No bounds: every record the log keeps.
+    whole = mq.resolve_window(where)
+    assert (whole.starting, whole.ending, whole.records) == ("earliest", "latest", 420)
+    assert mq.read_window(spark, whole).count() == 420
+
+
+def test_a_window_over_two_brokers_counts_each_ones_range(spark, retaining, window_lookupd, start_broker, name):
+    topic = name("events")
+    other = start_broker(*FAST_SCAN, *WINDOW_BROKER, f"--lookupd-tcp-address={window_lookupd.tcp_address}")
+    (t1, t2), _ = publish_runs([retaining, other], topic, runs=(WINDOW_RUNS, (("a", 30), ("b", 120), ("c", 10))))
+    registered(window_lookupd, topic, brokers=2)
+    window = mq.resolve_window({"topic": topic, "lookupd": window_lookupd.http_address,
+                                "startingTimestamp": str(int(t1 * 1000)), "endingTimestamp": str(int(t2 * 1000))})
+    result = mq.analyze_window(spark, window)
+    assert result.total == 370
+    assert sorted((b["nsqd"], b["start"], b["end"], b["messages"]) for b in result.brokers) == sorted(
+        [(retaining.tcp_address, 100, 350, 250), (other.tcp_address, 30, 150, 120)])
+
+
+def test_an_empty_window_gives_a_zero_row(spark, retaining, window_lookupd, name):
+    topic = name("events")
+    publish_runs([retaining], topic, runs=((("a", 10),),))
+    registered(window_lookupd, topic)
+    window = mq.resolve_window({"topic": topic, "lookupd": window_lookupd.http_address,
+                                "startingOffsets": json.dumps({topic: {retaining.tcp_address: 10}})})
+    result = mq.analyze_window(spark, window)
+    assert result.total == 0 and [q["messages"] for q in result.queues] == [0]
+    assert result.brokers[0]["records"] == 0
+    assert f"nsqd {retaining.tcp_address} {topic}: no records (offset 10, epoch " in render_text(result)
+    write_html(result, os.devnull)
+
+
+@pytest.fixture(scope="module")
+def not_retaining(tmp_path_factory):
+    broker = BrokerProcess(tmp_path_factory.mktemp("plain"), []).start()
+    try:
+        assert http_request(broker.http_address, "POST", "/pub?topic=events", b"x")[0] == 200
+        yield broker
+    finally:
+        broker.kill()
+
+
+# (argv after `analyze`, with {retaining}/{plain}/{topic}...; exit status; the line after "analyze failed: ").
+# Checked before any broker is asked: run in this process.
+WINDOW_BAD_FLAGS = [
+    ([], 2, "give a snapshot directory, or --topic with --nsqd-tcp-address or --lookupd-http-address for "
+            "a window of its retained log"),
+    (["--topic", "t"], 2, "--nsqd-tcp-address or --lookupd-http-address required"),
+    (["--nsqd-tcp-address", "h:1"], 2, "--topic required (or a snapshot directory)"),
+    (["SNAP", "--topic", "t"], 2, "give a snapshot directory or --topic, not both"),
+    (["SNAP", "--since", "2h"], 2, "--since goes with --topic (a window of retained logs), not with a snapshot"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--lookupd-http-address", "h:2"], 2,
+     "use --nsqd-tcp-address or --lookupd-http-address not both"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--since", "6x"], 2,
+     "--since '6x': want a duration back from now (2h) or an RFC 3339 time (2006-01-02T15:04:05Z or with "
+     "a +07:00 offset)"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--since", "1h", "--until", "2h"], 2,
+     "--until '2h' is before --since '1h'"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--since", "1h", "--start-offsets", "earliest"], 2,
+     "use --since or --start-offsets not both"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--start-offsets", "{bad"], 2,
+     "--start-offsets: malformed JSON (Expecting property name enclosed in double quotes at character 1)"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--end-offsets", "12"], 2,
+     "--end-offsets: '12' is not latest or offsets JSON"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--start-offsets", "latest"], 2,
+     "--start-offsets: 'latest' is not earliest or offsets JSON"),
+    (["--topic", "a b", "--nsqd-tcp-address", "h:1"], 2, "--topic: 'a b' is not a valid NSQ name"),
+    (["--topic", "t", "--nsqd-tcp-address", "nohost"], 2, "--nsqd-tcp-address: 'nohost' is not host:port"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--consumer-opt", "nosuch=1"], 2,
+     "--consumer-opt 'nosuch=1': unknown option 'nosuch'"),
+    (["--topic", "t", "--nsqd-tcp-address", "h:1", "--poison-attempts", "3"], 2,
+     "--poison-attempts goes with a snapshot: records of the retained log carry no attempts"),
+]
+
+
+@pytest.mark.parametrize(("argv", "status", "line"), WINDOW_BAD_FLAGS)
+def test_window_flags_that_cannot_be_used_are_one_line(argv, status, line, capsys):
+    assert main(["analyze", *argv]) == status
+    err = capsys.readouterr().err
+    said = [x for x in err.splitlines() if not x.startswith("resolving the window")]
+    assert len(said) == 1 and said[0].startswith("analyze failed: " + line), err
+
+
+# What the brokers say: `python -m spark_bridge` processes (the nsqd path IDENTIFYs on a reactor thread).
+WINDOW_BAD_BROKERS = [
+    (["--topic", "{topic}", "--nsqd-tcp-address", "{retaining}", "--end-offsets",
+      '{{"{topic}": {{"{retaining}": 9}}}}'],
+     "--end-offsets: offset 9 is out of range for topic {topic} on nsqd {retaining}: earliest 0, latest 1"),
+    (["--topic", "{topic}", "--nsqd-tcp-address", "{retaining}", "--start-offsets",
+      '{{"{topic}": {{"{retaining}": {{"offset": 0, "epoch": 7}}}}}}'],
+     "--start-offsets: the log of topic {topic} on nsqd {retaining} is epoch "),
+    (["--topic", "{topic}", "--nsqd-tcp-address", "{retaining}", "--start-offsets", '{{"{topic}": {{"h:1": 0}}}}'],
+     "--start-offsets names nsqd h:1 for topic '{topic}', which is not one of its brokers ({retaining})"),
+    (["--topic", "nosuch", "--nsqd-tcp-address", "{retaining}"], "topic 'nosuch' does not exist on nsqd {retaining}"),
+    (["--topic", "events", "--nsqd-tcp-address", "{plain}"],
+     "topic events on nsqd {plain} (http {plain_http}) keeps no retained log: retention is off for it"),
+    (["--topic", "nosuch", "--lookupd-http-address", "{lookupd}"],
+     "topic 'nosuch' does not exist on the brokers lookupd {lookupd} lists"),
+    (["--topic", "{topic}", "--nsqd-tcp-address", "{retaining}", "--nsqd-tcp-address", "127.0.0.1:1"],
+     "nsqd 127.0.0.1:1: cannot connect ("),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("argv", "line"), WINDOW_BAD_BROKERS,
+                         ids=["offset-out-of-range", "other-epoch", "unknown-broker", "no-topic", "no-retention",
+                              "no-topic-in-lookupd", "a-broker-away"])
+def test_a_window_the_brokers_cannot_give_is_one_line(argv, line, retaining, not_retaining, window_lookupd, name):
+    topic = name("events")
+    assert http_request(retaining.http_address, "POST", f"/pub?topic={topic}", b"x")[0] == 200
+    fill = {"retaining": retaining.tcp_address, "plain": not_retaining.tcp_address,
+            "plain_http": not_retaining.http_address, "topic": topic, "lookupd": window_lookupd.http_address}
+    proc = subprocess.run([sys.executable, "-m", "spark_bridge", "analyze", *[a.format(**fill) for a in argv]],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=child_env())
+    said = [x for x in proc.stderr.splitlines() if not x.startswith("resolving the window")]
+    assert proc.returncode == 1 and len(said) == 1, proc.stderr
+    assert said[0].startswith("analyze failed: " + line.format(**fill)), proc.stderr
+
+
+@pytest.mark.slow
+def test_analyze_command_reads_a_window_of_brokers_named_by_tcp_address(retaining, tmp_path, name):
+    # As an operator runs it: its own process and Spark, the report written.
+    topic = name("events")
+    (t1, t2), _ = publish_runs([retaining], topic)
+    report = tmp_path / "window.html"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spark_bridge", "analyze", "--topic", topic, "--nsqd-tcp-address",
+         retaining.tcp_address, "--since", rfc3339(t1), "--until", rfc3339(t2), "--json-field", "type",
+         "--report", str(report), "--master", "local[2]"],
+        capture_output=True, text=True, timeout=400, cwd=REPO_ROOT, env=child_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"250 messages in topic {topic}" in out and "analyzed 250 messages" in out
+    assert f"nsqd {retaining.tcp_address} {topic}: offsets 100-349 (250 records, epoch " in out
+    assert re.search(rf"^{re.escape(topic)}\s+b\s+250\s", out, re.M)  # the JSON field's table
+    assert re.search(r"^window: 250 records of .* on 1 broker\(s\), published from ", proc.stderr, re.M)
+    page = report.read_text()
+    assert re.findall(r'<img alt="([^"]+)"', page) == ["Oldest message age", "Message ages", "Body sizes"]
+    assert f"<title>mqd retained log of topic {topic}</title>" in page and "<h2>Brokers</h2>" in page
+
+
+@pytest.mark.slow
+def test_a_window_gone_before_spark_reads_it_is_one_line(retaining, name):
+    # The window is resolved before Spark starts; the topic deleted meanwhile
+    # fails the read inside Spark, and its error comes out as the one line.
+    topic = name("events")
+    publish_runs([retaining], topic, runs=((("a", 10),),))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_bridge", "analyze", "--topic", topic, "--nsqd-tcp-address",
+         retaining.tcp_address, "--master", "local[1]"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, env=child_env())
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("window: 10 records"):
+                break
+        assert http_request(retaining.http_address, "POST", f"/topic/delete?topic={topic}")[0] == 200, seen
+        _out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-3000:]
+    assert err.splitlines()[-1] == (f"analyze failed: topic {topic!r} does not exist on nsqd "
+                                    f"{retaining.tcp_address}"), err[-3000:]

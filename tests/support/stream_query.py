@@ -1,8 +1,11 @@
 """The streaming query the source's tests run: mqd topic -> filter and transform -> Parquet files.
 
 Used in-process on the shared session, and as `python -m tests.support.stream_query`
-by the test that kills a whole Spark driver (JVM and Python) with SIGKILL and
-starts it again on the same checkpoint.
+by the tests that kill a whole Spark driver (JVM and Python) with SIGKILL and
+start it again on the same checkpoint. Both of the source's modes: with a
+`channel` option the source keeps its own state and is given the
+checkpoint too; without one (offset mode) only writeStream is, as Spark's
+Kafka guide writes it, and the rows keep their `offset` column.
 """
 
 from __future__ import annotations
@@ -17,18 +20,27 @@ SKIP = b"skip"  # bodies starting with it are filtered out by the query
 
 
 def start_query(spark, *, checkpoint: str, out: str, trigger: str = "200 milliseconds", **options: str):
-    """Start source -> (drop bodies starting with `skip`, upper-case the rest) -> Parquet at `out`."""
+    """Start source -> (drop bodies starting with `skip`, upper-case the rest) -> Parquet at `out`.
+
+    `trigger`: a processing-time interval, or "availableNow".
+    """
     from pyspark.sql import functions as F
 
-    reader = spark.readStream.format("mqd").option("checkpointLocation", checkpoint)
+    reader = spark.readStream.format("mqd")
+    if "channel" in options:
+        reader = reader.option("checkpointLocation", checkpoint)
     for key, value in options.items():
         reader = reader.option(key, value)
-    rows = (reader.load()
+    source = reader.load()
+    kept = [c for c in ("offset",) if c in source.columns]
+    rows = (source
             .where(~F.col("body").startswith(F.lit(SKIP)))
             .select(F.upper(F.col("body").cast("string")).alias("body"), "message_id",
-                    "attempts", "timestamp", "nsqd"))
-    return (rows.writeStream.format("parquet").option("path", out)
-            .option("checkpointLocation", checkpoint).trigger(processingTime=trigger).start())
+                    "attempts", "timestamp", "nsqd", *kept))
+    writer = rows.writeStream.format("parquet").option("path", out).option("checkpointLocation", checkpoint)
+    if trigger == "availableNow":
+        return writer.trigger(availableNow=True).start()
+    return writer.trigger(processingTime=trigger).start()
 
 
 def channel_counts(http_address: str, topic: str, channel: str) -> tuple[int, int, int]:
@@ -48,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--option", action="append", default=[], help="name=value, for the source")
+    parser.add_argument("--trigger", default="200 milliseconds", help='an interval, or "availableNow"')
     args = parser.parse_args(argv)
     from spark_bridge.session import build_session
 
     spark = build_session("local[2]", conf={"spark.ui.enabled": "false"})
     options = dict(o.split("=", 1) for o in args.option)
-    query = start_query(spark, checkpoint=args.checkpoint, out=args.out, **options)
+    query = start_query(spark, checkpoint=args.checkpoint, out=args.out, trigger=args.trigger, **options)
     print("started", flush=True)
     while query.isActive:  # until killed, or the query fails
         time.sleep(0.5)

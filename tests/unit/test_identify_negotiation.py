@@ -101,6 +101,13 @@ def test_the_http_port_is_the_one_key_added_to_nsqds_answer():
     assert list(got)[-1] == "http_port"
 
 
+def test_the_https_port_is_added_only_when_given():
+    plain = settle(feature_negotiation=True).response
+    got = negotiate(options(), request(feature_negotiation=True), **CURRENT, tls_available=False,
+                    auth_required=False, https_port=4152).response
+    assert got == {**plain, "https_port": 4152}
+
+
 # -- bounds ---------------------------------------------------------------------------
 
 

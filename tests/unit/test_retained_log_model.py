@@ -291,6 +291,7 @@ class LogModel(RuleBasedStateMachine):
                 framed, after = log.read_frames(want[start][0], count, limit)
                 assert [(o, ts, i + b) for o, ts, _, i, b in iter_frames(framed)] == got
                 assert after == want[start][0] + len(got)
+                assert log.frames_extent(want[start][0], count, limit) == (len(framed), after)
 
     def teardown(self) -> None:
         try:

@@ -93,6 +93,7 @@ def test_the_dummy_log_keeps_nothing(tmp_path):
     assert (log.earliest(), log.latest(), log.retained_bytes(), log.oldest_timestamp()) == (0, 0, 0, None)
     assert log.read(0, 10, 100) == []
     assert log.read_frames(0, 10, 100) == (b"", 0)
+    assert log.frames_extent(0, 10, 100) == (0, 0)
     assert log.offset_for_timestamp(0) == 0
     assert log.expire(10**20, 1) == 0
     with pytest.raises(OffsetOutOfRange):
@@ -176,10 +177,25 @@ def test_read_bounds_count_messages_and_data_bytes_the_first_always_whole(stores
         assert frames(log, offset, count, limit) == (records, offset + len(records))
 
 
+@pytest.mark.parametrize("settled", [True, False], ids=["written", "in memory"])
+def test_frames_extent_measures_what_read_frames_would_build(stores, monkeypatch, settled):
+    monkeypatch.setattr(retained_index, "MAX_BATCH_RECORDS", 3)
+    log = stores.store.open_log("t")
+    log.append(records_of(STAMPS[:7]))
+    log.append(records_of(STAMPS[7:], start=7))
+    if settled or stores.durable:
+        stores.settle()
+    size = len(expected(STAMPS)[12][2])
+    for offset, count, limit in [(0, 20, 1 << 20), (3, 4, 1 << 20), (12, 100, 3 * size), (12, 100, 3 * size - 1),
+                                 (19, 5, 0), (20, 5, 100), (0, 1, 0), (2, 9, 5 * size), (5, 0, 100)]:
+        built, after = log.read_frames(offset, count, limit)
+        assert log.frames_extent(offset, count, limit) == (len(built), after), (offset, count, limit)
+
+
 @pytest.mark.parametrize("offset", [-1, 21, 1000])
 def test_an_offset_outside_the_log_names_its_bounds(stores, offset):
     log = filled(stores)
-    for read in (log.read, log.read_frames):
+    for read in (log.read, log.read_frames, log.frames_extent):
         with pytest.raises(OffsetOutOfRange) as e:
             read(offset, 10, 100)
         assert (e.value.offset, e.value.earliest, e.value.latest) == (offset, 0, 20)

@@ -71,6 +71,16 @@ def test_negotiated_answer_adds_only_the_http_port_once_it_is_known(connect, inp
     assert negotiate(connect()) == {**DEFAULT_NEGOTIATED, "http_port": 4151}
 
 
+def test_negotiated_answer_names_the_https_port_only_when_that_listener_exists(connect, inproc_broker):
+    """A TLS client finds the HTTPS API from the TCP address; a broker without --https-address adds nothing."""
+    inproc_broker.ports["HTTP"] = 4151
+    assert "https_port" not in negotiate(connect())
+    inproc_broker.ports["HTTPS"] = 4152
+    got = negotiate(connect())
+    assert got == {**DEFAULT_NEGOTIATED, "http_port": 4151, "https_port": 4152}
+    assert list(got)[-2:] == ["http_port", "https_port"]
+
+
 def test_negotiated_client_values(connect):
     c = connect()
     got = negotiate(

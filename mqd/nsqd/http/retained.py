@@ -20,10 +20,11 @@ timestamp, which is nanoseconds as in every message frame and peek.
 A binary read is measured first, then written. Its extent (the records
 up to `max_messages`, `max_bytes` of ids and bodies, and the log's latest
 offset at the request) is found a chunk of at most CHUNK_BYTES per reactor
-turn, so the headers (`X-Mqd-Next-Offset`, `Content-Length`) are exact
-before a byte of the body is sent; then the body is written by a pull
-producer that reads one chunk per `resumeProducing`, as the client takes
-them. So a 100 MiB read holds one chunk at a time, never the answer, and
+turn, from the records' lengths (`frames_extent`: no frame is built to be
+thrown away), so the headers (`X-Mqd-Next-Offset`, `Content-Length`) are
+exact before a byte of the body is sent; then the body is written by a
+pull producer that reads one chunk per `resumeProducing`, as the client
+takes them. So a 100 MiB read holds one chunk at a time, never the answer, and
 a publish waits at most one chunk's read. An answer of one chunk is
 written at once from its measuring read. Should the log lose records the
 answer still needed (expired meanwhile, the topic deleted, its retention
@@ -57,7 +58,7 @@ from mqd.nsqd.http.peek import PEEK_ANSWERS, PeekWork, peek_message
 from mqd.nsqd.http.topics import TopicEndpoint, answer_once_persisted
 from mqd.nsqd.stats import go_duration, retention_json
 from mqd.options import parse_duration, parse_size
-from mqd.wire.log_frames import FRAME_HEAD, FRAME_OVERHEAD
+from mqd.wire.log_frames import FRAME_OVERHEAD
 
 if TYPE_CHECKING:
     from backends.interface import IRetainedLog
@@ -360,24 +361,6 @@ class TopicRead(_LogEndpoint):
 # -- binary reads ------------------------------------------------------------------------------------
 
 
-def _fit(frames: bytes, budget: int, keep_one: bool) -> tuple[bytes, int, int]:
-    """The frames whose ids and bodies fit in `budget` bytes (the first kept anyway if `keep_one`).
-
-    Returns (frames, records, bytes of ids and bodies).
-    """
-    pos = count = data = 0
-    end = len(frames)
-    while pos < end:
-        size = FRAME_HEAD.unpack_from(frames, pos)[0]
-        record = size + 4 - FRAME_OVERHEAD
-        if data + record > budget and not (keep_one and count == 0):
-            break
-        data += record
-        count += 1
-        pos += size + 4
-    return frames[:pos], count, data
-
-
 @implementer(IPullProducer)
 class _Read:
     """One binary read: measured a chunk per reactor turn, then written by a pull producer (see the module doc).
@@ -417,31 +400,40 @@ class _Read:
         return LATER
 
     def _measure(self) -> Iterator[None]:
-        """Find the answer's extent, one chunk read per step; the first chunk's frames are kept to write."""
+        """Find the answer's extent, one chunk per step; the first chunk's frames are kept to write.
+
+        Only the first chunk is read as frames: the others are measured
+        (`frames_extent`, the records' lengths summed), as they are read
+        again, a chunk at a time, once the headers are out.
+        """
         retained = self.retained
         pos, left_msgs, left_bytes = self.offset, self.max_messages, self.max_bytes
         while left_msgs > 0 and left_bytes > 0 and pos < self.latest:
             first = pos == self.offset
-            if not first:
+            asked = (pos, min(left_msgs, self.latest - pos), min(CHUNK_BYTES, left_bytes))
+            if first:
+                frames, after = retained.read_frames(*asked)
+                size = len(frames)
+            else:
                 yield None
                 if client_gone(self.request):
                     self.done = True
                     return
                 self._check_log()
-            frames, after = retained.read_frames(pos, min(left_msgs, self.latest - pos),
-                                                 min(CHUNK_BYTES, left_bytes))
+                size, after = retained.frames_extent(*asked)
             count = after - pos
             if count <= 0:
                 break
-            data = len(frames) - FRAME_OVERHEAD * count
+            data = size - FRAME_OVERHEAD * count
+            # A store goes past `max_bytes` only with a chunk's first record, alone:
+            # the answer's first record comes whatever its size, a later one only if it fits.
             cut = data > left_bytes
-            if cut:
-                # The store gave a record past what the answer may hold: keep those that fit.
-                frames, count, data = _fit(frames, left_bytes, keep_one=first)
+            if cut and not first:
+                break
             pos += count
             if first:
                 self.first, self.first_end = frames, pos
-            self.size += len(frames)
+            self.size += size
             left_msgs -= count
             left_bytes -= data
             self.end = pos

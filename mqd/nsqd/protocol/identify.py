@@ -93,6 +93,7 @@ def negotiate(
     tls_available: bool,
     auth_required: bool,
     http_port: int = 0,
+    https_port: int = 0,
 ) -> Negotiated:
     """nsqd's IDENTIFY: its checks, in its order, with its texts.
 
@@ -104,7 +105,10 @@ def negotiate(
     `http_port` is the broker's HTTP port, which the JSON answer names as
     one key more than nsqd's, `"http_port"` (a client reading a topic's
     retained log finds the HTTP API there; NSQ clients ignore the key);
-    0 (no HTTP listener) leaves the answer nsqd's exactly.
+    0 (no HTTP listener) leaves the answer nsqd's exactly. `https_port`
+    likewise: the broker's HTTPS port (`--https-address`), named
+    `"https_port"` only when that listener exists, so that a client
+    speaking TLS finds the same API over TLS from a TCP address.
     """
     heartbeat = request["heartbeat_interval"]
     if heartbeat == -1:
@@ -195,5 +199,7 @@ def negotiate(
     }
     if http_port:
         response["http_port"] = http_port
+    if https_port:
+        response["https_port"] = https_port
     return Negotiated(**settings, deflate_level=deflate_level, response=response,
                       tls_v1=tls_v1, deflate=deflate, snappy=snappy)

@@ -934,6 +934,7 @@ class V2Protocol(Protocol, TimeoutMixin):
             tls_available=upgrades.tls_available,
             auth_required=self._auth_on,
             http_port=self.broker.http_port,
+            https_port=self.broker.https_port,
         )
         client.identified(settled)
         self._start_heartbeats()  # at the new interval
