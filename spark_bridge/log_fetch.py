@@ -48,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mqd.wire.go_json import error_message
 from mqd.wire.log_frames import FRAME_OVERHEAD
 from spark_bridge.stream_schema import OFFSET_ARROW_SCHEMA, OFFSET_SCHEMA_DDL
 
@@ -439,12 +440,7 @@ class _Reply:
 
     def message(self) -> str:
         """The `{"message": ...}` of an error answer, or ""."""
-        try:
-            data = json.loads(self.body)
-        except ValueError:
-            return ""
-        value = data.get("message") if isinstance(data, dict) else None
-        return value[:200] if isinstance(value, str) else ""
+        return error_message(self.body)
 
 
 def _bearer() -> ModuleType:

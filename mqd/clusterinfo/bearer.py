@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 from twisted.internet import defer
 
 from mqd.endpoints import join_host_port
-from mqd.wire.go_json import GoJSONError, unmarshal
+from mqd.wire.go_json import error_message
 
 __all__ = ["REFUSALS", "SECRET_ENV", "BearerHTTP", "HTTPRefusedError", "bearer_headers", "check_secret", "env_secret",
            "node_of", "read_secret_file", "refusal_hint", "refusal_text"]
@@ -92,25 +92,15 @@ def node_of(url: str) -> str:
     return join_host_port(parts.hostname or "", port)
 
 
-def _message(body: bytes) -> str:
-    """The V1 error text of a refusal's body (`AUTH_REQUIRED`), or "" when it has none."""
-    try:
-        data = unmarshal(body)
-    except GoJSONError:
-        return ""
-    message = data.get("message") if isinstance(data, dict) else None
-    return message[:100] if isinstance(message, str) else ""
-
-
 def refusal_text(kind: str, url: str, code: int, body: bytes = b"") -> str:
     """`nsqd 10.0.0.1:4151 answered 401 Unauthorized (AUTH_REQUIRED)`: one refused request, in a line."""
-    message = _message(body)
+    message = error_message(body, 100)
     return f"{kind} {node_of(url)} answered {code} {HTTPStatus(code).phrase}" + (f" ({message})" if message else "")
 
 
 def refusal_hint(code: int, body: bytes, flag: str) -> str:
     """What to do about a refusal, for a tool's error line: give `flag`, check the secret, or its grants."""
-    message = _message(body)
+    message = error_message(body, 100)
     if code == 403:
         return "the secret has no grant for this request"
     if message == "AUTH_FAILED":

@@ -50,6 +50,7 @@ from mqd.http_body import read_bounded
 from mqd.logs import get_logger
 from mqd.moments import Since, parse_since
 from mqd.tools.flags import ToolError, bad_flag_value, refused_line
+from mqd.wire.go_json import error_message
 from mqd.wire.log_frames import FrameError, iter_frames
 
 __all__ = [
@@ -143,12 +144,7 @@ class Answer:
 
     def message(self) -> str:
         """The `{"message": ...}` of an error answer, or ""."""
-        try:
-            data = json.loads(self.body)
-        except ValueError:
-            return ""
-        value = data.get("message") if isinstance(data, dict) else None
-        return value[:200] if isinstance(value, str) else ""
+        return error_message(self.body)
 
     def json(self) -> dict[str, Any]:
         try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mqd.wire.errors import GO_REPLACE, go_fold, go_int_literal, go_quote, go_string
 
-__all__ = ["ANY", "BOOL", "FLOAT64", "INT", "INT32", "INT64", "STRING", "GoJSONError", "GoType", "check_go",
+__all__ = ["error_message", "ANY", "BOOL", "FLOAT64", "INT", "INT32", "INT64", "STRING", "GoJSONError", "GoType", "check_go",
            "decode_go_object", "go_kind", "unmarshal"]
 
 
@@ -497,3 +497,13 @@ def _type_error(what: str, t: GoType, struct_name: str, path: tuple[str, ...]) -
         return GoJSONError(f"json: cannot unmarshal {what} into Go struct field {struct_name}.{'.'.join(path)}"
                            f" of type {t}")
     return GoJSONError(f"json: cannot unmarshal {what} into Go value of type {t}")
+
+
+def error_message(body: bytes, limit: int = 200) -> str:
+    """The V1 error text of an HTTP answer's body (`{"message": "TOPIC_NOT_FOUND"}`), at most `limit` characters; "" when it has none."""
+    try:
+        data = unmarshal(body)
+    except GoJSONError:
+        return ""
+    message = data.get("message") if isinstance(data, dict) else None
+    return message[:limit] if isinstance(message, str) else ""

@@ -14,11 +14,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -30,8 +26,8 @@ import pytest
 from tests.support.authd import SUBSCRIBE, AuthServer, grant
 from tests.support.certs import client_context, tls_flags
 from tests.support.client_e2e import free_port
-from tests.support.processes import REPO_ROOT, BrokerProcess, child_env, http_request
-from tests.support.stream_query import start_query
+from tests.support.processes import BrokerProcess, http_request
+from tests.support.stream_query import kill_driver, start_driver, start_query
 
 pytestmark = pytest.mark.slow
 
@@ -190,23 +186,6 @@ def topic_stats(broker: BrokerProcess, topic: str = TOPIC) -> dict[str, Any]:
 
 
 # -- a driver of its own, killed with SIGKILL ----------------------------------------------------------
-
-
-def start_driver(checkpoint: Path, out: Path, log: Path, **options: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "tests.support.stream_query", "--checkpoint", str(checkpoint),
-            "--out", str(out), *(f"--option={k}={v}" for k, v in options.items())]
-    with open(log, "ab") as sink:
-        # Its own session: SIGKILL of the group kills the whole driver, JVM and Python workers.
-        return subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=sink,
-                                start_new_session=True)
-
-
-def kill_driver(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
 
 
 def test_a_stream_killed_with_sigkill_and_restarted_writes_every_record_once_and_takes_no_channel(

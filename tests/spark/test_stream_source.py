@@ -9,18 +9,14 @@ broker's /stats: at the end nothing is left queued or in flight.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.client_e2e import free_port
-from tests.support.processes import FAST_SCAN, REPO_ROOT, child_env, http_request
-from tests.support.stream_query import SKIP, channel_counts, start_query
+from tests.support.processes import FAST_SCAN, http_request
+from tests.support.stream_query import SKIP, channel_counts, kill_driver, start_driver, start_query
 
 TOPIC = "events"
 CHANNEL = "spark"
@@ -84,23 +80,6 @@ def test_a_query_gets_every_message_exactly_once(spark, start_broker, tmp_path):
     assert (tmp_path / "ckpt" / "mqd-source" / "source.json").exists()
 
 
-def _start_driver(checkpoint: Path, out: Path, log: Path, **options: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "tests.support.stream_query", "--checkpoint", str(checkpoint),
-            "--out", str(out), *(f"--option={k}={v}" for k, v in options.items())]
-    with open(log, "ab") as sink:
-        # Its own session: SIGKILL of the group kills the whole driver, JVM and Python workers.
-        return subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=sink,
-                                start_new_session=True)
-
-
-def _kill_driver(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
-
-
 def _committed_batches(checkpoint: Path) -> int:
     commits = checkpoint / "commits"
     return len([p for p in commits.iterdir() if p.name.isdigit()]) if commits.exists() else 0
@@ -113,20 +92,20 @@ def test_a_driver_killed_with_sigkill_resumes_exactly_once(spark, start_broker, 
     checkpoint, out, log = tmp_path / "ckpt", tmp_path / "out", tmp_path / "driver.log"
     options = {"topic": TOPIC, "channel": CHANNEL, "nsqd": broker.tcp_address,
                "maxMessagesPerTrigger": "3000", "msgTimeout": "4000"}
-    driver = _start_driver(checkpoint, out, log, **options)
+    driver = start_driver(checkpoint, out, log, **options)
     try:
         wait_until(lambda: _committed_batches(checkpoint) >= 2 or driver.poll() is not None,
                    120, "two committed batches")
         assert driver.poll() is None, log.read_text()[-3000:]
         depth, in_flight, _ = channel_counts(broker.http_address, TOPIC, CHANNEL)
         assert depth + in_flight > 0, "the stream should still be running when the driver dies"
-        _kill_driver(driver)
-        driver = _start_driver(checkpoint, out, log, **options)
+        kill_driver(driver)
+        driver = start_driver(checkpoint, out, log, **options)
         wait_until(lambda: drained(broker.http_address) or driver.poll() is not None, 180,
                    "the channel to drain after the restart")
         assert driver.poll() is None, log.read_text()[-3000:]
     finally:
-        _kill_driver(driver)
+        kill_driver(driver)
     assert_exactly_once(sink_rows(spark, out), set(bodies))
     assert channel_counts(broker.http_address, TOPIC, CHANNEL) == (0, 0, 0)
 

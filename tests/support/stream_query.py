@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -54,6 +57,27 @@ def channel_counts(http_address: str, topic: str, channel: str) -> tuple[int, in
                 return c["depth"], c["in_flight_count"], c["deferred_count"]
     return -1, -1, -1
 
+
+
+def start_driver(checkpoint, out, log, **options: str) -> subprocess.Popen:
+    """This module's query in a driver process of its own session (JVM and Python workers included), logging to `log`."""
+    from tests.support.processes import REPO_ROOT, child_env
+
+    argv = [sys.executable, "-m", "tests.support.stream_query", "--checkpoint", str(checkpoint),
+            "--out", str(out), *(f"--option={k}={v}" for k, v in options.items())]
+    with open(log, "ab") as sink:
+        # Its own session: SIGKILL of the group kills the whole driver, JVM and Python workers.
+        return subprocess.Popen(argv, cwd=REPO_ROOT, env=child_env(), stdout=sink, stderr=sink,
+                                start_new_session=True)
+
+
+def kill_driver(proc: subprocess.Popen) -> None:
+    """SIGKILL of the driver's whole process group, as a crash of its host would end it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
