@@ -27,7 +27,7 @@ from tests.support.authd import SUBSCRIBE, AuthServer, grant
 from tests.support.certs import client_context, tls_flags
 from tests.support.client_e2e import free_port
 from tests.support.processes import BrokerProcess, http_request
-from tests.support.stream_query import kill_driver, start_driver, start_query
+from tests.support.stream_query import kill_driver, start_driver, start_query, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,6 @@ def log_offsets(broker: BrokerProcess, topic: str = TOPIC) -> dict[str, Any]:
     status, answer = broker.get(f"/topic/offsets?topic={topic}")
     assert status == 200, answer
     return answer
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, query: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if query is not None and query.exception() is not None:
-            raise AssertionError(f"the query failed: {query.exception()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.3)
 
 
 def read_to(offsets: dict[str, Any] | None, broker: BrokerProcess | str, topic: str = TOPIC) -> int:

@@ -9,14 +9,20 @@ broker's /stats: at the end nothing is left queued or in flight.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.client_e2e import free_port
 from tests.support.processes import FAST_SCAN, http_request
-from tests.support.stream_query import SKIP, channel_counts, kill_driver, start_driver, start_query
+from tests.support.stream_query import (
+    SKIP,
+    channel_counts,
+    kill_driver,
+    start_driver,
+    start_query,
+    wait_until,
+)
 
 TOPIC = "events"
 CHANNEL = "spark"
@@ -36,16 +42,6 @@ def drained(http_address: str, topic: str = TOPIC, channel: str = CHANNEL) -> bo
         return channel_counts(http_address, topic, channel) == (0, 0, 0)
     except OSError:  # a broker being restarted
         return False
-
-
-def wait_until(condition, timeout: float, what: str, query=None) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if query is not None and query.exception() is not None:
-            raise AssertionError(f"the query failed: {query.exception()}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def sink_rows(spark, out: Path) -> list:

@@ -59,6 +59,17 @@ def channel_counts(http_address: str, topic: str, channel: str) -> tuple[int, in
 
 
 
+
+def wait_until(condition, timeout: float, what: str, query=None, every: float = 0.3) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout` s, or at once if the query failed."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if query is not None and query.exception() is not None:
+            raise AssertionError(f"the query failed: {query.exception()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
 def start_driver(checkpoint, out, log, **options: str) -> subprocess.Popen:
     """This module's query in a driver process of its own session (JVM and Python workers included), logging to `log`."""
     from tests.support.processes import REPO_ROOT, child_env
